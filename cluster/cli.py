@@ -1,0 +1,59 @@
+"""`mtpserve` command line: up | generate | check | bench {engine,serve} | train | eval-mtp."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import fields
+
+from workers.paths import default_model_path
+
+
+def _add_train(sub: argparse._SubParsersAction) -> None:
+    from workers.training.trainer import TrainConfig
+
+    p = sub.add_parser("train", help="train a model with an MTP module (or add one to a model)")
+    for f in fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type in ("bool",):
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+        elif f.name == "out":
+            p.add_argument(flag, required=True, help="output folder (HF format + trainer state)")
+        else:
+            typ = {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)
+            p.add_argument(flag, type=typ, default=f.default)
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    from workers.training.trainer import TrainConfig, train
+
+    kwargs = {f.name: getattr(args, f.name) for f in fields(TrainConfig)}
+    train(TrainConfig(**kwargs))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mtpserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_train(sub)
+    from cluster import cli_engine
+
+    cli_engine.add_commands(sub, str(default_model_path()))
+    try:
+        from cluster import cli_serve
+    except ImportError:  # serving extras missing: engine commands still work
+        cli_serve = None
+    if cli_serve is not None:
+        cli_serve.add_commands(sub, str(default_model_path()))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "train":
+        return _run_train(args)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""Per-forward attention inputs for a padded batch over the paged KV cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Built once per forward and shared by every layer (main and MTP use the same tables).
+
+    Row b of the batch holds `query_lens[b]` new tokens at consecutive positions; padded query
+    slots neither write KV nor matter (their outputs are ignored).
+    """
+
+    slot_mapping: torch.Tensor  # [B*S] flat KV slot of each query token (0 for padding)
+    write_mask: torch.Tensor  # [B*S] bool, False for padding
+    block_tables: torch.Tensor  # [B, max_blocks] block ids (0-padded)
+    mask: torch.Tensor  # [B, 1, S, L] bool, True = may attend
+    max_context_len: int  # L
+
+    @classmethod
+    def build(
+        cls,
+        positions: torch.Tensor,  # [B, S] (padding: any valid position)
+        query_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> AttentionMetadata:
+        B, S = positions.shape
+        lens = torch.tensor(query_lens, dtype=torch.long)
+        write = (torch.arange(S).unsqueeze(0) < lens.unsqueeze(1)).reshape(-1)
+        max_blocks = max(len(t) for t in block_tables)
+        tables = torch.zeros(B, max_blocks, dtype=torch.long)
+        for i, t in enumerate(block_tables):
+            tables[i, : len(t)] = torch.tensor(t, dtype=torch.long)
+        pos = positions.cpu()
+        flat_pos = pos.reshape(-1)
+        rows = torch.arange(B).repeat_interleave(S)
+        block_idx = (flat_pos // block_size).clamp(max=max_blocks - 1)
+        slots = tables[rows, block_idx] * block_size + flat_pos % block_size
+        slots = torch.where(write, slots, torch.zeros_like(slots))
+        ctx_len = int((pos.masked_fill(~write.view(B, S), -1).max(dim=1).values + 1).max())
+        ctx = torch.arange(ctx_len)
+        # Query at position p attends context positions <= p; padded queries attend position 0
+        # so no row is fully masked (that would make NaNs).
+        qpos = pos.masked_fill(~write.view(B, S), 0)
+        mask = (ctx.view(1, 1, -1) <= qpos.unsqueeze(-1)).unsqueeze(1)
+        return cls(
+            slot_mapping=slots.to(device),
+            write_mask=write.to(device),
+            block_tables=tables.to(device),
+            mask=mask.to(device),
+            max_context_len=ctx_len,
+        )

@@ -1,0 +1,194 @@
+"""Local Hugging Face checkpoints: tensor names, MTP naming conventions, and the inventory.
+
+The inventory is checked before any weight is copied: an MTP tensor the config promises but
+the files lack, a tensor nothing uses, or a shape that does not fit is an error naming the
+tensor. A silently missing MTP module would otherwise only show up as a speed loss.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from safetensors import safe_open
+
+from workers.model.config import ModelConfig
+
+# Tensors some exporters write that carry no weights.
+_IGNORABLE = re.compile(r".*rotary_emb\.inv_freq$")
+
+_BLOCK = [
+    "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+    "mlp.down_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight",
+]
+_BIAS = ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
+_QK_NORM = ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+
+# MTP-specific tensors per convention: canonical name -> name inside the module's prefix.
+_MTP_NAMES = {
+    "deepseek_v3": {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj",
+                    "norm": "shared_head.norm", "head": "shared_head.head",
+                    "embed_tokens": "embed_tokens"},
+    "mimo": {"enorm": "token_layernorm", "hnorm": "hidden_layernorm", "eh_proj": "input_proj",
+             "norm": "final_layernorm", "head": None, "embed_tokens": None},
+    "qwen3_next": {"enorm": "pre_fc_norm_embedding", "hnorm": "pre_fc_norm_hidden",
+                   "eh_proj": "fc", "norm": "norm", "head": None, "embed_tokens": None},
+}
+
+
+def block_tensor_names(cfg: ModelConfig, prefix: str) -> list[str]:
+    names = list(_BLOCK)
+    if cfg.attention_bias:
+        names += _BIAS
+    if cfg.qk_norm:
+        names += _QK_NORM
+    return [prefix + n for n in names]
+
+
+def mtp_prefixes(cfg: ModelConfig, module: int) -> tuple[str, str]:
+    """(prefix of the MTP-specific tensors, prefix of its decoder block) for module `module`."""
+    if cfg.mtp_naming == "deepseek_v3":
+        p = f"model.layers.{cfg.num_hidden_layers + module}."
+        return p, p
+    if cfg.mtp_naming == "mimo":
+        p = f"model.mtp_layers.{module}."
+        return p, p
+    return "mtp.", f"mtp.layers.{module}."
+
+
+def expected_tensors(cfg: ModelConfig) -> tuple[dict[str, str], dict[str, str]]:
+    """Checkpoint name -> internal parameter name, as (required, optional)."""
+    required: dict[str, str] = {
+        "model.embed_tokens.weight": "model.embed_tokens.weight",
+        "model.norm.weight": "model.norm.weight",
+    }
+    optional: dict[str, str] = {}
+    (optional if cfg.tie_word_embeddings else required)["lm_head.weight"] = "lm_head.weight"
+    for i in range(cfg.num_hidden_layers):
+        for name in block_tensor_names(cfg, f"model.layers.{i}."):
+            required[name] = name
+    if cfg.mtp_naming == "qwen3_next" and cfg.num_mtp_modules > 1:
+        raise NotImplementedError("Qwen3-Next MTP with more than one layer is not supported")
+    names = _MTP_NAMES[cfg.mtp_naming]
+    for m in range(cfg.num_mtp_modules):
+        own, block = mtp_prefixes(cfg, m)
+        for canon in ("enorm", "hnorm", "eh_proj", "norm"):
+            required[f"{own}{names[canon]}.weight"] = f"mtp.{m}.{canon}.weight"
+        for canon in ("head", "embed_tokens"):
+            if names[canon]:
+                optional[f"{own}{names[canon]}.weight"] = f"mtp.{m}.{canon}.weight"
+        for name in block_tensor_names(cfg, block):
+            required[name] = f"mtp.{m}.block." + name[len(block):]
+    return required, optional
+
+
+@dataclass(frozen=True)
+class InventoryEntry:
+    tensor: str
+    shape: tuple[int, ...] | None
+    dtype: str | None
+    status: str  # "ok" | "optional" | "missing" | "unused" | "shape mismatch: ..."
+    file: str | None = None
+
+    @property
+    def is_problem(self) -> bool:
+        return self.status not in ("ok", "optional")
+
+
+def weight_files(path: Path) -> dict[str, Path]:
+    """Tensor name -> file, for a single `model.safetensors` or a sharded index."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: path / fname for name, fname in weight_map.items()}
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path}")
+    out: dict[str, Path] = {}
+    for f in files:
+        with safe_open(f, framework="pt") as sf:
+            for name in sf.keys():
+                out[name] = f
+    return out
+
+
+def read_header(files: dict[str, Path]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Tensor name -> (shape, dtype) without reading tensor data."""
+    meta: dict[str, tuple[tuple[int, ...], str]] = {}
+    for f in sorted(set(files.values())):
+        with open(f, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(n))
+        for name, info in header.items():
+            if name != "__metadata__":
+                meta[name] = (tuple(info["shape"]), info["dtype"])
+    return meta
+
+
+def expected_shape(cfg: ModelConfig, internal: str) -> tuple[int, ...]:
+    """Full (unsharded) shape the checkpoint tensor must have."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    leaf = internal.rsplit(".", 2)[-2:]
+    key = ".".join(leaf)
+    table = {
+        "q_proj.weight": (cfg.num_attention_heads * d, h),
+        "k_proj.weight": (cfg.num_key_value_heads * d, h),
+        "v_proj.weight": (cfg.num_key_value_heads * d, h),
+        "q_proj.bias": (cfg.num_attention_heads * d,),
+        "k_proj.bias": (cfg.num_key_value_heads * d,),
+        "v_proj.bias": (cfg.num_key_value_heads * d,),
+        "o_proj.weight": (h, cfg.num_attention_heads * d),
+        "q_norm.weight": (d,),
+        "k_norm.weight": (d,),
+        "gate_proj.weight": (cfg.intermediate_size, h),
+        "up_proj.weight": (cfg.intermediate_size, h),
+        "down_proj.weight": (h, cfg.intermediate_size),
+        "eh_proj.weight": (h, 2 * h),
+        "embed_tokens.weight": (cfg.vocab_size, h),
+        "lm_head.weight": (cfg.vocab_size, h),
+        "head.weight": (cfg.vocab_size, h),
+    }
+    return table.get(key, (h,))  # every remaining tensor is a hidden-size norm weight
+
+
+def inventory(path: str | Path, cfg: ModelConfig | None = None) -> list[InventoryEntry]:
+    """Every tensor the config expects or the files hold, with its status."""
+    path = Path(path)
+    cfg = cfg or ModelConfig.from_pretrained(path)
+    files = weight_files(path)
+    meta = read_header(files)
+    required, optional = expected_tensors(cfg)
+    entries: list[InventoryEntry] = []
+    for name in sorted(set(meta) | set(required)):
+        if name not in meta:
+            entries.append(InventoryEntry(name, None, None, "missing"))
+            continue
+        shape, dtype = meta[name]
+        fname = files[name].name
+        internal = required.get(name) or optional.get(name)
+        if internal is None:
+            status = "ok" if _IGNORABLE.match(name) else "unused"
+        else:
+            # Match the checkpoint name's leaf (q_proj, not the fused qkv_proj).
+            want = expected_shape(cfg, name.replace("shared_head.head", "head"))
+            if name in _renamed_eh_proj(cfg):
+                want = (cfg.hidden_size, 2 * cfg.hidden_size)
+            if shape != want:
+                status = f"shape mismatch: expected {want}"
+            else:
+                status = "ok" if name in required else "optional"
+        entries.append(InventoryEntry(name, shape, dtype, status, fname))
+    return entries
+
+
+def _renamed_eh_proj(cfg: ModelConfig) -> set[str]:
+    """Checkpoint names of eh_proj under conventions that call it something else."""
+    name = _MTP_NAMES[cfg.mtp_naming]["eh_proj"]
+    return {f"{mtp_prefixes(cfg, m)[0]}{name}.weight" for m in range(cfg.num_mtp_modules)}
+
+
+def format_problems(entries: list[InventoryEntry]) -> str:
+    return "; ".join(f"{e.tensor}: {e.status}" for e in entries if e.is_problem)

@@ -1,0 +1,91 @@
+"""Build a `CausalLM` from a local HF folder and load (and shard) its weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from workers.model.checkpoint import (
+    expected_tensors,
+    format_problems,
+    inventory,
+    weight_files,
+)
+from workers.model.config import ModelConfig
+from workers.model.transformer import CausalLM
+
+# Checkpoint projection name -> (fused parameter, shard index).
+_FUSED = {
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+}
+
+
+class CheckpointError(ValueError):
+    """The checkpoint does not match its config; the message names each bad tensor."""
+
+
+def _fused_target(internal: str) -> tuple[str, int | None]:
+    parts = internal.split(".")
+    if len(parts) >= 2 and parts[-2] in _FUSED:
+        fused, shard = _FUSED[parts[-2]]
+        return ".".join(parts[:-2] + [fused, parts[-1]]), shard
+    return internal, None
+
+
+def load_model(
+    path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> CausalLM:
+    """Load a checkpoint into a (TP-sharded, if `set_tp` was called) `CausalLM`.
+
+    Raises `CheckpointError` naming every missing, unused or mis-shaped tensor.
+    """
+    path = Path(path)
+    cfg = ModelConfig.from_pretrained(path)
+    entries = inventory(path, cfg)
+    problems = format_problems(entries)
+    if problems:
+        raise CheckpointError(f"checkpoint {path} does not match its config: {problems}")
+    present = {e.tensor for e in entries if e.shape is not None}
+    required, optional = expected_tensors(cfg)
+
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = CausalLM(cfg)
+            # DeepSeek-V3 repeats the embedding/head per MTP module; share when absent.
+            from workers.model.parallel import ParallelLMHead, VocabParallelEmbedding
+
+            for m, mod in enumerate(model.mtp):
+                if f"mtp.{m}.head.weight" in {optional[n] for n in present if n in optional}:
+                    mod.head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+                if f"mtp.{m}.embed_tokens.weight" in {
+                    optional[n] for n in present if n in optional
+                }:
+                    mod.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+    finally:
+        torch.set_default_dtype(prev)
+
+    params = dict(model.named_parameters(remove_duplicate=False))
+    files = weight_files(path)
+    by_file: dict[Path, list[str]] = {}
+    for name in present:
+        if name in required or name in optional:
+            by_file.setdefault(files[name], []).append(name)
+    with torch.no_grad():
+        for f, names in by_file.items():
+            with safe_open(f, framework="pt") as sf:
+                for name in names:
+                    internal = required.get(name) or optional[name]
+                    target, shard = _fused_target(internal)
+                    param = params[target]
+                    try:
+                        param.weight_loader(param, sf.get_tensor(name), shard)
+                    except ValueError as e:
+                        raise CheckpointError(f"{name}: {e}") from e
+    return model.eval()

@@ -1,0 +1,176 @@
+"""Tensor-parallel layers: column/row-parallel linears and a vocab-parallel embedding/head.
+
+Each parameter carries a `weight_loader(param, loaded, shard_id=None)` that narrows the full
+checkpoint tensor to this rank's shard, so the model file stays TP-agnostic. With no process
+group (TP=1) every layer is a plain linear/embedding and no collective runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class TPGroup:
+    rank: int = 0
+    size: int = 1
+    group: dist.ProcessGroup | None = None
+
+
+_TP = TPGroup()
+
+
+def get_tp() -> TPGroup:
+    return _TP
+
+
+def set_tp(rank: int, size: int, group: dist.ProcessGroup | None) -> None:
+    """Set this process's TP coordinates; call before building the model."""
+    global _TP
+    _TP = TPGroup(rank, size, group)
+
+
+def _all_reduce(x: torch.Tensor) -> torch.Tensor:
+    tp = get_tp()
+    if tp.size > 1:
+        dist.all_reduce(x, group=tp.group)
+    return x
+
+
+def _all_gather_last(x: torch.Tensor) -> torch.Tensor:
+    tp = get_tp()
+    if tp.size == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(tp.size)]
+    dist.all_gather(parts, x.contiguous(), group=tp.group)
+    return torch.cat(parts, dim=-1)
+
+
+def _divide(n: int, d: int, what: str) -> int:
+    if n % d:
+        raise ValueError(f"{what}={n} is not divisible by tensor-parallel size {d}")
+    return n // d
+
+
+def _plain_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"shape mismatch: expected {tuple(param.shape)}, got {tuple(loaded.shape)}")
+    param.data.copy_(loaded)
+
+
+class ReplicatedLinear(nn.Module):
+    """Full weight on every rank (small projections such as the MTP `eh_proj`)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.weight.weight_loader = _plain_loader
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        if self.bias is not None:
+            self.bias.weight_loader = _plain_loader
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(nn.Module):
+    """Output features split across ranks; `output_sizes` lists fused sub-matrices
+    (e.g. [q, k, v] or [gate, up]) so each is sharded separately."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False) -> None:
+        super().__init__()
+        tp = get_tp()
+        self.tp_rank, self.tp_size = tp.rank, tp.size
+        self.full_sizes = list(output_sizes)
+        self.local_sizes = [_divide(s, tp.size, "output size") for s in output_sizes]
+        out = sum(self.local_sizes)
+        self.weight = nn.Parameter(torch.empty(out, in_features))
+        self.weight.weight_loader = self.weight_loader
+        self.bias = nn.Parameter(torch.empty(out)) if bias else None
+        if self.bias is not None:
+            self.bias.weight_loader = self.weight_loader
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None
+    ) -> None:
+        shard_id = shard_id or 0
+        full, local = self.full_sizes[shard_id], self.local_sizes[shard_id]
+        if loaded.shape[0] != full or loaded.shape[1:] != param.shape[1:]:
+            raise ValueError(
+                f"shape mismatch: expected ({full}, *{tuple(param.shape[1:])}), "
+                f"got {tuple(loaded.shape)}"
+            )
+        offset = sum(self.local_sizes[:shard_id])
+        param.data.narrow(0, offset, local).copy_(loaded.narrow(0, self.tp_rank * local, local))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """Input features split across ranks; partial outputs are summed with an all-reduce."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        tp = get_tp()
+        self.tp_rank = tp.rank
+        self.local_in = _divide(in_features, tp.size, "input size")
+        self.weight = nn.Parameter(torch.empty(out_features, self.local_in))
+        self.weight.weight_loader = self.weight_loader
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        if self.bias is not None:
+            self.bias.weight_loader = _plain_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None):
+        if loaded.shape[0] != param.shape[0] or loaded.shape[1] != self.local_in * get_tp().size:
+            raise ValueError(
+                f"shape mismatch: expected ({param.shape[0]}, {self.local_in * get_tp().size}), "
+                f"got {tuple(loaded.shape)}"
+            )
+        param.data.copy_(loaded.narrow(1, self.tp_rank * self.local_in, self.local_in))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = _all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Vocabulary rows split across ranks; out-of-shard ids contribute zeros, then all-reduce."""
+
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        super().__init__()
+        tp = get_tp()
+        self.vocab_size = vocab_size
+        self.local_vocab = _divide(vocab_size, tp.size, "vocab_size")
+        self.start = tp.rank * self.local_vocab
+        self.tp_size = tp.size
+        self.weight = nn.Parameter(torch.empty(self.local_vocab, hidden_size))
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None):
+        if loaded.shape != (self.vocab_size, param.shape[1]):
+            raise ValueError(
+                f"shape mismatch: expected ({self.vocab_size}, {param.shape[1]}), "
+                f"got {tuple(loaded.shape)}"
+            )
+        param.data.copy_(loaded.narrow(0, self.start, self.local_vocab))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        mask = (local >= 0) & (local < self.local_vocab)
+        out = F.embedding(local.clamp(0, self.local_vocab - 1), self.weight)
+        return _all_reduce(out * mask.unsqueeze(-1).to(out.dtype))
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Vocab-parallel output projection; logits are gathered so every rank sees all of them."""
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return _all_gather_last(F.linear(hidden, self.weight))

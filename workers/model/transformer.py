@@ -1,0 +1,74 @@
+"""Dense decoder (Llama / Qwen2 / Qwen3 families) with DeepSeek-V3-style MTP module(s)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from workers.model.attention_metadata import AttentionMetadata
+from workers.model.config import ModelConfig
+from workers.model.layers import DecoderLayer, RMSNorm
+from workers.model.mtp import MTPModule
+from workers.model.parallel import ParallelLMHead, VocabParallelEmbedding
+
+
+class DecoderBody(nn.Module):
+    """`model.*` in HF naming: embeddings, layers, final norm."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """Main model plus MTP modules.
+
+    Attention layer i < L is main layer i; L + m is the decoder block of MTP module m. Each has
+    its own slice of the KV cache, indexed by the same block tables.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderBody(cfg)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.mtp = nn.ModuleList(MTPModule(cfg) for _ in range(cfg.num_mtp_modules))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [B, S]
+        positions: torch.Tensor,  # [B, S]
+        attn: AttentionMetadata | None = None,
+        kv_caches: list[torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Main-model hidden states after the final norm, [B, S, hidden] (what MTP consumes)."""
+        x = self.model.embed_tokens(input_ids)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, positions, attn, None if kv_caches is None else kv_caches[i])
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.logits(hidden).float()
+
+    def forward_mtp(
+        self,
+        module: int,
+        input_ids: torch.Tensor,  # [B, S] token t+1 for entry t
+        prev_hidden: torch.Tensor,  # [B, S, hidden] hidden of entry t from the previous depth
+        positions: torch.Tensor,  # [B, S] position t
+        attn: AttentionMetadata | None = None,
+        kv_caches: list[torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """MTP module `module`'s hidden after its shared-head norm, [B, S, hidden]."""
+        mtp = self.mtp[module]
+        embed = mtp.embed_tokens if mtp.embed_tokens is not None else self.model.embed_tokens
+        kv = None if kv_caches is None else kv_caches[self.config.num_hidden_layers + module]
+        return mtp(embed(input_ids), prev_hidden, positions, attn, kv)
+
+    def compute_mtp_logits(self, module: int, hidden: torch.Tensor) -> torch.Tensor:
+        head = self.mtp[module].head
+        return (head or self.lm_head).logits(hidden).float()
