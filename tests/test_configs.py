@@ -1,0 +1,105 @@
+"""configs/*.yaml: valid Serve deploy configs whose args are valid ClusterConfigs."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pydantic
+import pytest
+import yaml
+from serve_config_checks import check_serve_config, unknown_override_keys
+
+from cluster.config import ClusterConfig
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIG_FILES = sorted(CONFIGS.glob("*.yaml"))
+
+
+def load(name: str) -> dict[str, Any]:
+    return yaml.safe_load((CONFIGS / name).read_text())
+
+
+def args_of(cfg: dict[str, Any]) -> dict[str, Any]:
+    return cfg["applications"][0]["args"]
+
+
+def test_the_three_configs_exist() -> None:
+    names = {p.name for p in CONFIG_FILES}
+    assert {"local-cpu.yaml", "gpu-node.yaml", "production.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda p: p.name)
+def test_config_validates(path: Path) -> None:
+    check_serve_config(yaml.safe_load(path.read_text()))
+
+
+def test_local_cpu_is_the_default_model_on_cpu() -> None:
+    cfg = load("local-cpu.yaml")
+    args = args_of(cfg)
+    # The embedded model: no path to go stale when the checkout moves.
+    assert args.get("model", "models/tiny-code-mtp") == "models/tiny-code-mtp"
+    cc = check_serve_config(cfg)
+    assert (cc.device, cc.kv_transfer.backend) == ("cpu", "gloo")
+    assert (cc.prefill.tp_size, cc.decode.tp_size) == (1, 2)
+    assert (cc.prefill.replicas, cc.decode.replicas) == (1, 1)
+    assert cc.prefill.gpus_per_rank == cc.decode.gpus_per_rank == 0
+    assert (cc.http.host, cc.http.port) == ("127.0.0.1", 8000)
+    assert cfg["http_options"] == {"host": "127.0.0.1", "port": 8000}
+
+
+def test_gpu_node_uses_cuda_and_nccl() -> None:
+    cc = check_serve_config(load("gpu-node.yaml"))
+    assert (cc.device, cc.kv_transfer.backend) == ("cuda", "nccl")
+    assert cc.prefill.gpus_per_rank == cc.decode.gpus_per_rank == 1
+
+
+def test_production_autoscales_with_auth() -> None:
+    cc = check_serve_config(load("production.yaml"))
+    for role in (cc.prefill, cc.decode):
+        assert role.autoscaling is not None
+        assert role.autoscaling.min_replicas <= role.replicas <= role.autoscaling.max_replicas
+        assert role.autoscaling.max_replicas > 1
+    assert cc.auth.api_key_env and cc.auth.api_key is None  # never a plaintext key in a file
+
+
+def test_gpu_node_and_production_share_engine_settings() -> None:
+    """gpu-node.yaml is production.yaml minus autoscaling, auth and replica counts."""
+
+    def engine(args: dict[str, Any]) -> dict[str, Any]:
+        args = copy.deepcopy(args)
+        args.pop("auth", None)
+        for role in ("prefill", "decode"):
+            args[role].pop("autoscaling", None)
+            args[role].pop("replicas", None)
+        return args
+
+    assert engine(args_of(load("gpu-node.yaml"))) == engine(args_of(load("production.yaml")))
+
+
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (lambda a: a["speculation"].update(num_speculative_token=2), "extra"),
+        (lambda a: a["decode"].update(tp_size="two"), "tp_size"),
+        (lambda a: a["kv_transfer"].update(backend="mpi"), "backend"),
+        (lambda a: a.update(device="cpu"), "nccl"),  # nccl without cuda
+    ],
+    ids=["typo", "type", "enum", "cross-field"],
+)
+def test_bad_args_are_rejected(mutate: Any, match: str) -> None:
+    cfg = load("gpu-node.yaml")
+    mutate(args_of(cfg))
+    with pytest.raises(pydantic.ValidationError, match=match):
+        ClusterConfig.model_validate(args_of(cfg))
+
+
+def test_override_key_typos_are_caught() -> None:
+    # Ray itself accepts `num_replica` silently; our check must not.
+    app = {"deployments": [{"name": "DecodeServer", "num_replica": 2}]}
+    assert unknown_override_keys(app) == ["DecodeServer.num_replica"]
+    app = {"deployments": [{"name": "DecodeServer", "autoscaling_config": {"max_replica": 2}}]}
+    assert unknown_override_keys(app) == ["DecodeServer.autoscaling_config.max_replica"]
+    good = {"deployments": [{"name": "OpenAIIngress", "max_ongoing_requests": 64}]}
+    assert unknown_override_keys(good) == []
