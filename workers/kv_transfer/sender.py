@@ -1,0 +1,371 @@
+"""KVSender: the prefill side. Holds finished requests' KV until the decode side pulls it."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from workers.kv_transfer.channel import (
+    SENDER_RANK,
+    KVTransferError,
+    PairChannel,
+    connect_store,
+)
+from workers.kv_transfer.mailbox import MAILBOX, QueueReader, post
+from workers.kv_transfer.packing import dtype_name, gather_blocks, pack_extras
+
+logger = logging.getLogger(__name__)
+
+_IDLE_WAIT_S = 10.0  # an idle pair thread re-checks its stop flag this often
+
+# "acked" / "expired" / "failed" count releases by reason.
+_STAT_KEYS = (
+    "bytes_sent",
+    "transfers",
+    "pulls_rejected",
+    "acked",
+    "expired",
+    "failed",
+    "channel_builds",
+    "channel_rebuilds",
+    "channel_failures",
+)
+ReleaseCallback = Callable[[str, str], None]  # (request_id, "acked" | "expired" | "failed")
+
+
+@dataclass
+class _Held:
+    kv_layers: list[torch.Tensor]  # each [2, num_blocks, block_size, H_local, D]
+    block_ids: list[int]
+    num_tokens: int
+    head_start: int  # global index of kv_layers' first head
+    num_heads: int
+    extras: dict[str, torch.Tensor]  # MTP seed state, replicated across ranks
+    deadline: float  # time.monotonic()
+    acked_heads: set[int] = field(default_factory=set)
+    in_flight: int = 0
+    failed: bool = False
+
+
+@dataclass
+class _PairServer:
+    channel: PairChannel
+    store: dist.TCPStore  # the pair thread's own client: its waits block only this connection
+    stop: threading.Event
+    thread: threading.Thread | None = None
+
+
+class KVSender:
+    """Serves held KV to decode ranks that pull it; one per prefill rank.
+
+    Hosts a TCPStore at `address` ('host:port'). A decode rank announces itself in the store's
+    mailbox; a thread per (this rank, decode rank) pair then answers its pulls in order. A held
+    request is released through `on_release(request_id, reason)` once decode ranks have acked
+    every held head ("acked"), when its TTL passes unpulled ("expired"), or when a transfer of
+    it fails or the sender closes ("failed"). `on_release` runs on a background thread; the
+    engine frees the request's KV blocks there. The engine must not reuse held blocks before.
+    """
+
+    def __init__(
+        self,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        backend: str = "gloo",
+        device: torch.device | str = "cpu",
+        interface: str | None = None,
+        hold_ttl_s: float = 60.0,
+        transfer_timeout_s: float = 30.0,
+        on_release: ReleaseCallback | None = None,
+        name: str = "prefill",
+    ) -> None:
+        self.name = name
+        self.backend = backend
+        self.hold_ttl_s = hold_ttl_s
+        self.transfer_timeout_s = transfer_timeout_s
+        self._device = torch.device(device)
+        self._interface = interface
+        self._on_release = on_release
+        self._store = dist.TCPStore(
+            host, port, None, True, timedelta(seconds=transfer_timeout_s), wait_for_workers=False
+        )
+        self.address = f"{host}:{self._store.port}"
+        self._lock = threading.Condition()  # guards everything below; notified on hold/close
+        self._holds: dict[str, _Held] = {}
+        self._servers: dict[str, _PairServer] = {}
+        self._closed = False
+        self._stats = dict.fromkeys(_STAT_KEYS, 0)
+        self._threads = [
+            threading.Thread(target=self._accept_loop, name=f"{name}-kv-accept", daemon=True),
+            threading.Thread(target=self._expire_loop, name=f"{name}-kv-expire", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+
+    # -- engine API ------------------------------------------------------------------------------
+
+    def hold(
+        self,
+        request_id: str,
+        kv_layers: list[torch.Tensor],  # each [2, num_blocks, block_size, H_local, D]
+        block_ids: list[int],
+        num_tokens: int,
+        head_start: int,
+        extras: dict[str, torch.Tensor] | None = None,
+        ttl_s: float | None = None,
+    ) -> None:
+        """Keep the request's blocks servable until acked or expired (the tensors are read at
+        pull time, not copied now)."""
+        if not kv_layers:
+            raise ValueError("no KV layers to hold")
+        block_size = kv_layers[0].shape[2]
+        if not 0 < num_tokens <= len(block_ids) * block_size:
+            raise ValueError(f"{num_tokens} tokens do not fit {len(block_ids)} blocks")
+        held = _Held(
+            kv_layers=list(kv_layers),
+            block_ids=list(block_ids),
+            num_tokens=num_tokens,
+            head_start=head_start,
+            num_heads=kv_layers[0].shape[3],
+            extras=dict(extras or {}),
+            deadline=time.monotonic() + (self.hold_ttl_s if ttl_s is None else ttl_s),
+        )
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("KVSender is closed")
+            if request_id in self._holds:
+                raise ValueError(f"request {request_id!r} is already held")
+            self._holds[request_id] = held
+            self._lock.notify_all()  # the expiry thread may need an earlier wake-up
+
+    def held_request_ids(self) -> list[str]:
+        with self._lock:
+            return list(self._holds)
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {**self._stats, "held": len(self._holds), "peers": len(self._servers)}
+
+    def close(self) -> None:
+        """Stop all threads, close channels and the store; release what is still held."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            servers = list(self._servers.values())
+            self._lock.notify_all()
+        post(self._store, MAILBOX, {"op": "stop"})
+        for server in servers:
+            self._interrupt(server)
+        for t in [*self._threads, *(s.thread for s in servers)]:
+            t.join(timeout=_IDLE_WAIT_S + self.transfer_timeout_s)
+        with self._lock:
+            leftovers = list(self._holds)
+            self._holds.clear()
+        for request_id in leftovers:
+            self._release(request_id, "failed")
+        del self._store  # closes the listening socket once no client object refers to it
+
+    # -- threads ---------------------------------------------------------------------------------
+
+    def _accept_loop(self) -> None:
+        """Start a pair thread for each (re)connection announced in the mailbox."""
+        # An own client: a waiting client blocks its connection for everyone else.
+        store = connect_store(self.address, self.transfer_timeout_s)
+        mailbox = QueueReader(store, MAILBOX)
+        while True:
+            try:
+                msg = mailbox.get(_IDLE_WAIT_S)
+            except TimeoutError:
+                if self._closed:
+                    return
+                continue
+            if msg["op"] == "stop":
+                return
+            receiver_id, generation = msg["receiver"], int(msg["generation"])
+            pair_store = connect_store(self.address, self.transfer_timeout_s)
+            server = _PairServer(
+                channel=PairChannel(
+                    pair_store,
+                    f"pair/{receiver_id}",
+                    SENDER_RANK,
+                    peer=f"decode {receiver_id}",
+                    backend=self.backend,
+                    interface=self._interface,
+                    generation=generation,
+                ),
+                store=pair_store,
+                stop=threading.Event(),
+            )
+            server.thread = threading.Thread(
+                target=self._serve_pair,
+                args=(receiver_id, server),
+                name=f"{self.name}-kv-pair-{receiver_id}",
+                daemon=True,
+            )
+            with self._lock:
+                if self._closed:
+                    return
+                old = self._servers.get(receiver_id)
+                self._servers[receiver_id] = server
+                self._stats["channel_builds" if old is None else "channel_rebuilds"] += 1
+                server.thread.start()  # under the lock, so close() never joins an unstarted one
+            if old is not None:  # the decode side gave up on the old generation
+                self._interrupt(old)
+
+    def _serve_pair(self, receiver_id: str, server: _PairServer) -> None:
+        """Answer one decode rank's pulls, in order, until stopped or the channel breaks."""
+        channel = server.channel
+        try:
+            channel.connect(self.transfer_timeout_s)
+            while not server.stop.is_set():
+                msg = channel.poll(_IDLE_WAIT_S, "a pull")
+                if msg is None:
+                    continue  # idle; re-check the stop flag
+                op = msg.get("op")
+                if op == "pull":
+                    self._serve_pull(channel, msg)
+                elif op in ("stop", "close"):
+                    return
+                else:
+                    raise KVTransferError(f"unexpected message from {receiver_id}: {msg}")
+        except KVTransferError as e:
+            if not server.stop.is_set():
+                logger.warning("%s: %s", self.name, e)
+                with self._lock:
+                    self._stats["channel_failures"] += 1
+                try:  # let the decode side fail its next pull at once instead of timing out
+                    channel.put({"status": "error", "broken": True, "error": str(e)})
+                except KVTransferError:
+                    pass
+        except Exception:  # a serving thread must never die silently
+            logger.exception("%s: KV pair thread for %s crashed", self.name, receiver_id)
+        finally:
+            channel.close()
+            with self._lock:
+                if self._servers.get(receiver_id) is server:
+                    del self._servers[receiver_id]
+
+    def _serve_pull(self, channel: PairChannel, msg: dict[str, Any]) -> None:
+        request_id = msg["request_id"]
+        head_start, head_end = int(msg["head_start"]), int(msg["head_end"])
+        with self._lock:
+            held = self._holds.get(request_id)
+            if held is None:
+                error = f"request {request_id!r} is not held by {self.name} (unknown or released)"
+            elif not held.head_start <= head_start < head_end <= held.head_start + held.num_heads:
+                error = (
+                    f"heads [{head_start}, {head_end}) of request {request_id!r} are not in "
+                    f"[{held.head_start}, {held.head_start + held.num_heads}) held by {self.name}"
+                )
+            else:
+                error = None
+                held.in_flight += 1
+            if error is not None:
+                self._stats["pulls_rejected"] += 1
+        if error is not None:
+            channel.put({"status": "error", "request_id": request_id, "error": error})
+            return
+        acked = False
+        nbytes = 0
+        try:
+            heads = slice(head_start - held.head_start, head_end - held.head_start)
+            kv = gather_blocks(held.kv_layers, held.block_ids, heads)  # [L, 2, n, bs, h, D]
+            meta, blob = (
+                pack_extras(held.extras, self._device) if msg.get("extras", True) else ([], None)
+            )
+            channel.put(
+                {
+                    "status": "ok",
+                    "request_id": request_id,
+                    "num_tokens": held.num_tokens,
+                    "kv_shape": list(kv.shape),
+                    "kv_dtype": dtype_name(kv.dtype),
+                    "extras": meta,
+                }
+            )
+            what = f"KV of request {request_id!r}"
+            kv = kv.to(self._device)
+            if kv.numel():
+                channel.send(kv, self.transfer_timeout_s, what)
+            if blob is not None and blob.numel():
+                channel.send(blob, self.transfer_timeout_s, f"extras of request {request_id!r}")
+            nbytes = kv.numel() * kv.element_size() + (0 if blob is None else blob.numel())
+            reply = channel.take(self.transfer_timeout_s, f"ack of request {request_id!r}")
+            acked = reply.get("op") == "ack" and reply.get("request_id") == request_id
+            if not acked:
+                raise KVTransferError(f"expected ack of {request_id!r}, got {reply}")
+        finally:
+            self._finish_pull(request_id, held, range(head_start, head_end), acked, nbytes)
+
+    def _finish_pull(
+        self, request_id: str, held: _Held, heads: range, acked: bool, nbytes: int
+    ) -> None:
+        reason = None
+        with self._lock:
+            held.in_flight -= 1
+            if acked:
+                held.acked_heads.update(heads)
+                self._stats["transfers"] += 1
+                self._stats["bytes_sent"] += nbytes
+            else:
+                held.failed = True  # the decode group cannot use the request any more
+            done = len(held.acked_heads) == held.num_heads
+            self._lock.notify_all()  # an expiry that waited for this transfer may be due
+            if (done or held.failed) and held.in_flight == 0:
+                if self._holds.get(request_id) is held:
+                    del self._holds[request_id]
+                    reason = "failed" if held.failed else "acked"
+        if reason is not None:
+            self._release(request_id, reason)
+
+    def _expire_loop(self) -> None:
+        """Release holds whose TTL passed while no transfer of them is in flight."""
+        while True:
+            expired = []
+            with self._lock:
+                if self._closed:
+                    return
+                now = time.monotonic()
+                for request_id, held in list(self._holds.items()):
+                    if held.deadline <= now and held.in_flight == 0:
+                        del self._holds[request_id]
+                        expired.append(request_id)
+                pending = [h.deadline for h in self._holds.values() if h.in_flight == 0]
+                if not expired:
+                    # Holds in flight are re-checked when their transfer ends (notify).
+                    wait_s = min(pending, default=now + _IDLE_WAIT_S) - now
+                    self._lock.wait(timeout=max(wait_s, 0.0))
+                    continue
+            for request_id in expired:
+                self._release(request_id, "expired")
+
+    # -- helpers ---------------------------------------------------------------------------------
+
+    def _interrupt(self, server: _PairServer) -> None:
+        """Wake a pair thread wherever it waits on its inbox."""
+        server.stop.set()
+        channel = server.channel
+        if channel is not None:
+            try:
+                post(self._store, channel.inbox_name(), {"op": "stop"})
+            except (RuntimeError, dist.DistError):
+                pass
+
+    def _release(self, request_id: str, reason: str) -> None:
+        with self._lock:
+            self._stats[reason] += 1
+        if self._on_release is None:
+            return
+        try:
+            self._on_release(request_id, reason)
+        except Exception:
+            logger.exception("%s: on_release(%r, %r) raised", self.name, request_id, reason)

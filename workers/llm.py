@@ -1,0 +1,70 @@
+"""Offline interface: `LLM(path).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from workers.engine import Engine, EngineConfig
+from workers.paths import default_model_path
+from workers.sampling_params import SamplingParams
+from workers.tokenizer import load_tokenizer
+
+
+@dataclass
+class GenerationResult:
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    output_token_ids: list[int]
+    finish_reason: str | None
+    num_rounds: int
+    drafted_per_position: list[int]
+    accepted_per_position: list[int]
+    decode_seconds: float
+    ttft_seconds: float
+    extra: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "extra"}
+
+
+class LLM:
+    """Runs the engine in this process (TP=1) until every prompt is done."""
+
+    def __init__(self, model: str | None = None, **engine_kwargs) -> None:
+        path = str(model or default_model_path())
+        self.engine = Engine(EngineConfig(model=path, **engine_kwargs))
+        self.tokenizer = load_tokenizer(path)
+        self._counter = 0
+
+    def generate(
+        self,
+        prompts: list[str] | list[list[int]] | str,
+        params: SamplingParams | None = None,
+    ) -> list[GenerationResult]:
+        params = params or SamplingParams()
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        reqs = []
+        for p in prompts:
+            ids = self.tokenizer.encode(p) if isinstance(p, str) else list(p)
+            self._counter += 1
+            reqs.append((p if isinstance(p, str) else None,
+                         self.engine.add_request(f"llm-{self._counter}", ids, params)))
+        while self.engine.has_unfinished():
+            self.engine.step()
+        results = []
+        for text_prompt, r in reqs:
+            end = r.finish_time or time.monotonic()
+            first = r.first_token_time or end
+            results.append(GenerationResult(
+                prompt=text_prompt, prompt_token_ids=r.prompt_token_ids,
+                text=self.tokenizer.decode(r.output_token_ids),
+                output_token_ids=list(r.output_token_ids),
+                finish_reason=r.status.value, num_rounds=r.num_rounds,
+                drafted_per_position=list(r.drafted_per_position),
+                accepted_per_position=list(r.accepted_per_position),
+                decode_seconds=end - first, ttft_seconds=first - r.arrival,
+            ))
+        return results

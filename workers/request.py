@@ -1,0 +1,84 @@
+"""Per-request state: token ids, computed tokens, block table, drafts, counters."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from workers.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # queued, or preempted and waiting to be recomputed
+    PREFILLING = "prefilling"  # chunked prefill under way
+    RUNNING = "running"  # decoding (speculative rounds)
+    PREFILLED = "prefilled"  # prefill-only engine: done, KV held for transfer
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass
+class Request:
+    """Invariant while decoding: the main KV holds positions [0, num_computed_tokens) and
+    `num_computed_tokens == num_tokens - 1` (the last token is verified next round together
+    with `draft_token_ids`). MTP entry t (token t+1) is exact for t < num_computed_tokens."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival: float = 0.0
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    block_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_speculative_tokens: int = 0  # k for this request (engine k capped by params)
+    draft_token_ids: list[int] = field(default_factory=list)
+    draft_probs: torch.Tensor | None = None  # [k, V] q of each draft (sampling only)
+    num_rounds: int = 0
+    drafted_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None
+    num_preemptions: int = 0
+    # Prefill chunks run over `prefill_token_ids` (prompt, plus outputs after a preemption).
+    prefill_target: int = 0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.params.seed is not None and self.generator is None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+        k = self.num_speculative_tokens
+        self.drafted_per_position = self.drafted_per_position or [0] * k
+        self.accepted_per_position = self.accepted_per_position or [0] * k
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def num_drafted(self) -> int:
+        return sum(self.drafted_per_position)
+
+    @property
+    def num_accepted(self) -> int:
+        return sum(self.accepted_per_position)

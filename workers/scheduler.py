@@ -1,0 +1,164 @@
+"""Continuous batching: waiting / prefilling / running queues, chunked prefill, preemption.
+
+Each engine step is either a prefill step (chunks of several requests within a token budget)
+or a decode step (one speculative round for every running request). Steps alternate while
+both kinds have work, so long prompts cannot starve decoding and vice versa.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from workers.block_manager import BlockManager, blocks_for
+from workers.request import Request, RequestStatus
+
+
+def decode_slots(req: Request) -> int:
+    """KV slots one speculative round may touch: verify writes positions n..n+k, drafting
+    writes MTP entries up to n+a+k-1 <= n+2k-1."""
+    k = req.num_speculative_tokens
+    return req.num_computed_tokens + max(k + 1, 2 * k)
+
+
+def draft_slots(req: Request) -> int:
+    """Slots held between rounds: committed tokens plus the k-1 speculative MTP entries."""
+    return req.num_computed_tokens + max(req.num_speculative_tokens - 1, 0)
+
+
+@dataclass
+class PrefillChunk:
+    request: Request
+    start: int
+    end: int
+
+    @property
+    def is_last(self) -> bool:
+        return self.end == self.request.prefill_target
+
+
+@dataclass
+class SchedulerOutput:
+    prefill: list[PrefillChunk]
+    decode: list[Request]
+    preempted: list[Request]
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+    ) -> None:
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.prefilling: list[Request] = []
+        self.running: list[Request] = []
+        self._last_was_prefill = False
+
+    # Queue management ----------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        req.status = RequestStatus.WAITING
+        req.prefill_target = req.num_tokens
+        self.waiting.append(req)
+
+    def add_running(self, req: Request) -> None:
+        """A request whose KV arrived from elsewhere (disaggregated decode)."""
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+
+    def remove(self, req: Request) -> None:
+        for q in (self.prefilling, self.running):
+            if req in q:
+                q.remove(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self.bm.free(req)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.prefilling) + len(self.running)
+
+    # Scheduling ----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        want_prefill = bool(self.prefilling) or (
+            bool(self.waiting) and len(self.running) + len(self.prefilling) < self.max_num_seqs
+        )
+        if want_prefill and (not self.running or not self._last_was_prefill):
+            chunks = self._schedule_prefill()
+            if chunks:
+                self._last_was_prefill = True
+                return SchedulerOutput(chunks, [], [])
+        self._last_was_prefill = False
+        decode, preempted = self._schedule_decode()
+        return SchedulerOutput([], decode, preempted)
+
+    def _schedule_prefill(self) -> list[PrefillChunk]:
+        budget = self.max_num_batched_tokens
+        chunks: list[PrefillChunk] = []
+        for req in self.prefilling:
+            if budget <= 0:
+                break
+            chunks.append(self._chunk(req, budget))
+            budget -= chunks[-1].end - chunks[-1].start
+        while (self.waiting and budget > 0
+               and len(self.running) + len(self.prefilling) < self.max_num_seqs):
+            req = self.waiting[0]
+            # Admit only when the whole prompt plus one round fits, so a prefill never stalls
+            # half way; decode growth beyond that is handled by preemption.
+            need = blocks_for(req.prefill_target + 2 * req.num_speculative_tokens + 1,
+                              self.bm.block_size)
+            if not self.bm.can_allocate(need):
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.PREFILLING
+            req.num_computed_tokens = 0
+            self.prefilling.append(req)
+            chunks.append(self._chunk(req, budget))
+            budget -= chunks[-1].end - chunks[-1].start
+        for c in chunks:
+            slots = c.end + (max(c.request.num_speculative_tokens - 1, 0) if c.is_last else 0)
+            ok = self.bm.ensure_capacity(c.request, slots)
+            assert ok, "admission reserved the prompt's blocks"
+        return chunks
+
+    @staticmethod
+    def _chunk(req: Request, budget: int) -> PrefillChunk:
+        start = req.num_computed_tokens
+        return PrefillChunk(req, start, min(req.prefill_target, start + budget))
+
+    def finish_prefill(self, req: Request) -> None:
+        self.prefilling.remove(req)
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+
+    def _schedule_decode(self) -> tuple[list[Request], list[Request]]:
+        scheduled: list[Request] = []
+        preempted: list[Request] = []
+        queue = list(self.running)
+        while queue:
+            req = queue.pop(0)
+            while not self.bm.ensure_capacity(req, decode_slots(req)):
+                # Out of blocks: recompute the newest request later (vLLM's policy).
+                victim = queue.pop() if queue else req
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                scheduled.append(req)
+        return scheduled, preempted
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.bm.free(req)
+        req.num_computed_tokens = 0
+        req.draft_token_ids = []
+        req.draft_probs = None
+        req.num_preemptions += 1
+        req.status = RequestStatus.WAITING
+        req.prefill_target = req.num_tokens
+        self.waiting.appendleft(req)

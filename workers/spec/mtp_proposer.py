@@ -1,0 +1,100 @@
+"""Drafting with the MTP module(s).
+
+`extend` runs module 0 over new entries whose main hidden states the previous main forward
+produced (prefill chunks, or the accepted tokens + the recovered/bonus token of a round),
+which also fills the MTP KV cache. For requests that want drafts, the output at their last
+entry gives draft 1; drafts 2..k are serial one-token steps that feed back the MTP's own
+output (module min(step, N-1): depth-specific modules, or one module reused).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from workers.model_runner import ForwardBatch
+from workers.request import Request
+from workers.spec.sampling import draw_uniforms, processed_probs, sample_with_uniforms
+
+
+@dataclass
+class MTPExtend:
+    """New MTP entries [start, start + len(token_ids)) of one request."""
+
+    request: Request
+    start: int
+    token_ids: list[int]  # token t+1 for each entry t
+    main_rows: list[int]  # flat rows of the main forward's hidden states for those entries
+    num_drafts: int  # 0: only fill the cache
+
+
+class MTPProposer:
+    def __init__(self, execute: Callable[[ForwardBatch], torch.Tensor], num_modules: int):
+        self.execute = execute
+        self.num_modules = num_modules
+
+    def extend(self, items: list[MTPExtend]) -> None:
+        if not items:
+            return
+        S = max(len(it.token_ids) for it in items)
+        drafting = [b for b, it in enumerate(items) if it.num_drafts > 0]
+        logits = self.execute(ForwardBatch(
+            kind="mtp", module=0,
+            input_ids=[it.token_ids for it in items],
+            start_positions=[it.start for it in items],
+            block_tables=[it.request.block_ids for it in items],
+            logit_rows=[b * S + len(items[b].token_ids) - 1 for b in drafting],
+            hidden_from="main",
+            hidden_rows=[it.main_rows for it in items],
+        ))
+        reqs = [items[b].request for b in drafting]
+        for r in reqs:
+            r.draft_token_ids = []
+            r.draft_probs = None
+        counts = [items[b].num_drafts for b in drafting]
+        prev_rows = [b * S + len(items[b].token_ids) - 1 for b in drafting]
+        self._draft_loop(reqs, counts, logits, prev_rows)
+
+    def _draft_loop(self, reqs: list[Request], counts: list[int], logits: torch.Tensor,
+                    prev_rows: list[int]) -> None:
+        active = list(range(len(reqs)))
+        step = 1
+        while True:
+            self._take_drafts([reqs[i] for i in active], logits)
+            step += 1
+            nxt = [j for j, i in enumerate(active) if counts[i] >= step]
+            if not nxt:
+                return
+            rows = [[prev_rows[j]] for j in nxt]
+            active = [active[j] for j in nxt]
+            batch_reqs = [reqs[i] for i in active]
+            logits = self.execute(ForwardBatch(
+                kind="mtp", module=min(step - 1, self.num_modules - 1),
+                input_ids=[[r.draft_token_ids[-1]] for r in batch_reqs],
+                # Entry for the newest draft sits right after the previous draft's entry.
+                start_positions=[r.num_computed_tokens + step - 2 for r in batch_reqs],
+                block_tables=[r.block_ids for r in batch_reqs],
+                logit_rows=list(range(len(batch_reqs))),
+                hidden_from="mtp", hidden_rows=rows,
+            ))
+            prev_rows = list(range(len(batch_reqs)))
+
+    @staticmethod
+    def _take_drafts(reqs: list[Request], logits: torch.Tensor) -> None:
+        """Append one draft per request: argmax (greedy) or a sample from q, keeping q."""
+        greedy = [r.params.greedy for r in reqs]
+        tokens = logits.argmax(dim=-1)
+        if not all(greedy):
+            rows = [i for i, g in enumerate(greedy) if not g]
+            q = processed_probs(logits[rows], [reqs[i].params for i in rows])
+            u = draw_uniforms([reqs[i].generator for i in rows], 1).squeeze(1)
+            sampled = sample_with_uniforms(q, u)
+            for j, i in enumerate(rows):
+                tokens[i] = sampled[j]
+                r = reqs[i]
+                qi = q[j : j + 1]
+                r.draft_probs = qi if r.draft_probs is None else torch.cat([r.draft_probs, qi])
+        for r, t in zip(reqs, tokens.tolist(), strict=True):
+            r.draft_token_ids.append(t)
