@@ -5,7 +5,9 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -18,6 +20,9 @@ from workers.kv_transfer.channel import (
 )
 from workers.kv_transfer.mailbox import MAILBOX, post
 from workers.kv_transfer.packing import extras_nbytes, parse_dtype, unpack_extras
+
+_GRACE_S = 0.5
+_CLOSE_TIMEOUT_S = 1.0
 
 
 @dataclass
@@ -55,6 +60,7 @@ class KVReceiver:
         self._links: dict[str, _Link] = {}
         self._generation = 0  # per receiver, so every (re)connection gets a fresh namespace
         self._closed = False
+        self._stuck: dict[str, threading.Thread] = {}  # address -> call hung on a frozen sender
         self._stats = dict.fromkeys(
             ("bytes_received", "transfers", "failures", "channel_builds", "channel_rebuilds"), 0
         )
@@ -75,17 +81,41 @@ class KVReceiver:
         device, extras). `timeout_s` bounds the whole pull, connection included.
         """
         deadline = time.monotonic() + timeout_s
-        link = self._link(sender_address, deadline)
-        with link.lock:
-            try:
-                channel = self._ensure_channel(link, deadline)
-                return self._pull_on(
-                    channel, request_id, head_start, head_end, with_extras, deadline
-                )
-            except KVTransferError:
-                with self._lock:
-                    self._stats["failures"] += 1
-                raise
+        heads = (head_start, head_end)
+        what = f"the pull of request {request_id!r} from {sender_address}"
+        try:
+            link = self._link(sender_address, deadline)
+            with link.lock:
+                abandoned = threading.Event()
+
+                def run() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                    try:
+                        for attempt in (0, 1):
+                            channel = self._ensure_channel(link, deadline)
+                            try:
+                                return self._pull_on(
+                                    channel, request_id, heads, with_extras, deadline, abandoned
+                                )
+                            except _Retry:
+                                if attempt:
+                                    raise
+                        raise AssertionError("unreachable")
+                    finally:
+                        if abandoned.is_set():  # the caller gave up: this link is dropped
+                            self._close_link(link)
+
+                done, result = _call_bounded(run, deadline, abandoned)
+                if not done:
+                    self._drop(link, stuck=result)
+                    raise KVTransferError(
+                        f"KV sender {sender_address} did not answer during {what} within "
+                        f"{timeout_s:.1f}s (its store is unresponsive); channel dropped"
+                    )
+                return result
+        except KVTransferError:
+            with self._lock:
+                self._stats["failures"] += 1
+            raise
 
     def stats(self) -> dict[str, int]:
         with self._lock:
@@ -98,14 +128,17 @@ class KVReceiver:
             links, self._links = list(self._links.values()), {}
         for link in links:
             with link.lock:
-                if link.channel is not None:
-                    if link.channel.connected:
-                        try:
-                            link.channel.put({"op": "close"})
-                        except KVTransferError:
-                            pass
-                    link.channel.close()
-                    link.channel = None
+                channel = link.channel
+                if channel is not None and channel.connected:
+                    # Best effort and bounded: a frozen sender must not hang our shutdown.
+                    done, _ = _call_bounded(
+                        lambda c=channel: _say_close(c),
+                        time.monotonic() + _CLOSE_TIMEOUT_S,
+                        threading.Event(),
+                    )
+                    if not done:
+                        continue  # the helper thread still uses the link; leave it be
+                self._close_link(link)
 
     # -- internals -------------------------------------------------------------------------------
 
@@ -114,9 +147,25 @@ class KVReceiver:
             if self._closed:
                 raise RuntimeError("KVReceiver is closed")
             link = self._links.get(address)
+            stuck = self._stuck.get(address)
         if link is not None:
             return link
-        store = connect_store(address, _remaining(deadline, f"connecting to {address}"))
+        if stuck is not None:
+            # A call to this sender hung earlier; it ends when the sender thaws or dies.
+            stuck.join(_remaining(deadline, f"a hung call to {address} to end"))
+            if stuck.is_alive():
+                raise KVTransferError(f"KV sender {address} is still unresponsive")
+            with self._lock:
+                self._stuck.pop(address, None)
+        done, store = _call_bounded(
+            lambda: connect_store(address, _remaining(deadline, f"connecting to {address}")),
+            deadline,
+            threading.Event(),
+        )
+        if not done:
+            with self._lock:
+                self._stuck[address] = store
+            raise KVTransferError(f"KV sender {address} accepted no store connection in time")
         with self._lock:
             # Another thread may have connected meanwhile; keep the first link.
             return self._links.setdefault(address, _Link(address, store))
@@ -158,22 +207,28 @@ class KVReceiver:
         self,
         channel: PairChannel,
         request_id: str,
-        head_start: int,
-        head_end: int,
+        heads: tuple[int, int],  # global [start, end)
         with_extras: bool,
         deadline: float,
+        abandoned: threading.Event,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        head_start, head_end = heads
         what = f"request {request_id!r}"
 
-        def left() -> float:
+        def left() -> float:  # checked before every op
+            if abandoned.is_set():
+                channel.mark_broken()
+                raise KVTransferError(f"the pull of {what} was abandoned")
             return _remaining(deadline, what, channel)
 
-        heads = {"head_start": head_start, "head_end": head_end}
-        channel.put({"op": "pull", "request_id": request_id, **heads, "extras": with_extras})
+        header = {"head_start": head_start, "head_end": head_end, "extras": with_extras}
+        channel.put({"op": "pull", "request_id": request_id, **header})
         reply = channel.take(left(), f"the reply to the pull of {what}")
         if reply.get("status") != "ok":
-            if reply.get("broken"):
+            if reply.get("retry") or reply.get("broken"):
                 channel.mark_broken()
+            if reply.get("retry"):  # the sender closed the idle pair before reading our pull
+                raise _Retry(f"KV sender {channel.peer} closed an idle channel")
             raise KVTransferError(
                 f"KV sender {channel.peer} refused the pull of {what} "
                 f"(heads [{head_start}, {head_end})): {reply.get('error')}"
@@ -189,19 +244,69 @@ class KVReceiver:
         blob = torch.empty(extras_nbytes(reply["extras"]), dtype=torch.uint8, device=self._device)
         if blob.numel():
             channel.recv(blob, left(), f"extras of {what}")
+        left()  # no ack once abandoned: the sender then releases the request as failed
         channel.put({"op": "ack", "request_id": request_id})
         with self._lock:
             self._stats["transfers"] += 1
             self._stats["bytes_received"] += kv.numel() * kv.element_size() + blob.numel()
         return kv, unpack_extras(reply["extras"], blob)
 
-    def _drop(self, link: _Link) -> None:
+    def _drop(self, link: _Link, stuck: threading.Thread | None = None) -> None:
+        """Forget the link (the next pull reconnects); a stuck helper thread closes it later."""
         with self._lock:
             if self._links.get(link.address) is link:
                 del self._links[link.address]
+            if stuck is not None:
+                self._stuck[link.address] = stuck
+        if stuck is None:
+            self._close_link(link)
+
+    @staticmethod
+    def _close_link(link: _Link) -> None:
         if link.channel is not None:
             link.channel.close()
             link.channel = None
+
+
+class _Retry(KVTransferError):
+    """The sender did not see the pull: reconnect and send it again."""
+
+
+def _say_close(channel: PairChannel) -> None:
+    try:
+        channel.put({"op": "close"})
+    except KVTransferError:
+        pass  # the sender notices on its own
+
+
+def _call_bounded(
+    fn: Callable[[], Any], deadline: float, abandoned: threading.Event
+) -> tuple[bool, Any]:
+    """Run `fn` on a helper thread; (True, result) or, past `deadline`, (False, the thread).
+
+    Why: a TCPStore client blocks without bound when its server is frozen (SIGSTOP, a network
+    partition), even in `wait` with a timeout, so only gloo ops honor their timeouts. The
+    hung call is abandoned (`abandoned` is set for it to see) and ends when the peer thaws
+    or its connection dies. Exceptions of `fn` are re-raised here.
+    """
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # handed to the caller
+            box["error"] = e
+
+    thread = threading.Thread(target=run, name="kv-receiver-call", daemon=True)
+    thread.start()
+    # Grace past the deadline: fn's own timeouts should fire first and report better errors.
+    thread.join(max(deadline - time.monotonic(), 0.0) + _GRACE_S)
+    if thread.is_alive():
+        abandoned.set()
+        return False, thread
+    if "error" in box:
+        raise box["error"]
+    return True, box["value"]
 
 
 def _remaining(deadline: float, what: str, channel: PairChannel | None = None) -> float:

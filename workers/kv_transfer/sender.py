@@ -24,7 +24,9 @@ from workers.kv_transfer.packing import dtype_name, gather_blocks, pack_extras
 
 logger = logging.getLogger(__name__)
 
-_IDLE_WAIT_S = 10.0  # an idle pair thread re-checks its stop flag this often
+# Idle threads re-check their stop flag this often. Stop messages wake them at once; this only
+# bounds odd cases, and each timed-out store wait logs a c10d warning, so keep it long.
+_IDLE_WAIT_S = 60.0
 
 # "acked" / "expired" / "failed" count releases by reason.
 _STAT_KEYS = (
@@ -84,10 +86,12 @@ class KVSender:
         interface: str | None = None,
         hold_ttl_s: float = 60.0,
         transfer_timeout_s: float = 30.0,
+        pair_idle_s: float = 600.0,
         on_release: ReleaseCallback | None = None,
         name: str = "prefill",
     ) -> None:
         self.name = name
+        self.pair_idle_s = pair_idle_s  # a pair unused this long is closed (its peer may be gone)
         self.backend = backend
         self.hold_ttl_s = hold_ttl_s
         self.transfer_timeout_s = transfer_timeout_s
@@ -166,7 +170,7 @@ class KVSender:
         for server in servers:
             self._interrupt(server)
         for t in [*self._threads, *(s.thread for s in servers)]:
-            t.join(timeout=_IDLE_WAIT_S + self.transfer_timeout_s)
+            t.join(timeout=self.transfer_timeout_s + 1.0)  # a pair may be mid-send or building
         with self._lock:
             leftovers = list(self._holds)
             self._holds.clear()
@@ -226,10 +230,17 @@ class KVSender:
         channel = server.channel
         try:
             channel.connect(self.transfer_timeout_s)
+            last_used = time.monotonic()
             while not server.stop.is_set():
-                msg = channel.poll(_IDLE_WAIT_S, "a pull")
+                msg = channel.poll(min(_IDLE_WAIT_S, self.pair_idle_s), "a pull")
                 if msg is None:
-                    continue  # idle; re-check the stop flag
+                    if time.monotonic() - last_used >= self.pair_idle_s:
+                        # Decode ranks that died never say goodbye. A live one reads this as
+                        # the reply to its next pull, reconnects and pulls again.
+                        channel.put({"status": "error", "retry": True, "error": "idle pair"})
+                        return
+                    continue
+                last_used = time.monotonic()
                 op = msg.get("op")
                 if op == "pull":
                     self._serve_pull(channel, msg)
@@ -277,11 +288,16 @@ class KVSender:
         acked = False
         nbytes = 0
         try:
-            heads = slice(head_start - held.head_start, head_end - held.head_start)
-            kv = gather_blocks(held.kv_layers, held.block_ids, heads)  # [L, 2, n, bs, h, D]
-            meta, blob = (
-                pack_extras(held.extras, self._device) if msg.get("extras", True) else ([], None)
-            )
+            try:
+                heads = slice(head_start - held.head_start, head_end - held.head_start)
+                kv = gather_blocks(held.kv_layers, held.block_ids, heads)  # [L, 2, n, bs, h, D]
+                with_extras = msg.get("extras", True)
+                meta, blob = pack_extras(held.extras, self._device) if with_extras else ([], None)
+            except Exception as e:  # e.g. a malformed hold: fail the request, not the channel
+                logger.exception("%s: packing request %r failed", self.name, request_id)
+                error = f"{self.name} could not pack request {request_id!r}: {e}"
+                channel.put({"status": "error", "request_id": request_id, "error": error})
+                return
             channel.put(
                 {
                     "status": "ok",

@@ -1,0 +1,397 @@
+"""KV transfer between real processes over real gloo pairs on 127.0.0.1 (no Ray).
+
+Prefill ranks run in spawned child processes driven over a pipe; decode ranks (KVReceiver)
+run in the test process. Every cache and extras tensor is derived from a seed, so both sides
+know exactly what must arrive.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from workers.kv_transfer import (
+    KVReceiver,
+    KVSender,
+    KVTransferError,
+    PairChannel,
+    head_range,
+    pull_resharded,
+    scatter_blocks,
+)
+from workers.kv_transfer.channel import RECEIVER_RANK, SENDER_RANK
+
+NUM_KV_HEADS = 4
+NUM_MAIN_LAYERS, NUM_MTP_LAYERS = 2, 1
+NUM_BLOCKS, BLOCK_SIZE, HEAD_DIM = 10, 4, 8
+BLOCK_IDS = [7, 2, 5]  # a request's block table on the prefill side
+NUM_TOKENS = 10  # fills 2.5 blocks
+
+
+def global_cache(seed: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    """Main layers then MTP layers, all KV heads: each [2, NUM_BLOCKS, BLOCK_SIZE, H, D]."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (2, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    n = NUM_MAIN_LAYERS + NUM_MTP_LAYERS
+    return [torch.randn(shape, generator=g).to(dtype) for _ in range(n)]
+
+
+def seed_extras(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed + 1)
+    return {
+        "draft_token_ids": torch.randint(0, 1000, (1, 3), generator=g),
+        "draft_probs": torch.rand(1, 3, 16, generator=g),
+        "last_hidden": torch.randn(1, 32, generator=g).to(torch.bfloat16),
+    }
+
+
+def expected_kv(seed: int, dtype: torch.dtype, heads: tuple[int, int]) -> torch.Tensor:
+    # [L, 2, n_blocks, block_size, h, D]
+    return torch.stack(
+        [layer[:, BLOCK_IDS, :, heads[0] : heads[1]] for layer in global_cache(seed, dtype)]
+    )
+
+
+# -- the prefill-side child process ---------------------------------------------------------------
+
+
+def _peer_main(conn: Any) -> None:
+    """Runs commands from the test: a KVSender, or one end of a bare PairChannel."""
+    state: dict[str, Any] = {"releases": {}, "cond": threading.Condition()}
+
+    def on_release(request_id: str, reason: str) -> None:
+        with state["cond"]:
+            state["releases"][request_id] = reason
+            state["cond"].notify_all()
+
+    def start_sender(hold_ttl_s: float, transfer_timeout_s: float) -> str:
+        state["sender"] = KVSender(
+            hold_ttl_s=hold_ttl_s, transfer_timeout_s=transfer_timeout_s, on_release=on_release
+        )
+        return state["sender"].address
+
+    def hold(request_id: str, seed: int, dtype: str, heads: tuple[int, int], ttl_s=None) -> None:
+        layers = [
+            t[:, :, :, heads[0] : heads[1]].contiguous()
+            for t in global_cache(seed, getattr(torch, dtype))
+        ]
+        state["sender"].hold(
+            request_id, layers, BLOCK_IDS, NUM_TOKENS, heads[0], seed_extras(seed), ttl_s
+        )
+
+    def wait_release(request_id: str, timeout_s: float) -> str | None:
+        with state["cond"]:
+            state["cond"].wait_for(lambda: request_id in state["releases"], timeout_s)
+            return state["releases"].get(request_id)
+
+    def close_sender() -> list[str]:
+        state["sender"].close()
+        return [t.name for t in threading.enumerate() if t is not threading.main_thread()]
+
+    def channel_connect(address: str, generation: int, timeout_s: float) -> None:
+        host, port = address.split(":")
+        state["store"] = dist.TCPStore(host, int(port), None, False, timedelta(seconds=10))
+        state["channel"] = PairChannel(
+            state["store"], "test", SENDER_RANK, peer="test", generation=generation
+        )
+        state["channel"].connect(timeout_s)
+
+    def channel_reconnect(generation: int, timeout_s: float) -> None:
+        state["channel"].reconnect(generation, timeout_s)
+
+    def channel_send(seed: int, dtype: str) -> None:
+        state["channel"].send(global_cache(seed, getattr(torch, dtype))[0], 5.0, "a test tensor")
+
+    commands = {
+        f.__name__: f
+        for f in (
+            start_sender,
+            hold,
+            wait_release,
+            close_sender,
+            channel_connect,
+            channel_reconnect,
+            channel_send,
+        )
+    }
+    while True:
+        cmd, args = conn.recv()
+        if cmd == "exit":
+            return
+        try:
+            conn.send(("ok", commands[cmd](*args)))
+        except Exception as e:  # reported to the test, which re-raises it
+            conn.send(("error", f"{type(e).__name__}: {e}"))
+
+
+class Peer:
+    """A prefill-side child process and a pipe to drive it."""
+
+    def __init__(self) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child_conn = ctx.Pipe()
+        self.proc = ctx.Process(target=_peer_main, args=(child_conn,), daemon=True)
+        self.proc.start()
+
+    def start(self, cmd: str, *args: Any) -> None:
+        self.conn.send((cmd, args))
+
+    def result(self, timeout_s: float = 30.0) -> Any:
+        assert self.conn.poll(timeout_s), "peer process did not answer"
+        status, value = self.conn.recv()
+        if status != "ok":
+            raise RuntimeError(f"peer failed: {value}")
+        return value
+
+    def call(self, cmd: str, *args: Any, timeout_s: float = 30.0) -> Any:
+        self.start(cmd, *args)
+        return self.result(timeout_s)
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.conn.send(("exit", ()))
+            except OSError:
+                pass
+            self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+
+
+@pytest.fixture(scope="module")
+def prefill() -> Iterator[list[tuple[Peer, str]]]:
+    """Two prefill ranks (each a KVSender in its own process): [(peer, address)]."""
+    peers = [Peer(), Peer()]
+    try:
+        for p in peers:
+            p.start("start_sender", 30.0, 5.0)
+        yield [(p, p.result(60)) for p in peers]
+    finally:
+        for p in peers:
+            p.stop()
+
+
+@pytest.fixture
+def receiver() -> Iterator[KVReceiver]:
+    r = KVReceiver()
+    yield r
+    r.close()
+
+
+# -- tests ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_pull_main_and_mtp_blocks_is_exact_and_releases_on_ack(prefill, receiver, dtype):
+    peer, address = prefill[0]
+    rid = f"exact-{dtype}"
+    peer.call("hold", rid, 11, dtype, (0, NUM_KV_HEADS))
+
+    kv, extras = receiver.pull(address, rid, 0, NUM_KV_HEADS, timeout_s=20)
+
+    # [L_main + L_mtp, 2, n_blocks, block_size, H, D], bit-exact with what was held
+    assert kv.dtype == getattr(torch, dtype)
+    assert torch.equal(kv, expected_kv(11, kv.dtype, (0, NUM_KV_HEADS)))
+    want = seed_extras(11)
+    assert list(extras) == list(want)
+    assert all(torch.equal(extras[k], want[k]) and extras[k].dtype == want[k].dtype for k in want)
+    # The decode rank writes the payload into its own, different blocks.
+    own = [torch.zeros(2, 6, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=kv.dtype) for _ in kv]
+    scatter_blocks(own, [0, 4, 1], kv)
+    assert all(torch.equal(layer[:, [0, 4, 1]], got) for layer, got in zip(own, kv, strict=True))
+
+    assert peer.call("wait_release", rid, 10.0) == "acked"
+    stats = receiver.stats()
+    assert stats["transfers"] == 1 and stats[
+        "bytes_received"
+    ] == kv.numel() * kv.element_size() + sum(t.numel() * t.element_size() for t in want.values())
+
+
+def test_reshard_prefill_tp1_to_decode_tp2(prefill):
+    peer, address = prefill[0]  # one prefill rank holding every head
+    peer.call("hold", "tp1-to-tp2", 21, "bfloat16", (0, NUM_KV_HEADS))
+    decode = [KVReceiver(name=f"decode{r}") for r in range(2)]
+    try:
+        kv0, extras0 = pull_resharded(decode[0], [address], "tp1-to-tp2", NUM_KV_HEADS, 2, 0)
+        assert torch.equal(kv0, expected_kv(21, torch.bfloat16, head_range(NUM_KV_HEADS, 2, 0)))
+        assert torch.equal(extras0["draft_token_ids"], seed_extras(21)["draft_token_ids"])
+        # Half the heads are acked: the prefill rank must keep holding the request.
+        assert peer.call("wait_release", "tp1-to-tp2", 0.2) is None
+
+        kv1, _ = pull_resharded(decode[1], [address], "tp1-to-tp2", NUM_KV_HEADS, 2, 1)
+        assert torch.equal(kv1, expected_kv(21, torch.bfloat16, head_range(NUM_KV_HEADS, 2, 1)))
+        assert peer.call("wait_release", "tp1-to-tp2", 10.0) == "acked"
+    finally:
+        for r in decode:
+            r.close()
+
+
+def test_reshard_prefill_tp2_to_decode_tp1(prefill, receiver):
+    addresses = [address for _, address in prefill]
+    for rank, (peer, _) in enumerate(prefill):
+        peer.call("hold", "tp2-to-tp1", 31, "float32", head_range(NUM_KV_HEADS, 2, rank))
+
+    kv, extras = pull_resharded(receiver, addresses, "tp2-to-tp1", NUM_KV_HEADS, 1, 0)
+
+    assert torch.equal(kv, expected_kv(31, torch.float32, (0, NUM_KV_HEADS)))
+    assert torch.equal(extras["draft_probs"], seed_extras(31)["draft_probs"])
+    assert [peer.call("wait_release", "tp2-to-tp1", 10.0) for peer, _ in prefill] == ["acked"] * 2
+    assert receiver.stats()["channels"] == 2
+
+
+def test_unknown_request_fails_fast_and_channel_stays_usable(prefill, receiver):
+    peer, address = prefill[1]
+    t0 = time.monotonic()
+    with pytest.raises(KVTransferError, match="'no-such-request' is not held"):
+        receiver.pull(address, "no-such-request", 0, 2, timeout_s=20)
+    assert time.monotonic() - t0 < 5.0  # an error reply, not the 20 s timeout
+
+    peer.call("hold", "after-unknown", 41, "float32", (2, 4))
+    with pytest.raises(KVTransferError, match=r"heads \[0, 4\).*not in \[2, 4\)"):
+        receiver.pull(address, "after-unknown", 0, 4, timeout_s=20)
+    kv, _ = receiver.pull(address, "after-unknown", 2, 4, timeout_s=20)
+    assert torch.equal(kv, expected_kv(41, torch.float32, (2, 4)))
+    assert receiver.stats()["channel_rebuilds"] == 0
+
+
+def test_ttl_expiry_releases_the_blocks(prefill, receiver):
+    peer, address = prefill[1]
+    peer.call("hold", "never-pulled", 51, "float32", (2, 4), 0.3)
+    assert peer.call("wait_release", "never-pulled", 10.0) == "expired"
+    with pytest.raises(KVTransferError, match="not held"):
+        receiver.pull(address, "never-pulled", 2, 4, timeout_s=20)
+
+
+def test_channel_timeout_is_clear_and_rebuilt_channel_works():
+    """A bare PairChannel: a recv that the peer never answers, then a rebuild."""
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=10), wait_for_workers=False)
+    peer = Peer()
+    try:
+        peer.start("channel_connect", f"127.0.0.1:{store.port}", 0, 30.0)
+        channel = PairChannel(store, "test", RECEIVER_RANK, peer="prefill test", generation=0)
+        channel.connect(30.0)
+        peer.result()
+        peer.start("channel_send", 61, "bfloat16")  # a gloo send completes with its recv
+        buf = torch.empty_like(global_cache(61, torch.bfloat16)[0])
+        channel.recv(buf, 5.0, "a test tensor")
+        peer.result()
+        assert torch.equal(buf, global_cache(61, torch.bfloat16)[0])
+
+        t0 = time.monotonic()
+        with pytest.raises(
+            KVTransferError, match=r"prefill test .*recv of KV of request 'r9'.* timed out"
+        ):
+            channel.recv(buf, 0.5, "KV of request 'r9'")
+        assert time.monotonic() - t0 < 3.0
+        assert channel.broken and not channel.connected
+
+        peer.start("channel_reconnect", 1, 30.0)
+        channel.reconnect(1, 30.0)
+        peer.result()
+        peer.start("channel_send", 62, "bfloat16")
+        channel.recv(buf, 5.0, "a test tensor")
+        peer.result()
+        assert torch.equal(buf, global_cache(62, torch.bfloat16)[0])
+        assert channel.connected and channel.generation == 1
+        channel.close()
+    finally:
+        peer.stop()
+
+
+def test_frozen_then_dead_sender_gives_clear_errors_and_a_rebuilt_channel(receiver):
+    peer = Peer()
+    try:
+        address = peer.call("start_sender", 30.0, 5.0, timeout_s=60)
+        for i in range(4):
+            peer.call("hold", f"f{i}", 70 + i, "float32", (0, NUM_KV_HEADS))
+        receiver.pull(address, "f0", 0, NUM_KV_HEADS, timeout_s=20)
+
+        os.kill(peer.proc.pid, signal.SIGSTOP)  # a sender that never answers
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(KVTransferError, match=rf"{address} did not answer.*'f1'"):
+                receiver.pull(address, "f1", 0, NUM_KV_HEADS, timeout_s=1.0)
+            assert time.monotonic() - t0 < 3.0
+        finally:
+            os.kill(peer.proc.pid, signal.SIGCONT)
+
+        kv, _ = receiver.pull(address, "f2", 0, NUM_KV_HEADS, timeout_s=20)
+        assert torch.equal(kv, expected_kv(72, torch.float32, (0, NUM_KV_HEADS)))
+        assert receiver.stats()["channel_builds"] == 2  # a fresh store link and generation
+        # The abandoned pull was never acked: the sender frees its blocks as failed.
+        assert peer.call("wait_release", "f1", 10.0) == "failed"
+
+        peer.proc.kill()  # a sender that dies
+        peer.proc.join(10)
+        t0 = time.monotonic()
+        with pytest.raises(KVTransferError, match=address):
+            receiver.pull(address, "f3", 0, NUM_KV_HEADS, timeout_s=20)
+        with pytest.raises(KVTransferError, match=address):
+            receiver.pull(address, "f3", 0, NUM_KV_HEADS, timeout_s=20)
+        assert time.monotonic() - t0 < 5.0
+    finally:
+        peer.stop()
+
+
+def test_close_leaves_no_threads_and_frees_the_port():
+    before = set(threading.enumerate())
+    released: list[tuple[str, str]] = []
+    acked = threading.Event()
+
+    def on_release(request_id: str, reason: str) -> None:
+        released.append((request_id, reason))
+        acked.set()
+
+    sender = KVSender(on_release=on_release, transfer_timeout_s=5)
+    receiver = KVReceiver()
+    layers = [t.contiguous() for t in global_cache(81, torch.float32)]
+    sender.hold("c1", layers, BLOCK_IDS, NUM_TOKENS, 0, {})
+    sender.hold("c2", layers, BLOCK_IDS, NUM_TOKENS, 0, {})
+    kv, extras = receiver.pull(sender.address, "c1", 0, NUM_KV_HEADS, timeout_s=20)
+    assert extras == {} and torch.equal(kv, expected_kv(81, torch.float32, (0, NUM_KV_HEADS)))
+    assert acked.wait(10)
+    assert sender.stats()["held"] == 1 and sender.held_request_ids() == ["c2"]
+
+    receiver.close()
+    sender.close()
+
+    assert released == [("c1", "acked"), ("c2", "failed")]
+    assert set(threading.enumerate()) <= before
+    with pytest.raises(dist.DistError):
+        dist.TCPStore(
+            "127.0.0.1", int(sender.address.split(":")[1]), None, False, timedelta(seconds=1)
+        )
+
+
+def test_idle_pair_is_closed_and_the_next_pull_reconnects_transparently():
+    sender = KVSender(transfer_timeout_s=5, pair_idle_s=0.3)
+    receiver = KVReceiver()
+    try:
+        layers = [t.contiguous() for t in global_cache(91, torch.float32)]
+        for rid in ("i1", "i2"):
+            sender.hold(rid, layers, BLOCK_IDS, NUM_TOKENS, 0, {})
+        receiver.pull(sender.address, "i1", 0, NUM_KV_HEADS, timeout_s=20)
+        deadline = time.monotonic() + 10
+        while sender.stats()["peers"] and time.monotonic() < deadline:
+            time.sleep(0.02)  # polls a real condition: the idle pair thread has exited
+        assert sender.stats()["peers"] == 0
+
+        kv, _ = receiver.pull(sender.address, "i2", 0, NUM_KV_HEADS, timeout_s=20)
+
+        assert torch.equal(kv, expected_kv(91, torch.float32, (0, NUM_KV_HEADS)))
+        stats = receiver.stats()
+        assert (stats["failures"], stats["channel_rebuilds"], stats["transfers"]) == (0, 1, 2)
+    finally:
+        receiver.close()
+        sender.close()

@@ -1,0 +1,96 @@
+"""Pure-function tests of KV packing and head re-sharding (no processes, no network)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from workers.kv_transfer.packing import (
+    gather_blocks,
+    pack_extras,
+    scatter_blocks,
+    unpack_extras,
+)
+from workers.kv_transfer.resharding import HeadPull, head_range, pull_plan
+
+
+def _cache(num_layers: int = 3, heads: int = 4, dtype=torch.float32) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    # each [2, num_blocks=6, block_size=4, heads, head_dim=8]
+    return [torch.randn(2, 6, 4, heads, 8, generator=g).to(dtype) for _ in range(num_layers)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gather_then_scatter_moves_blocks_and_heads(dtype):
+    src = _cache(dtype=dtype)
+    payload = gather_blocks(src, [4, 1], slice(1, 3))  # [L, 2, 2, 4, 2, 8]
+    assert payload.shape == (3, 2, 2, 4, 2, 8) and payload.is_contiguous()
+    for layer, got in zip(src, payload, strict=True):
+        assert torch.equal(got, layer[:, [4, 1], :, 1:3])
+
+    dst = [torch.zeros(2, 5, 4, 2, 8, dtype=dtype) for _ in range(3)]
+    scatter_blocks(dst, [0, 3], payload)  # the decode rank's own, different block ids
+    for layer, s in zip(dst, src, strict=True):
+        assert torch.equal(layer[:, [0, 3]], s[:, [4, 1], :, 1:3])
+        assert not layer[:, [1, 2, 4]].any(), "scatter touched blocks it does not own"
+
+
+def test_scatter_rejects_mismatched_payload():
+    dst = [torch.zeros(2, 5, 4, 2, 8) for _ in range(3)]
+    with pytest.raises(ValueError, match="blocks"):
+        scatter_blocks(dst, [0], torch.zeros(3, 2, 2, 4, 2, 8))
+    with pytest.raises(ValueError, match="do not fit"):
+        scatter_blocks(dst, [0, 1], torch.zeros(3, 2, 2, 4, 3, 8))
+
+
+def test_extras_round_trip_mixed_dtypes():
+    extras = {
+        "draft_token_ids": torch.tensor([[5, 7, 9]]),
+        "draft_probs": torch.rand(1, 3, 11),
+        "hidden": torch.randn(1, 16).to(torch.bfloat16),
+        "scalar": torch.tensor(3.5),
+    }
+    meta, blob = pack_extras(extras)
+    assert blob.dtype == torch.uint8
+    out = unpack_extras(meta, blob.clone())
+    assert list(out) == list(extras)
+    for name, t in extras.items():
+        assert out[name].dtype == t.dtype and torch.equal(out[name], t)
+
+
+def test_head_range_and_invalid_tp():
+    assert [head_range(8, 4, r) for r in range(4)] == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    with pytest.raises(ValueError, match="must divide"):
+        head_range(2, 4, 0)  # tp > num_kv_heads
+    with pytest.raises(ValueError, match="must divide"):
+        head_range(6, 4, 0)
+    with pytest.raises(ValueError, match="not in a TP group"):
+        head_range(8, 2, 2)
+
+
+@pytest.mark.parametrize(
+    ("src_tp", "dst_tp", "dst_rank", "plan"),
+    [
+        (1, 2, 1, [HeadPull(0, 4, 8)]),  # src < dst: a sub-range of the one prefill rank
+        (2, 2, 1, [HeadPull(1, 4, 8)]),  # equal: the matching rank, whole range
+        (4, 2, 0, [HeadPull(0, 0, 2), HeadPull(1, 2, 4)]),  # src > dst: several ranks
+        (2, 4, 3, [HeadPull(1, 6, 8)]),
+        (4, 1, 0, [HeadPull(r, 2 * r, 2 * r + 2) for r in range(4)]),
+    ],
+)
+def test_pull_plan(src_tp, dst_tp, dst_rank, plan):
+    assert pull_plan(8, src_tp, dst_tp, dst_rank) == plan
+
+
+def test_pull_plans_cover_every_head_exactly_once():
+    for src_tp in (1, 2, 4, 8):
+        for dst_tp in (1, 2, 4, 8):
+            heads = [
+                h
+                for r in range(dst_tp)
+                for p in pull_plan(8, src_tp, dst_tp, r)
+                for h in range(p.head_start, p.head_end)
+            ]
+            assert heads == list(range(8)), (src_tp, dst_tp)
+    with pytest.raises(ValueError):
+        pull_plan(4, 1, 8, 0)
