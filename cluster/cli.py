@@ -36,15 +36,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mtpserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_train(sub)
+    bench = sub.add_parser("bench", help="benchmarks that print tables and write JSON")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     from cluster import cli_engine
 
-    cli_engine.add_commands(sub, str(default_model_path()))
+    cli_engine.add_commands(sub, bench_sub, str(default_model_path()))
     try:
         from cluster import cli_serve
     except ImportError:  # serving extras missing: engine commands still work
         cli_serve = None
     if cli_serve is not None:
-        cli_serve.add_commands(sub, str(default_model_path()))
+        cli_serve.add_commands(sub, bench_sub, str(default_model_path()))
     return parser
 
 

@@ -3,12 +3,59 @@
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 
 
-def add_commands(sub: argparse._SubParsersAction, default_model: str) -> None:
+def _ints(s: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in s.split(",") if x.strip())
+
+
+def add_commands(sub: argparse._SubParsersAction, bench: argparse._SubParsersAction,
+                 default_model: str) -> None:
     p = sub.add_parser("check", help="print a checkpoint's tensor inventory; non-zero on problems")
     p.add_argument("path", nargs="?", default=default_model)
     p.set_defaults(func=_check)
+
+    p = sub.add_parser("generate", help="generate offline with MTP speculative decoding")
+    p.add_argument("--model", default=default_model)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt")
+    src.add_argument("--prompts-file", help="one JSON string per line")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--num-speculative-tokens", type=int, default=2)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    p.set_defaults(func=_generate)
+
+    p = bench.add_parser("engine", help="engine tokens/s vs transformers.generate, per k")
+    p.add_argument("--model", default=default_model)
+    p.add_argument("--prompts-file")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--ks", type=_ints, default=(0, 1, 2, 3))
+    p.add_argument("--batch-sizes", type=_ints, default=(1, 8))
+    p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--json", dest="json_out", help="write results here")
+    p.set_defaults(func=_bench_engine)
+
+    p = sub.add_parser("eval-mtp", help="held-out MTP acceptance and losses")
+    p.add_argument("--model", default=default_model)
+    p.add_argument("--data", help="folder of .py files (default: the held-out stdlib split)")
+    p.add_argument("--max-positions", type=int, default=4000)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--json", dest="json_out")
+    p.set_defaults(func=_eval_mtp)
+
+
+def _read_prompts(path: str) -> list[str]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
 
 
 def _check(args: argparse.Namespace) -> int:
@@ -23,3 +70,43 @@ def _check(args: argparse.Namespace) -> int:
     bad = [e for e in entries if e.is_problem]
     print(f"{len(entries)} tensors, {len(bad)} problem(s)")
     return 1 if bad else 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from workers import LLM, SamplingParams
+
+    prompts = [args.prompt] if args.prompt is not None else _read_prompts(args.prompts_file)
+    llm = LLM(args.model, dtype=args.dtype, num_speculative_tokens=args.num_speculative_tokens)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    for res in llm.generate(prompts, params):
+        if args.json:
+            print(json.dumps(res.to_json()))
+        else:
+            print(res.prompt + res.text)
+            acc = sum(res.accepted_per_position)
+            print(f"\n[{len(res.output_token_ids)} tokens, {res.num_rounds} rounds, "
+                  f"{acc}/{sum(res.drafted_per_position)} drafts accepted, "
+                  f"{res.decode_seconds:.2f}s decode]", file=sys.stderr)
+    return 0
+
+
+def _bench_engine(args: argparse.Namespace) -> int:
+    from benchmarks.engine_bench import BenchArgs, main
+
+    prompts = _read_prompts(args.prompts_file) if args.prompts_file else None
+    main(BenchArgs(model=args.model, prompts=prompts, max_tokens=args.max_tokens, ks=args.ks,
+                   batch_sizes=args.batch_sizes, dtype=args.dtype,
+                   num_prompts=args.num_prompts), args.json_out)
+    return 0
+
+
+def _eval_mtp(args: argparse.Namespace) -> int:
+    from workers.training.evaluate import evaluate, format_report
+
+    res = evaluate(args.model, args.data, args.max_positions, args.seq_len, args.dtype)
+    print(format_report(res))
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(res, f, indent=2)
+    return 0

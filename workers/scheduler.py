@@ -113,17 +113,20 @@ class Scheduler:
                               self.bm.block_size)
             if not self.bm.can_allocate(need):
                 break
+            # Reserve every prefill block now so later chunks cannot be starved by decode.
+            self.bm.ensure_capacity(req, self._prefill_slots(req))
             self.waiting.popleft()
             req.status = RequestStatus.PREFILLING
             req.num_computed_tokens = 0
             self.prefilling.append(req)
             chunks.append(self._chunk(req, budget))
             budget -= chunks[-1].end - chunks[-1].start
-        for c in chunks:
-            slots = c.end + (max(c.request.num_speculative_tokens - 1, 0) if c.is_last else 0)
-            ok = self.bm.ensure_capacity(c.request, slots)
-            assert ok, "admission reserved the prompt's blocks"
         return chunks
+
+    @staticmethod
+    def _prefill_slots(req: Request) -> int:
+        """The prompt plus the k-1 MTP entries drafting writes after the last chunk."""
+        return req.prefill_target + max(req.num_speculative_tokens - 1, 0)
 
     @staticmethod
     def _chunk(req: Request, budget: int) -> PrefillChunk:

@@ -4,7 +4,10 @@
 produced (prefill chunks, or the accepted tokens + the recovered/bonus token of a round),
 which also fills the MTP KV cache. For requests that want drafts, the output at their last
 entry gives draft 1; drafts 2..k are serial one-token steps that feed back the MTP's own
-output (module min(step, N-1): depth-specific modules, or one module reused).
+output: step s uses module min(s-1, N-1), so depth-specific modules (DeepSeek-V3) or one module
+reused k times (Qwen3.5 style). Depth modules m >= 1 only get KV entries from drafting steps
+(their exact catch-up would need every shallower module's outputs at lagging entries); their
+drafts are therefore approximate, which costs acceptance, never exactness.
 """
 
 from __future__ import annotations
@@ -70,11 +73,14 @@ class MTPProposer:
             rows = [[prev_rows[j]] for j in nxt]
             active = [active[j] for j in nxt]
             batch_reqs = [reqs[i] for i in active]
+            module = min(step - 1, self.num_modules - 1)
+            # A reused module appends entries after its last one (n, n+1, ...); depth module m
+            # takes the DeepSeek-V3 entry n-1 (previous depth's output there, token n+m).
+            offset = step - 1 - module
             logits = self.execute(ForwardBatch(
-                kind="mtp", module=min(step - 1, self.num_modules - 1),
+                kind="mtp", module=module,
                 input_ids=[[r.draft_token_ids[-1]] for r in batch_reqs],
-                # Entry for the newest draft sits right after the previous draft's entry.
-                start_positions=[r.num_computed_tokens + step - 2 for r in batch_reqs],
+                start_positions=[r.num_computed_tokens - 1 + offset for r in batch_reqs],
                 block_tables=[r.block_ids for r in batch_reqs],
                 logit_rows=list(range(len(batch_reqs))),
                 hidden_from="mtp", hidden_rows=rows,

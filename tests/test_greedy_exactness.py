@@ -1,0 +1,57 @@
+"""Greedy speculative decoding is exact: k = 0..3 give the same tokens as each other and as
+`transformers.generate` on the same weights (fp32), and batching does not change outputs."""
+
+from __future__ import annotations
+
+import torch
+import transformers
+
+from workers.engine import Engine, EngineConfig
+from workers.sampling_params import SamplingParams
+from workers.tokenizer import load_tokenizer
+from workers.training.prompts import held_out_prompts
+
+NUM_PROMPTS, NEW_TOKENS = 16, 64
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+
+
+def _prompt_ids(path) -> list[list[int]]:
+    if (path / "tokenizer.json").is_file():
+        tok = load_tokenizer(str(path))
+        return [tok.encode(p)[:96] for p in held_out_prompts(NUM_PROMPTS)]
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(3, 256, (8 + 5 * i,), generator=g).tolist()
+            for i in range(NUM_PROMPTS)]
+
+
+def _run(path, k: int, ps: list[list[int]], **kw) -> list[list[int]]:
+    eng = Engine(EngineConfig(model=str(path), num_speculative_tokens=k, num_kv_blocks=512,
+                              **kw))
+    reqs = [eng.add_request(str(i), p, GREEDY) for i, p in enumerate(ps)]
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.block_manager.num_free_blocks == 512
+    return [r.output_token_ids for r in reqs]
+
+
+def test_speculative_equals_plain_and_transformers(default_model) -> None:
+    ps = _prompt_ids(default_model)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        default_model, dtype=torch.float32).eval()
+    want = []
+    for p in ps:
+        out = ref.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                           eos_token_id=None, pad_token_id=0)
+        want.append(out[0, len(p):].tolist())
+    for k in (0, 1, 2, 3):
+        got = _run(default_model, k, ps)
+        bad = [i for i in range(len(ps)) if got[i] != want[i]]
+        assert not bad, f"k={k}: prompts {bad} differ from transformers.generate"
+
+
+def test_batched_equals_alone(default_model) -> None:
+    ps = _prompt_ids(default_model)[:8]
+    ps = [p[: 10 + 9 * i] for i, p in enumerate(ps)]  # 8 different lengths
+    together = _run(default_model, 2, ps)
+    for i, p in enumerate(ps):
+        assert _run(default_model, 2, [p]) == [together[i]], f"request {i}"

