@@ -29,7 +29,7 @@ from workers.kv_transfer import (
     pull_resharded,
     scatter_blocks,
 )
-from workers.kv_transfer.channel import RECEIVER_RANK, SENDER_RANK
+from workers.kv_transfer.channel import MAX_PROBE_BYTES, RECEIVER_RANK, SENDER_RANK
 
 NUM_KV_HEADS = 4
 NUM_MAIN_LAYERS, NUM_MTP_LAYERS = 2, 1
@@ -53,6 +53,15 @@ def seed_extras(seed: int) -> dict[str, torch.Tensor]:
         "draft_probs": torch.rand(1, 3, 16, generator=g),
         "last_hidden": torch.randn(1, 32, generator=g).to(torch.bfloat16),
     }
+
+
+def payload_nbytes(dtype: torch.dtype, heads: tuple[int, int], with_extras: bool = True) -> int:
+    """Bytes a pull of `heads` must move, from the shapes alone (not from any received tensor)."""
+    layers = NUM_MAIN_LAYERS + NUM_MTP_LAYERS
+    kv = layers * 2 * len(BLOCK_IDS) * BLOCK_SIZE * (heads[1] - heads[0]) * HEAD_DIM
+    # seed_extras: int64 [1, 3] + float32 [1, 3, 16] + bfloat16 [1, 32]
+    extras = 1 * 3 * 8 + 1 * 3 * 16 * 4 + 1 * 32 * 2
+    return kv * dtype.itemsize + (extras if with_extras else 0)
 
 
 def expected_kv(seed: int, dtype: torch.dtype, heads: tuple[int, int]) -> torch.Tensor:
@@ -94,6 +103,9 @@ def _peer_main(conn: Any) -> None:
             state["cond"].wait_for(lambda: request_id in state["releases"], timeout_s)
             return state["releases"].get(request_id)
 
+    def sender_stats() -> dict[str, int]:
+        return state["sender"].stats()
+
     def close_sender() -> list[str]:
         state["sender"].close()
         return [t.name for t in threading.enumerate() if t is not threading.main_thread()]
@@ -118,6 +130,7 @@ def _peer_main(conn: Any) -> None:
             start_sender,
             hold,
             wait_release,
+            sender_stats,
             close_sender,
             channel_connect,
             channel_reconnect,
@@ -395,3 +408,92 @@ def test_idle_pair_is_closed_and_the_next_pull_reconnects_transparently():
     finally:
         receiver.close()
         sender.close()
+
+
+# -- bandwidth probe and counters -----------------------------------------------------------------
+
+
+def test_probe_returns_the_requested_bytes_and_a_positive_bandwidth(prefill, receiver):
+    _, address = prefill[0]
+    for size in (1 << 20, 3):  # the second reuses a prefix of the first's buffers
+        got = receiver.probe(address, size, timeout_s=20)
+        assert set(got) == {"bytes", "seconds", "gib_per_s"} and got["bytes"] == size
+        assert got["seconds"] > 0 and got["gib_per_s"] > 0
+        assert got["gib_per_s"] == pytest.approx(size / got["seconds"] / 2**30)
+    stats = receiver.stats()
+    assert (stats["probes"], stats["probe_bytes"]) == (2, (1 << 20) + 3)
+    assert stats["pulls"] == stats["bytes_received"] == stats["failures"] == 0  # kept apart
+
+    for bad in (0, -1, MAX_PROBE_BYTES + 1):  # refused before touching the channel
+        with pytest.raises(ValueError, match="probe size"):
+            receiver.probe(address, bad)
+    assert receiver.stats()["probe_failures"] == 0
+
+
+def test_probes_and_pulls_interleave_on_one_channel(prefill, receiver):
+    peer, address = prefill[1]
+    before = peer.call("sender_stats")
+    for i, seed in enumerate((101, 102)):
+        peer.call("hold", f"mix{i}", seed, "bfloat16", (0, NUM_KV_HEADS))
+
+    # probe, pull, probe, pull: each must find its own bytes in the one ordered stream
+    assert receiver.probe(address, 256 << 10, timeout_s=20)["bytes"] == 256 << 10
+    kv0, extras0 = receiver.pull(address, "mix0", 0, NUM_KV_HEADS, timeout_s=20)
+    assert receiver.probe(address, 4099, timeout_s=20)["bytes"] == 4099
+    kv1, _ = receiver.pull(address, "mix1", 0, NUM_KV_HEADS, timeout_s=20)
+
+    assert torch.equal(kv0, expected_kv(101, torch.bfloat16, (0, NUM_KV_HEADS)))
+    assert torch.equal(extras0["draft_probs"], seed_extras(101)["draft_probs"])
+    assert torch.equal(kv1, expected_kv(102, torch.bfloat16, (0, NUM_KV_HEADS)))
+    assert [peer.call("wait_release", f"mix{i}", 10.0) for i in range(2)] == ["acked"] * 2
+    stats = receiver.stats()
+    assert (stats["channel_builds"], stats["channel_rebuilds"], stats["failures"]) == (1, 0, 0)
+    assert (stats["pulls"], stats["probes"]) == (2, 2)
+    # The pair thread serves in order, so both probes are counted once mix1 is released.
+    after = peer.call("sender_stats")
+    assert after["probes"] - before["probes"] == 2
+    assert after["probe_bytes_sent"] - before["probe_bytes_sent"] == (256 << 10) + 4099
+    pulled = 2 * payload_nbytes(torch.bfloat16, (0, NUM_KV_HEADS))
+    assert after["bytes_sent"] - before["bytes_sent"] == pulled  # probes not in the KV count
+
+
+def test_probe_timeout_breaks_the_channel_and_the_next_op_rebuilds_it():
+    sender = KVSender(transfer_timeout_s=5)
+    receiver = KVReceiver()
+    try:
+        assert receiver.probe(sender.address, 1024, timeout_s=20)["bytes"] == 1024
+        with pytest.raises(KVTransferError, match="probe"):
+            # Far too short for the control round trip: fails like a pull deadline would.
+            receiver.probe(sender.address, 1 << 20, timeout_s=1e-4)
+        assert receiver.probe(sender.address, 1024, timeout_s=20)["bytes"] == 1024
+        stats = receiver.stats()
+        assert (stats["probe_failures"], stats["probes"], stats["failures"]) == (1, 2, 0)
+        # Rebuilt in a new generation (or, on a starved CPU, the whole link dropped and rebuilt).
+        assert stats["channel_builds"] + stats["channel_rebuilds"] == 2
+    finally:
+        receiver.close()
+        sender.close()
+
+
+def test_stats_grow_by_exactly_the_payload_of_a_pull(prefill, receiver):
+    peer, address = prefill[0]
+    peer.call("hold", "count-full", 111, "bfloat16", (0, NUM_KV_HEADS))
+    peer.call("hold", "count-half", 112, "float32", (0, NUM_KV_HEADS))
+    sent0 = peer.call("sender_stats")["bytes_sent"]
+
+    receiver.pull(address, "count-full", 0, NUM_KV_HEADS, timeout_s=20)
+    s1 = receiver.stats()
+    full = payload_nbytes(torch.bfloat16, (0, NUM_KV_HEADS))
+    assert full == 3 * 2 * 3 * 4 * 4 * 8 * 2 + 280  # 4888: pins the shape arithmetic
+    assert (s1["bytes_received"], s1["pulls"], s1["transfers"]) == (full, 1, 1)
+    assert s1["pull_seconds"] > 0
+    assert peer.call("wait_release", "count-full", 10.0) == "acked"
+    assert peer.call("sender_stats")["bytes_sent"] - sent0 == full  # counted before release
+
+    receiver.pull(address, "count-half", 1, 3, timeout_s=20, with_extras=False)
+    s2 = receiver.stats()
+    half = payload_nbytes(torch.float32, (1, 3), with_extras=False)
+    assert s2["bytes_received"] - s1["bytes_received"] == half
+    assert s2["pulls"] == 2 and s2["pull_seconds"] > s1["pull_seconds"]
+    # Achieved KV bandwidth, as the serve benchmark computes it.
+    assert s2["bytes_received"] / s2["pull_seconds"] > 0

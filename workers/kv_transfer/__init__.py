@@ -10,6 +10,9 @@ Protocol (pull, driven by the decode side):
    through the store, bulk bytes through the group, one ordered stream per pair.
 4. The sender releases a hold (`on_release`) when all its heads are acked, on TTL expiry or on
    failure. Any timeout breaks the channel; the next pull rebuilds it under a new generation.
+5. `probe(address, num_bytes)`: probe message → ok reply → `num_bytes` raw bytes, on the same
+   pair and timed like a pull (request → last byte), so benchmarks can compare achieved KV
+   bandwidth (receiver stats: bytes_received / pull_seconds) with the channel's raw rate.
 """
 
 from workers.kv_transfer.channel import KVTransferError, PairChannel

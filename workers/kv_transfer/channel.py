@@ -19,6 +19,8 @@ from workers.kv_transfer.packing import as_bytes
 SENDER_RANK = 0  # the prefill side of every pair
 RECEIVER_RANK = 1  # the decode side
 _TAG = 0  # NCCL ignores tags; order alone matches sends to receives
+# Largest bandwidth probe: bigger than any single KV pull, small enough to hold twice.
+MAX_PROBE_BYTES = 1 << 30
 
 
 class KVTransferError(RuntimeError):

@@ -7,12 +7,13 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from workers.kv_transfer.channel import (
+    MAX_PROBE_BYTES,
     RECEIVER_RANK,
     KVTransferError,
     PairChannel,
@@ -23,6 +24,25 @@ from workers.kv_transfer.packing import extras_nbytes, parse_dtype, unpack_extra
 
 _GRACE_S = 0.5
 _CLOSE_TIMEOUT_S = 1.0
+_T = TypeVar("_T")
+
+# Cumulative counters. Pulls: `bytes_received` (KV + extras payload) and `pull_seconds`
+# (request sent -> last byte received) count successful pulls only, so achieved bandwidth is
+# bytes_received / pull_seconds; `pulls` == `transfers` (kept for older readers). Probes count
+# apart, so they never inflate the KV numbers.
+_STAT_KEYS = (
+    "bytes_received",
+    "pull_seconds",
+    "pulls",
+    "transfers",
+    "failures",
+    "probes",
+    "probe_bytes",
+    "probe_seconds",
+    "probe_failures",
+    "channel_builds",
+    "channel_rebuilds",
+)
 
 
 @dataclass
@@ -33,6 +53,7 @@ class _Link:
     store: dist.TCPStore
     channel: PairChannel | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
+    probe_buf: torch.Tensor | None = None  # grow-only, so repeated probes allocate nothing
 
 
 class KVReceiver:
@@ -61,9 +82,9 @@ class KVReceiver:
         self._generation = 0  # per receiver, so every (re)connection gets a fresh namespace
         self._closed = False
         self._stuck: dict[str, threading.Thread] = {}  # address -> call hung on a frozen sender
-        self._stats = dict.fromkeys(
-            ("bytes_received", "transfers", "failures", "channel_builds", "channel_rebuilds"), 0
-        )
+        self._stats: dict[str, int | float] = dict.fromkeys(_STAT_KEYS, 0)
+        self._stats["pull_seconds"] = self._stats["probe_seconds"] = 0.0
+        self._probe_id = 0
 
     def pull(
         self,
@@ -80,44 +101,45 @@ class KVReceiver:
         Returns (kv [n_layers, 2, n_blocks, block_size, n_heads, head_dim] on this receiver's
         device, extras). `timeout_s` bounds the whole pull, connection included.
         """
-        deadline = time.monotonic() + timeout_s
         heads = (head_start, head_end)
         what = f"the pull of request {request_id!r} from {sender_address}"
-        try:
-            link = self._link(sender_address, deadline)
-            with link.lock:
-                abandoned = threading.Event()
 
-                def run() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-                    try:
-                        for attempt in (0, 1):
-                            channel = self._ensure_channel(link, deadline)
-                            try:
-                                return self._pull_on(
-                                    channel, request_id, heads, with_extras, deadline, abandoned
-                                )
-                            except _Retry:
-                                if attempt:
-                                    raise
-                        raise AssertionError("unreachable")
-                    finally:
-                        if abandoned.is_set():  # the caller gave up: this link is dropped
-                            self._close_link(link)
+        def op(
+            channel: PairChannel, link: _Link, deadline: float, abandoned: threading.Event
+        ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            return self._pull_on(channel, request_id, heads, with_extras, deadline, abandoned)
 
-                done, result = _call_bounded(run, deadline, abandoned)
-                if not done:
-                    self._drop(link, stuck=result)
-                    raise KVTransferError(
-                        f"KV sender {sender_address} did not answer during {what} within "
-                        f"{timeout_s:.1f}s (its store is unresponsive); channel dropped"
-                    )
-                return result
-        except KVTransferError:
-            with self._lock:
-                self._stats["failures"] += 1
-            raise
+        return self._exchange(sender_address, what, timeout_s, op, "failures")
 
-    def stats(self) -> dict[str, int]:
+    def probe(self, sender_address: str, num_bytes: int, timeout_s: float = 30.0) -> dict[str, Any]:
+        """Raw bandwidth of the channel KV pulls use: `num_bytes` bytes, no packing, no ack.
+
+        Timed like a pull (request sent -> last byte received, after the same control round
+        trip), into a buffer allocated before the clock starts. Returns {"bytes", "seconds",
+        "gib_per_s"}. A probe is a channel op like a pull: a failure raises KVTransferError
+        and the channel is rebuilt on its next use. The first probe of a new, larger size
+        includes the sender's one-off buffer allocation (and, on NCCL, the first op of a pair
+        builds the communicator), so benchmarks should discard a warm-up probe.
+        """
+        if not isinstance(num_bytes, int) or not 0 < num_bytes <= MAX_PROBE_BYTES:
+            raise ValueError(
+                f"probe size must be in (0, {MAX_PROBE_BYTES}] bytes (1 GiB), got {num_bytes}"
+            )
+        with self._lock:
+            self._probe_id += 1
+            probe_id = f"{self.receiver_id}/p{self._probe_id}"
+        what = f"probe {probe_id} of {num_bytes} bytes from {sender_address}"
+
+        def op(
+            channel: PairChannel, link: _Link, deadline: float, abandoned: threading.Event
+        ) -> dict[str, Any]:
+            buf = self._probe_buffer(link, num_bytes)
+            return self._probe_on(channel, probe_id, buf, deadline, abandoned)
+
+        return self._exchange(sender_address, what, timeout_s, op, "probe_failures")
+
+    def stats(self) -> dict[str, int | float]:
+        """Cumulative counters (see _STAT_KEYS) plus the number of open channels."""
         with self._lock:
             return {**self._stats, "channels": len(self._links)}
 
@@ -141,6 +163,52 @@ class KVReceiver:
                 self._close_link(link)
 
     # -- internals -------------------------------------------------------------------------------
+
+    def _exchange(
+        self,
+        sender_address: str,
+        what: str,
+        timeout_s: float,
+        op: Callable[[PairChannel, _Link, float, threading.Event], _T],
+        failure_key: str,
+    ) -> _T:
+        """Run one ordered exchange (`op`) on the channel to `sender_address`.
+
+        `timeout_s` bounds everything, connection included. `op` is retried once on a fresh
+        channel if the sender had closed the idle pair before reading our request.
+        """
+        deadline = time.monotonic() + timeout_s
+        try:
+            link = self._link(sender_address, deadline)
+            with link.lock:
+                abandoned = threading.Event()
+
+                def run() -> _T:
+                    try:
+                        for attempt in (0, 1):
+                            channel = self._ensure_channel(link, deadline)
+                            try:
+                                return op(channel, link, deadline, abandoned)
+                            except _Retry:
+                                if attempt:
+                                    raise
+                        raise AssertionError("unreachable")
+                    finally:
+                        if abandoned.is_set():  # the caller gave up: this link is dropped
+                            self._close_link(link)
+
+                done, result = _call_bounded(run, deadline, abandoned)
+                if not done:
+                    self._drop(link, stuck=result)
+                    raise KVTransferError(
+                        f"KV sender {sender_address} did not answer during {what} within "
+                        f"{timeout_s:.1f}s (its store is unresponsive); channel dropped"
+                    )
+                return result
+        except KVTransferError:
+            with self._lock:
+                self._stats[failure_key] += 1
+            raise
 
     def _link(self, address: str, deadline: float) -> _Link:
         with self._lock:
@@ -222,20 +290,15 @@ class KVReceiver:
             return _remaining(deadline, what, channel)
 
         header = {"head_start": head_start, "head_end": head_end, "extras": with_extras}
+        t0 = time.perf_counter()  # request -> last byte, the same span a probe times
         channel.put({"op": "pull", "request_id": request_id, **header})
         reply = channel.take(left(), f"the reply to the pull of {what}")
-        if reply.get("status") != "ok":
-            if reply.get("retry") or reply.get("broken"):
-                channel.mark_broken()
-            if reply.get("retry"):  # the sender closed the idle pair before reading our pull
-                raise _Retry(f"KV sender {channel.peer} closed an idle channel")
-            raise KVTransferError(
-                f"KV sender {channel.peer} refused the pull of {what} "
-                f"(heads [{head_start}, {head_end})): {reply.get('error')}"
-            )
-        if reply.get("request_id") != request_id:
-            channel.mark_broken()  # the stream is out of step; never hand over wrong KV
-            raise KVTransferError(f"KV channel {channel.peer} answered {reply} to {what}")
+        _check_reply(
+            channel,
+            reply,
+            ("request_id", request_id),
+            f"the pull of {what} (heads [{head_start}, {head_end}))",
+        )
         # [n_layers, 2, n_blocks, block_size, n_heads, head_dim]
         dtype = parse_dtype(reply["kv_dtype"])
         kv = torch.empty(reply["kv_shape"], dtype=dtype, device=self._device)
@@ -244,12 +307,56 @@ class KVReceiver:
         blob = torch.empty(extras_nbytes(reply["extras"]), dtype=torch.uint8, device=self._device)
         if blob.numel():
             channel.recv(blob, left(), f"extras of {what}")
+        _sync(self._device)
+        seconds = time.perf_counter() - t0
         left()  # no ack once abandoned: the sender then releases the request as failed
         channel.put({"op": "ack", "request_id": request_id})
         with self._lock:
+            self._stats["pulls"] += 1
             self._stats["transfers"] += 1
             self._stats["bytes_received"] += kv.numel() * kv.element_size() + blob.numel()
+            self._stats["pull_seconds"] += seconds
         return kv, unpack_extras(reply["extras"], blob)
+
+    def _probe_buffer(self, link: _Link, num_bytes: int) -> torch.Tensor:
+        """A [num_bytes] uint8 view of the link's probe buffer (caller holds link.lock)."""
+        if link.probe_buf is None or link.probe_buf.numel() < num_bytes:
+            link.probe_buf = None  # free the smaller one first: sizes go up to 1 GiB
+            link.probe_buf = torch.empty(num_bytes, dtype=torch.uint8, device=self._device)
+        return link.probe_buf[:num_bytes]  # a prefix: contiguous, so gloo/NCCL take it as is
+
+    def _probe_on(
+        self,
+        channel: PairChannel,
+        probe_id: str,
+        buf: torch.Tensor,  # [num_bytes] uint8
+        deadline: float,
+        abandoned: threading.Event,
+    ) -> dict[str, Any]:
+        num_bytes = buf.numel()
+        what = f"probe {probe_id}"
+
+        def left() -> float:
+            if abandoned.is_set():
+                channel.mark_broken()
+                raise KVTransferError(f"{what} was abandoned")
+            return _remaining(deadline, what, channel)
+
+        t0 = time.perf_counter()
+        channel.put({"op": "probe", "probe_id": probe_id, "num_bytes": num_bytes})
+        reply = channel.take(left(), f"the reply to {what}")
+        _check_reply(channel, reply, ("probe_id", probe_id), what)
+        if reply.get("num_bytes") != num_bytes:
+            channel.mark_broken()  # the sender would send a different size: out of step
+            raise KVTransferError(f"KV channel {channel.peer} answered {reply} to {what}")
+        channel.recv(buf, left(), f"bytes of {what}")
+        _sync(self._device)
+        seconds = time.perf_counter() - t0
+        with self._lock:
+            self._stats["probes"] += 1
+            self._stats["probe_bytes"] += num_bytes
+            self._stats["probe_seconds"] += seconds
+        return {"bytes": num_bytes, "seconds": seconds, "gib_per_s": num_bytes / seconds / 2**30}
 
     def _drop(self, link: _Link, stuck: threading.Thread | None = None) -> None:
         """Forget the link (the next pull reconnects); a stuck helper thread closes it later."""
@@ -270,6 +377,28 @@ class KVReceiver:
 
 class _Retry(KVTransferError):
     """The sender did not see the pull: reconnect and send it again."""
+
+
+def _check_reply(
+    channel: PairChannel, reply: dict[str, Any], key: tuple[str, str], what: str
+) -> None:
+    """Raise unless `reply` is an ok answer carrying our id (`key` = (field, value))."""
+    if reply.get("status") != "ok":
+        if reply.get("retry") or reply.get("broken"):
+            channel.mark_broken()
+        if reply.get("retry"):  # the sender closed the idle pair before reading our request
+            raise _Retry(f"KV sender {channel.peer} closed an idle channel")
+        raise KVTransferError(f"KV sender {channel.peer} refused {what}: {reply.get('error')}")
+    if reply.get(key[0]) != key[1]:
+        channel.mark_broken()  # the stream is out of step; never hand over wrong bytes
+        raise KVTransferError(f"KV channel {channel.peer} answered {reply} to {what}")
+
+
+def _sync(device: torch.device) -> None:
+    """Wait for a CUDA recv to land: NCCL's wait() may only order the stream, not the host,
+    and the clock must stop at the last byte."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _say_close(channel: PairChannel) -> None:

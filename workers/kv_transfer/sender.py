@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from workers.kv_transfer.channel import (
+    MAX_PROBE_BYTES,
     SENDER_RANK,
     KVTransferError,
     PairChannel,
@@ -28,10 +29,13 @@ logger = logging.getLogger(__name__)
 # bounds odd cases, and each timed-out store wait logs a c10d warning, so keep it long.
 _IDLE_WAIT_S = 60.0
 
-# "acked" / "expired" / "failed" count releases by reason.
+# "acked" / "expired" / "failed" count releases by reason. `bytes_sent` is the KV + extras
+# payload of acked transfers; bandwidth probes count apart in `probes` / `probe_bytes_sent`.
 _STAT_KEYS = (
     "bytes_sent",
     "transfers",
+    "probes",
+    "probe_bytes_sent",
     "pulls_rejected",
     "acked",
     "expired",
@@ -107,6 +111,7 @@ class KVSender:
         self._servers: dict[str, _PairServer] = {}
         self._closed = False
         self._stats = dict.fromkeys(_STAT_KEYS, 0)
+        self._probe_buf: torch.Tensor | None = None  # grow-only, shared by all pairs (read-only)
         self._threads = [
             threading.Thread(target=self._accept_loop, name=f"{name}-kv-accept", daemon=True),
             threading.Thread(target=self._expire_loop, name=f"{name}-kv-expire", daemon=True),
@@ -244,6 +249,8 @@ class KVSender:
                 op = msg.get("op")
                 if op == "pull":
                     self._serve_pull(channel, msg)
+                elif op == "probe":
+                    self._serve_probe(channel, msg)
                 elif op in ("stop", "close"):
                     return
                 else:
@@ -321,6 +328,37 @@ class KVSender:
                 raise KVTransferError(f"expected ack of {request_id!r}, got {reply}")
         finally:
             self._finish_pull(request_id, held, range(head_start, head_end), acked, nbytes)
+
+    def _serve_probe(self, channel: PairChannel, msg: dict[str, Any]) -> None:
+        """Send `num_bytes` raw bytes down the pair, exactly as KV bytes travel (no packing)."""
+        probe_id, num_bytes = msg.get("probe_id"), msg.get("num_bytes")
+        try:
+            if not isinstance(num_bytes, int) or not 0 < num_bytes <= MAX_PROBE_BYTES:
+                raise ValueError(f"probe size must be in (0, {MAX_PROBE_BYTES}], got {num_bytes}")
+            buf = self._probe_buffer(num_bytes)
+        except (ValueError, RuntimeError) as e:  # e.g. out of memory: refuse, keep the channel
+            channel.put({"status": "error", "probe_id": probe_id, "error": f"{self.name}: {e}"})
+            return
+        channel.put({"status": "ok", "probe_id": probe_id, "num_bytes": num_bytes})
+        channel.send(buf, self.transfer_timeout_s, f"probe {probe_id}")
+        with self._lock:
+            self._stats["probes"] += 1
+            self._stats["probe_bytes_sent"] += num_bytes
+
+    def _probe_buffer(self, num_bytes: int) -> torch.Tensor:
+        """A [num_bytes] uint8 prefix of a buffer on the send device, allocated once per new
+        maximum size so that repeated probes time the channel, not the allocator."""
+        with self._lock:
+            buf = self._probe_buf
+            if buf is None or buf.numel() < num_bytes:
+                self._probe_buf = buf = None  # let the old one go first: sizes go up to 1 GiB
+        if buf is None:
+            # Outside the lock (a 1 GiB fill must not stall hold()); two pairs racing here
+            # each allocate once, harmlessly. Zeros, not empty: never ship stale memory.
+            buf = torch.zeros(num_bytes, dtype=torch.uint8, device=self._device)
+            with self._lock:
+                self._probe_buf = buf
+        return buf[:num_bytes]
 
     def _finish_pull(
         self, request_id: str, held: _Held, heads: range, acked: bool, nbytes: int
