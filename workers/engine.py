@@ -118,6 +118,23 @@ class Engine:
         self.scheduler.add(req)
         return req
 
+    def add_transferred(self, req: Request) -> None:
+        """A request whose KV (main + MTP), first token and drafts arrived from a prefill
+        replica; its blocks are already allocated and filled."""
+        assert req.num_computed_tokens == req.num_tokens - 1, "decode invariant"
+        self.requests[req.request_id] = req
+        req.first_token_time = time.monotonic()
+        self.scheduler.add_running(req)
+
+    def release_prefilled(self, request_id: str) -> bool:
+        """Free a prefill-only request's KV once the decode side has it (or gave up)."""
+        req = self.prefilled.pop(request_id, None)
+        if req is None:
+            return False
+        self.block_manager.free(req)
+        req.status = RequestStatus.FINISHED_STOPPED
+        return True
+
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its KV blocks; False if unknown or already finished."""
         req = self.requests.pop(request_id, None) or self.prefilled.pop(request_id, None)
@@ -227,6 +244,7 @@ class Engine:
                 self.adaptive.observe(k_used, a)
             n = r.num_computed_tokens
             emitted = self._append(r, rows[b][: a + 1])
+            self.totals["emitted"] += len(emitted)
             outputs.append(self._output(r, emitted))
             r.draft_token_ids, r.draft_probs = [], None
             if r.finished:

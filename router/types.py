@@ -1,0 +1,79 @@
+"""Typed messages between the ingress, the orchestrator and the prefill/decode servers.
+
+Everything here is plain data (picklable, no torch tensors) so it crosses Ray handles cheaply.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+
+@dataclass
+class GenerateRequest:
+    """One sequence to generate (an OpenAI request with n > 1 becomes n of these).
+
+    `resume_token_ids` holds tokens already emitted to the client: a request can be resumed on
+    another decode replica from `prompt_token_ids + resume_token_ids` alone (recompute), which
+    is what failover needs; no KV or engine state is required.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    num_speculative_tokens: int | None = None  # per-request cap; 0 disables speculation
+    resume_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class KVTransferParams:
+    """What a decode replica needs to pull a prefilled request's KV (main + MTP layers).
+
+    `sender_addresses[r]` is prefill TP rank r's KV sender ("host:port"); a decode rank pulls
+    its own KV-head slice from the prefill rank(s) that hold it. The MTP seed state (drafts and
+    their probabilities) travels with the KV as `extras`.
+    """
+
+    request_id: str
+    sender_addresses: list[str]
+    prefill_tp_size: int
+    num_kv_heads: int
+    num_tokens: int  # KV slots to pull: prompt (computed) + k-1 speculative MTP entries
+    num_computed_tokens: int  # main KV positions [0, n)
+    first_token_id: int
+    num_drafts: int
+    finished: bool = False  # the first token already ended the request (EOS / max_tokens=1)
+    finish_reason: str | None = None
+
+
+@dataclass
+class TokenChunk:
+    """Tokens emitted since the last chunk of one sequence, plus running counters."""
+
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_drafted: int = 0
+    num_accepted: int = 0
+    num_rounds: int = 0
+    error: str | None = None  # set with finish_reason "error"
+
+
+@runtime_checkable
+class Orchestrator(Protocol):
+    """What the ingress calls; one implementation drives prefill + decode Serve handles."""
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]: ...
+
+    async def stats(self) -> dict: ...
+
+    async def kv_probe(self, num_bytes: int) -> dict: ...
