@@ -26,7 +26,7 @@ def ref_module(model, m: int, tokens: torch.Tensor, prev: torch.Tensor) -> torch
     x = torch.cat([rms(emb, mod.enorm.weight), rms(prev, mod.hnorm.weight)], dim=-1)
     x = x @ mod.eh_proj.weight.T
     pos = torch.arange(tokens.shape[1]).unsqueeze(0)
-    x = mod.block(x, pos, None, None)
+    x = mod.block(x, model.rotary.cos_sin(pos), None, None)
     return rms(x, mod.norm.weight)
 
 

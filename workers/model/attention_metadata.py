@@ -15,8 +15,8 @@ class AttentionMetadata:
     slots neither write KV nor matter (their outputs are ignored).
     """
 
-    slot_mapping: torch.Tensor  # [B*S] flat KV slot of each query token (0 for padding)
-    write_mask: torch.Tensor  # [B*S] bool, False for padding
+    write_slots: torch.Tensor  # [N] flat KV slot of each real (non-padding) query token
+    write_rows: torch.Tensor | None  # [N] their rows in the flattened [B*S] batch; None: all
     block_tables: torch.Tensor  # [B, max_blocks] block ids (0-padded)
     mask: torch.Tensor  # [B, 1, S, L] bool, True = may attend
     max_context_len: int  # L
@@ -42,7 +42,8 @@ class AttentionMetadata:
         rows = torch.arange(B).repeat_interleave(S)
         block_idx = (flat_pos // block_size).clamp(max=max_blocks - 1)
         slots = tables[rows, block_idx] * block_size + flat_pos % block_size
-        slots = torch.where(write, slots, torch.zeros_like(slots))
+        padded = not bool(write.all())
+        rows = write.nonzero().squeeze(1) if padded else None
         ctx_len = int((pos.masked_fill(~write.view(B, S), -1).max(dim=1).values + 1).max())
         ctx = torch.arange(ctx_len)
         # Query at position p attends context positions <= p; padded queries attend position 0
@@ -50,8 +51,8 @@ class AttentionMetadata:
         qpos = pos.masked_fill(~write.view(B, S), 0)
         mask = (ctx.view(1, 1, -1) <= qpos.unsqueeze(-1)).unsqueeze(1)
         return cls(
-            slot_mapping=slots.to(device),
-            write_mask=write.to(device),
+            write_slots=(slots[rows] if padded else slots).to(device),
+            write_rows=rows.to(device) if padded else None,
             block_tables=tables.to(device),
             mask=mask.to(device),
             max_context_len=ctx_len,

@@ -24,11 +24,13 @@ class RMSNorm(nn.Module):
         self.weight.weight_loader = _plain_loader
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 like the HF reference, so bf16 runs round the same way.
-        dtype = x.dtype
+        # Normalise in fp32 like the HF reference, so bf16 runs round the same way; in fp32
+        # skip the no-op casts (each is a dispatch on the per-token hot path).
+        if x.dtype == torch.float32:
+            return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return self.weight * x32.to(x.dtype)
 
 
 class RotaryEmbedding(nn.Module):
@@ -43,20 +45,17 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions [B, S]; q [B, S, Hq, D]; k [B, S, Hk, D]
-        cos = self.cos[positions].unsqueeze(2)  # [B, S, 1, D]
-        sin = self.sin[positions].unsqueeze(2)
-        return _rope(q, cos, sin), _rope(k, cos, sin)
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, S, 1, D] each; computed once per forward and shared by every layer."""
+        return self.cos[positions].unsqueeze(2), self.sin[positions].unsqueeze(2)
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x32 = x.float()
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, S, H, D] (q and k concatenated along H, so one pass serves both)."""
+    x32 = x if x.dtype == torch.float32 else x.float()
     x1, x2 = x32.chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return (x32 * cos + rotated * sin).to(x.dtype)
+    out = x32 * cos + torch.cat([-x2, x1], dim=-1) * sin
+    return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
 class MLP(nn.Module):
@@ -96,25 +95,22 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.rotary = RotaryEmbedding(d, cfg.max_position_embeddings, cfg.rope_theta)
 
     def forward(
         self,
         x: torch.Tensor,  # [B, S, hidden]
-        positions: torch.Tensor,  # [B, S]
+        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin [B, S, 1, D]
         attn: AttentionMetadata | None,
         kv_cache: torch.Tensor | None,  # [2, num_blocks, block_size, Hk, D]
     ) -> torch.Tensor:
         B, S, _ = x.shape
-        qkv = self.qkv_proj(x)
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(B, S, self.num_heads, self.head_dim)
-        k = k.view(B, S, self.num_kv_heads, self.head_dim)
-        v = v.view(B, S, self.num_kv_heads, self.head_dim)
+        Hq, Hk, D = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x).view(B, S, Hq + 2 * Hk, D)
+        qk, v = qkv[:, :, : Hq + Hk], qkv[:, :, Hq + Hk :]
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+            qk = torch.cat([self.q_norm(qk[:, :, :Hq]), self.k_norm(qk[:, :, Hq:])], dim=2)
+        qk = apply_rope(qk, *rope)
+        q, k = qk[:, :, :Hq], qk[:, :, Hq:]
         if attn is None:  # training / reference: full causal attention over the sequence
             out = F.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
@@ -122,16 +118,15 @@ class Attention(nn.Module):
             )
         else:
             assert kv_cache is not None
-            flat_k = kv_cache[0].view(-1, self.num_kv_heads, self.head_dim)
-            flat_v = kv_cache[1].view(-1, self.num_kv_heads, self.head_dim)
-            valid = attn.write_mask  # [B*S] padded query slots write nowhere
-            flat_k[attn.slot_mapping[valid]] = k.reshape(-1, self.num_kv_heads, self.head_dim)[valid]
-            flat_v[attn.slot_mapping[valid]] = v.reshape(-1, self.num_kv_heads, self.head_dim)[valid]
-            # Gather each sequence's context through its block table: [B, L, Hk, D].
-            k_ctx = kv_cache[0][attn.block_tables].flatten(1, 2)[:, : attn.max_context_len]
-            v_ctx = kv_cache[1][attn.block_tables].flatten(1, 2)[:, : attn.max_context_len]
+            # One write and one gather for K and V together (fewer ops per token).
+            flat = kv_cache.view(2, -1, Hk, D)
+            new_kv = torch.stack([k, v]).view(2, B * S, Hk, D)
+            if attn.write_rows is not None:  # padded query slots write nowhere
+                new_kv = new_kv[:, attn.write_rows]
+            flat[:, attn.write_slots] = new_kv
+            ctx = kv_cache[:, attn.block_tables].flatten(2, 3)[:, :, : attn.max_context_len]
             out = F.scaled_dot_product_attention(
-                q.transpose(1, 2), k_ctx.transpose(1, 2), v_ctx.transpose(1, 2),
+                q.transpose(1, 2), ctx[0].transpose(1, 2), ctx[1].transpose(1, 2),
                 attn_mask=attn.mask, scale=self.scale, enable_gqa=True,
             )
         return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))
@@ -148,9 +143,9 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
         attn: AttentionMetadata | None,
         kv_cache: torch.Tensor | None,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, attn, kv_cache)
+        x = x + self.self_attn(self.input_layernorm(x), rope, attn, kv_cache)
         return x + self.mlp(self.post_attention_layernorm(x))

@@ -43,10 +43,10 @@ class MTPModule(nn.Module):
         self,
         emb: torch.Tensor,  # [B, S, hidden]
         prev_hidden: torch.Tensor,  # [B, S, hidden]
-        positions: torch.Tensor,  # [B, S]
+        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin at the entries' positions
         attn: AttentionMetadata | None,
         kv_cache: torch.Tensor | None,
     ) -> torch.Tensor:
         e, h = self.enorm(emb), self.hnorm(prev_hidden)
         x = self.eh_proj(torch.cat([h, e] if self.hidden_first else [e, h], dim=-1))
-        return self.norm(self.block(x, positions, attn, kv_cache))
+        return self.norm(self.block(x, rope, attn, kv_cache))

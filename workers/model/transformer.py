@@ -7,7 +7,7 @@ from torch import nn
 
 from workers.model.attention_metadata import AttentionMetadata
 from workers.model.config import ModelConfig
-from workers.model.layers import DecoderLayer, RMSNorm
+from workers.model.layers import DecoderLayer, RMSNorm, RotaryEmbedding
 from workers.model.mtp import MTPModule
 from workers.model.parallel import ParallelLMHead, VocabParallelEmbedding
 
@@ -37,6 +37,7 @@ class CausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.mtp = nn.ModuleList(MTPModule(cfg) for _ in range(cfg.num_mtp_modules))
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
 
     def forward(
         self,
@@ -47,8 +48,9 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """Main-model hidden states after the final norm, [B, S, hidden] (what MTP consumes)."""
         x = self.model.embed_tokens(input_ids)
+        rope = self.rotary.cos_sin(positions)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, positions, attn, None if kv_caches is None else kv_caches[i])
+            x = layer(x, rope, attn, None if kv_caches is None else kv_caches[i])
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -67,7 +69,7 @@ class CausalLM(nn.Module):
         mtp = self.mtp[module]
         embed = mtp.embed_tokens if mtp.embed_tokens is not None else self.model.embed_tokens
         kv = None if kv_caches is None else kv_caches[self.config.num_hidden_layers + module]
-        return mtp(embed(input_ids), prev_hidden, positions, attn, kv)
+        return mtp(embed(input_ids), prev_hidden, self.rotary.cos_sin(positions), attn, kv)
 
     def compute_mtp_logits(self, module: int, hidden: torch.Tensor) -> torch.Tensor:
         head = self.mtp[module].head
