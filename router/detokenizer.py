@@ -1,0 +1,96 @@
+"""Streaming text from token ids: incremental detokenization and stop strings.
+
+`IncrementalDetokenizer` turns tokens into text deltas without ever splitting a multi-byte
+character (a byte-level BPE token can hold half of one): vLLM's prefix/read-offset technique
+decodes a short window ending at the new tokens and emits only the part past the previously
+decoded window, holding everything back while the text ends in U+FFFD (an incomplete UTF-8
+sequence). The concatenated deltas equal `tokenizer.decode(all_output_ids)`.
+
+`StopStringMatcher` cuts a text stream at the first stop string: the stop string and everything
+after it are never emitted, and text that could be the start of a stop string is held back
+until the next delta proves it is not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+REPLACEMENT_CHAR = "\ufffd"
+# Prompt tokens decoded with the output, so tokenizers whose decoding depends on the left
+# context (SentencePiece's leading space) produce the same text as a full decode.
+NUM_CONTEXT_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    """Token ids in, text deltas out. Mutates only itself."""
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int] = (),
+                 skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        context = list(prompt_token_ids[-NUM_CONTEXT_TOKENS:])
+        if context and self._decode(context).endswith(REPLACEMENT_CHAR):
+            context = []  # a prompt ending mid-character would swallow the output's first bytes
+        self.token_ids: list[int] = context
+        self.prefix_offset = 0  # start of the window decoded for context
+        self.read_offset = len(context)  # tokens before this are already emitted
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def _delta(self, final: bool) -> str:
+        prefix = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+        text = self._decode(self.token_ids[self.prefix_offset :])
+        if len(text) <= len(prefix) or (text.endswith(REPLACEMENT_CHAR) and not final):
+            return ""  # nothing new, or an incomplete character: wait for more bytes
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+        return text[len(prefix) :]
+
+    def add(self, token_ids: Sequence[int]) -> str:
+        """Append tokens; returns the text that is now complete."""
+        self.token_ids.extend(token_ids)
+        return self._delta(final=False) if token_ids else ""
+
+    def flush(self) -> str:
+        """The held-back text, when no more tokens will come (invalid bytes become U+FFFD)."""
+        return self._delta(final=True)
+
+
+class StopStringMatcher:
+    """Cuts a text stream before the first occurrence of any stop string. Mutates itself."""
+
+    def __init__(self, stop: Sequence[str] = ()) -> None:
+        self.stop = [s for s in stop if s]
+        self.held = ""
+        self.stopped = False
+
+    def _partial_len(self, text: str) -> int:
+        """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
+        best = 0
+        for s in self.stop:
+            for k in range(min(len(s) - 1, len(text)), best, -1):
+                if text.endswith(s[:k]):
+                    best = k
+                    break
+        return best
+
+    def feed(self, text: str) -> str:
+        """Add text; returns what is safe to emit. After a stop string, returns '' forever."""
+        if self.stopped:
+            return ""
+        if not self.stop:
+            return text
+        text = self.held + text
+        hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        if hits:
+            self.stopped, self.held = True, ""
+            return text[: min(hits)]
+        keep = self._partial_len(text)
+        self.held = text[len(text) - keep :] if keep else ""
+        return text[: len(text) - keep]
+
+    def flush(self) -> str:
+        """The held text, when the stream ended without a stop string."""
+        held, self.held = self.held, ""
+        return "" if self.stopped else held

@@ -1,0 +1,147 @@
+"""OpenAI-style errors at the HTTP boundary: `{"error": {"message", "type", "param", "code"}}`.
+
+Every failure a client can see goes through here, so status codes and the JSON shape are decided
+in one place: validation → 400, auth → 401, unknown model → 404, engine failure → 500/503, and
+anything unexpected → 500 with a short message (the traceback goes to the log, never the body).
+In a stream the same body is sent as one `data:` event, after which the stream closes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger(__name__)
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    501: "not_implemented_error",
+    503: "server_error",
+}
+# Matched by class name (anywhere in the MRO) so the router never imports the engine (torch) or
+# Ray; Ray re-raises remote errors as subclasses of the original class, so the MRO still shows it.
+_BAD_REQUEST_NAMES = {"EngineError"}
+_UNAVAILABLE_NAMES = {
+    "BackPressureError", "DeploymentUnavailableError", "RayActorError", "ActorDiedError",
+    "ActorUnavailableError",
+}
+_MAX_MESSAGE_CHARS = 500
+
+
+class APIError(Exception):
+    """An error the client should see, with its HTTP status and OpenAI error fields."""
+
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        type: str | None = None,
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.type = type or _TYPES.get(status, "server_error" if status >= 500 else
+                                       "invalid_request_error")
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+    def sse(self) -> str:
+        """The error as one server-sent event (the stream is closed after it)."""
+        return f"data: {json.dumps(self.body())}\n\n"
+
+
+def _short(text: str) -> str:
+    return text if len(text) <= _MAX_MESSAGE_CHARS else text[: _MAX_MESSAGE_CHARS - 3] + "..."
+
+
+def from_exception(exc: BaseException) -> APIError:
+    """Classify an exception raised while generating: APIError as is, an engine rejection → 400,
+    an unavailable backend → 503, anything else → 500. Unexpected ones are logged here."""
+    if isinstance(exc, APIError):
+        return exc
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    detail = _short(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+    if names & _BAD_REQUEST_NAMES:
+        return APIError(_short(str(exc)) or detail, 400)
+    if isinstance(exc, (TimeoutError, ConnectionError)) or names & _UNAVAILABLE_NAMES:
+        logger.warning("generation backend unavailable: %s", detail)
+        return APIError(f"the generation backend is unavailable ({detail})", 503,
+                        code="service_unavailable")
+    logger.error("generation failed", exc_info=exc)
+    return APIError(f"generation failed ({detail})", 500, type="server_error")
+
+
+def _param(loc: tuple) -> str | None:
+    """`('body', 'messages', 0, 'content')` → `messages[0].content`."""
+    out = ""
+    for part in loc[1:] if loc and loc[0] == "body" else loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or None
+
+
+def validation_error(exc: RequestValidationError, request: Request) -> APIError:
+    """The first validation error as a 400 naming the bad field (FastAPI would answer 422)."""
+    errors = exc.errors()
+    if not errors:
+        return APIError("invalid request body", 400)
+    err = errors[0]
+    kind, loc, msg = err.get("type", ""), tuple(err.get("loc", ())), err.get("msg", "invalid")
+    if kind == "json_invalid":
+        reason = (err.get("ctx") or {}).get("error", "JSON decode error")
+        pos = loc[1] if len(loc) > 1 else "?"
+        return APIError(f"malformed JSON in request body: {reason} (at character {pos})", 400)
+    param = _param(loc)
+    if param is None:
+        content_type = request.headers.get("content-type", "")
+        if kind == "missing":
+            return APIError("request body is required (a JSON object)", 400)
+        if "json" not in content_type:
+            return APIError("request body must be JSON with 'Content-Type: application/json'",
+                            400)
+        return APIError(f"request body must be a JSON object: {msg}", 400)
+    more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
+    return APIError(f"invalid value for '{param}': {msg}{more}", 400, param=param)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Route every error a request can raise to OpenAI-style JSON."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(exc, request).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
+        code = "not_found" if exc.status_code == 404 else None
+        return APIError(message, exc.status_code, code=code).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+        return APIError("internal server error", 500, type="server_error").response()

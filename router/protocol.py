@@ -1,0 +1,309 @@
+"""Pydantic models of the OpenAI API subset we serve, plus two extensions.
+
+Requests ignore unknown fields (OpenAI clients send new ones; forward compatible) but reject
+values of the wrong type (`"max_tokens": "ten"` → 400, no silent coercion of strings). Fields that
+would change the output and that we do not implement (`logprobs`, `echo`, `suffix`, penalties,
+`logit_bias`, `tools`, ...) are rejected with 400 by `check_supported()` rather than ignored.
+
+Extensions (request):
+  - `mtp: {"num_speculative_tokens": int >= 0 | null, "disable": bool}` caps this request's
+    drafts per speculative round at `num_speculative_tokens` (never above the server's k), or
+    turns speculation off (`disable: true`, same as a cap of 0). Output is identical either way
+    (greedy) or identically distributed (sampling); only speed changes.
+  - `ignore_eos: bool` keeps generating past EOS (benchmarks with fixed output lengths).
+  - `return_token_ids: bool` adds `token_ids` (generated ids, all of them, including any past a
+    stop string) to every choice, and `prompt_token_ids` to the response.
+Extension (response): `mtp_stats` (see `MTPStats`) on every finished choice, and summed over the
+choices on the response (non-streaming) or on the usage chunk (streaming, with `include_usage`).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
+
+from router.errors import APIError
+
+Int = Annotated[int, Strict()]
+Float = Annotated[float, Strict()]  # strict float still takes JSON integers
+Bool = Annotated[bool, Strict()]
+Str = Annotated[str, Strict()]
+
+MAX_N = 16
+MAX_STOP_STRINGS = 4
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class MTPOptions(BaseModel):
+    """Per-request speculation control (extension). Unknown keys are an error: a typo here
+    would otherwise silently change nothing."""
+
+    model_config = ConfigDict(extra="forbid")
+    num_speculative_tokens: Int | None = Field(None, ge=0, description="cap on drafts per round")
+    disable: Bool = Field(False, description="no speculation for this request")
+
+    @property
+    def cap(self) -> int | None:
+        return 0 if self.disable else self.num_speculative_tokens
+
+
+class StreamOptions(_Request):
+    include_usage: Bool | None = False
+
+
+class SamplingRequest(_Request):
+    """Fields shared by completions and chat completions. `None` means the default."""
+
+    model: Str | None = None
+    temperature: Float | None = Field(None, ge=0, le=2)
+    top_p: Float | None = Field(None, gt=0, le=1)
+    top_k: Int | None = Field(None, ge=-1, description="extension; 0 or -1 disables")
+    seed: Int | None = None
+    stop: Str | list[Str] | None = None
+    n: Int | None = Field(None, ge=1, le=MAX_N)
+    stream: Bool | None = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: Float | None = None
+    frequency_penalty: Float | None = None
+    logit_bias: dict[str, Any] | None = None
+    mtp: MTPOptions | None = None
+    ignore_eos: Bool | None = False
+    return_token_ids: Bool | None = False
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(v, list) and len(v) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
+        return v
+
+    @property
+    def stop_strings(self) -> list[str]:
+        stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        return [s for s in stop if s]
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def check_supported(self) -> None:
+        """Reject, rather than ignore, parameters that would change the output."""
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise APIError(f"'{name}' is not supported (use 0)", 400, param=name)
+        if self.logit_bias:
+            raise APIError("'logit_bias' is not supported", 400, param="logit_bias")
+
+
+class CompletionRequest(SamplingRequest):
+    """`POST /v1/completions`. A list of strings (or of token-id lists) is a batch: each prompt
+    gets `n` choices, ordered prompt-major (choice index = prompt index * n + i)."""
+
+    prompt: Str | list[Str] | list[Int] | list[list[Int]]
+    max_tokens: Int | None = Field(None, ge=1)
+    echo: Bool | None = False
+    logprobs: Int | None = None
+    suffix: Str | None = None
+    best_of: Int | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, v: Any) -> Any:
+        if isinstance(v, list) and not v:
+            raise ValueError("prompt must not be an empty list")
+        return v
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        return [p] if isinstance(p[0], int) else list(p)
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.logprobs is not None:
+            raise APIError("'logprobs' is not supported", 400, param="logprobs")
+        if self.echo:
+            raise APIError("'echo' is not supported", 400, param="echo")
+        if self.suffix:
+            raise APIError("'suffix' is not supported", 400, param="suffix")
+        if self.best_of is not None and self.best_of != (self.n or 1):
+            raise APIError("'best_of' is not supported", 400, param="best_of")
+
+
+class ContentPart(_Request):
+    type: Str
+    text: Str | None = None
+
+    @model_validator(mode="after")
+    def _text_only(self) -> ContentPart:
+        if self.type != "text" or self.text is None:
+            raise ValueError(f"only text content parts are supported, got type '{self.type}'")
+        return self
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Str | list[ContentPart] | None = None
+
+    @property
+    def text(self) -> str:
+        """Content as one string; text parts are joined with newlines."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(p.text or "" for p in self.content)
+
+
+class ChatCompletionRequest(SamplingRequest):
+    """`POST /v1/chat/completions`. `max_completion_tokens` wins over `max_tokens`."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Int | None = Field(None, ge=1)
+    max_completion_tokens: Int | None = Field(None, ge=1)
+    logprobs: Bool | None = None
+    top_logprobs: Int | None = None
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    @property
+    def max_output_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.logprobs or self.top_logprobs is not None:
+            raise APIError("'logprobs' is not supported", 400, param="logprobs")
+        if self.tools:
+            raise APIError("'tools' are not supported", 400, param="tools")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise APIError("only response_format type 'text' is supported", 400,
+                           param="response_format")
+
+
+class KVProbeRequest(_Request):
+    num_bytes: Int = Field(ge=1, le=1 << 31)
+
+
+# Responses ---------------------------------------------------------------------------------
+class MTPStats(BaseModel):
+    """Speculation statistics of one choice (or summed over the choices of a response).
+
+    `num_drafted` MTP draft tokens were verified, `num_accepted` of them accepted;
+    `acceptance_rate = num_accepted / num_drafted`; `num_rounds` speculative decode rounds ran;
+    `mean_accepted_length = (num_accepted + num_rounds) / num_rounds` is the tokens emitted per
+    round (accepted drafts plus the one recovered/bonus token). Rates are null when undefined.
+    """
+
+    num_drafted: int
+    num_accepted: int
+    num_rounds: int
+    acceptance_rate: float | None = None
+    mean_accepted_length: float | None = None
+
+    @classmethod
+    def of(cls, num_drafted: int, num_accepted: int, num_rounds: int) -> MTPStats:
+        return cls(
+            num_drafted=num_drafted, num_accepted=num_accepted, num_rounds=num_rounds,
+            acceptance_rate=num_accepted / num_drafted if num_drafted else None,
+            mean_accepted_length=(num_accepted + num_rounds) / num_rounds if num_rounds
+            else None,
+        )
+
+    @classmethod
+    def total(cls, stats: list[MTPStats]) -> MTPStats:
+        return cls.of(sum(s.num_drafted for s in stats), sum(s.num_accepted for s in stats),
+                      sum(s.num_rounds for s in stats))
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: Literal["stop", "length"] | None = None
+    token_ids: list[int] | None = None
+    mtp_stats: MTPStats | None = None
+
+
+class CompletionResponse(BaseModel):
+    """A completion, or (`object` the same, per OpenAI) one streamed chunk of it."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    mtp_stats: MTPStats | None = None
+    prompt_token_ids: list[list[int]] | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    finish_reason: Literal["stop", "length"] | None = None
+    token_ids: list[int] | None = None
+    mtp_stats: MTPStats | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    mtp_stats: MTPStats | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    finish_reason: Literal["stop", "length"] | None = None
+    token_ids: list[int] | None = None
+    mtp_stats: MTPStats | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: Usage | None = None
+    mtp_stats: MTPStats | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "mtpserve"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
