@@ -80,6 +80,13 @@ A plaintext `auth.api_key` would end up in the RayService object, so it is refus
 
 {{/* Environment shared by every Ray container. */}}
 {{- define "mtpserve.env" -}}
+{{- /* KV senders must listen on an address decode pods on other nodes can reach. */}}
+- name: MTPSERVE_KV_HOST
+  valueFrom:
+    fieldRef:
+      fieldPath: status.podIP
+- name: GLOO_SOCKET_IFNAME  # the pod network (KV channels and TP groups over gloo)
+  value: eth0
 {{- if .Values.auth.enabled }}
 - name: {{ .Values.auth.envName }}
   valueFrom:

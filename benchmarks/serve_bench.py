@@ -1,0 +1,132 @@
+"""`mtpserve bench serve`: N concurrent streaming clients against a running server.
+
+Prints TTFT and TPOT percentiles, output tokens/s, the acceptance rate over the run (from the
+server's stats), and the KV transfer bandwidth achieved by real pulls next to a raw send/recv
+of the same number of bytes on the same channel, measured in the same run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import time
+from dataclasses import dataclass
+
+import httpx
+
+from workers.training.prompts import held_out_prompts
+
+
+@dataclass
+class ServeBenchArgs:
+    url: str = "http://127.0.0.1:8000"
+    api_key: str | None = None
+    concurrency: int = 4
+    num_requests: int = 16
+    max_tokens: int = 64
+    prompt_tokens: int = 200
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
+
+
+async def _one(client: httpx.AsyncClient, prompt: str, max_tokens: int) -> dict:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    stamps: list[float] = []
+    tokens = 0
+    async with client.stream("POST", "/v1/completions", json=body) as resp:
+        resp.raise_for_status()
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            data = json.loads(line[6:])
+            if "error" in data:
+                raise RuntimeError(data["error"])
+            if data.get("choices") and data["choices"][0].get("text"):
+                stamps.append(time.perf_counter())
+            if data.get("usage"):
+                tokens = data["usage"]["completion_tokens"]
+    end = time.perf_counter()
+    ttft = (stamps[0] - t0) if stamps else end - t0
+    tpot = (end - stamps[0]) / max(tokens - 1, 1) if stamps and tokens > 1 else None
+    return {"ttft": ttft, "tpot": tpot, "tokens": tokens, "seconds": end - t0}
+
+
+async def run(args: ServeBenchArgs) -> dict:
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    prompts = held_out_prompts(args.num_requests, num_chars=4 * args.prompt_tokens)
+    async with httpx.AsyncClient(base_url=args.url, headers=headers, timeout=600) as client:
+        before = (await client.get("/v1/mtpserve/stats")).json()
+        sem = asyncio.Semaphore(args.concurrency)
+
+        async def guarded(p: str) -> dict:
+            async with sem:
+                return await _one(client, p, args.max_tokens)
+
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(guarded(p) for p in prompts))
+        wall = time.perf_counter() - t0
+        after = (await client.get("/v1/mtpserve/stats")).json()
+        res = _summarise(results, wall, before, after)
+        pull_bytes = res["kv_pull_bytes_mean"]
+        if pull_bytes:
+            await client.post("/v1/mtpserve/kv_probe", json={"num_bytes": int(pull_bytes)})
+            probe = (await client.post("/v1/mtpserve/kv_probe",
+                                       json={"num_bytes": int(pull_bytes)})).json()
+            res["kv_raw_gib_per_s"] = probe.get("gib_per_s")
+    res.update(concurrency=args.concurrency, num_requests=args.num_requests,
+               max_tokens=args.max_tokens)
+    return res
+
+
+def _summarise(results: list[dict], wall: float, before: dict, after: dict) -> dict:
+    ttft = [r["ttft"] * 1000 for r in results]
+    tpot = [r["tpot"] * 1000 for r in results if r["tpot"] is not None]
+    d0, d1 = before.get("decode", {}), after.get("decode", {})
+    drafted = d1.get("total_drafted", 0) - d0.get("total_drafted", 0)
+    accepted = d1.get("total_accepted", 0) - d0.get("total_accepted", 0)
+    k0, k1 = d0.get("kv_receiver", {}), d1.get("kv_receiver", {})
+    pulled = k1.get("bytes_received", 0) - k0.get("bytes_received", 0)
+    pull_s = k1.get("pull_seconds", 0.0) - k0.get("pull_seconds", 0.0)
+    pulls = k1.get("pulls", 0) - k0.get("pulls", 0)
+    return {
+        "ttft_ms_p50": _pct(ttft, 50), "ttft_ms_p99": _pct(ttft, 99),
+        "tpot_ms_p50": _pct(tpot, 50), "tpot_ms_p99": _pct(tpot, 99),
+        "output_tokens_per_s": sum(r["tokens"] for r in results) / wall,
+        "acceptance_rate": accepted / drafted if drafted else None,
+        "kv_pulls": pulls, "kv_pull_bytes_mean": pulled / pulls if pulls else None,
+        "kv_achieved_gib_per_s": pulled / pull_s / 2**30 if pull_s else None,
+        "wall_seconds": wall,
+        "mean_tokens": statistics.mean(r["tokens"] for r in results),
+    }
+
+
+def format_table(r: dict) -> str:
+    f = lambda x, p=1: "-" if x is None else f"{x:.{p}f}"  # noqa: E731
+    return "\n".join([
+        f"{r['num_requests']} requests, concurrency {r['concurrency']}, "
+        f"max_tokens {r['max_tokens']} (decode stats from rank 0 of one decode replica)",
+        "| TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | output tok/s | acceptance |"
+        " KV pull GiB/s | raw send/recv GiB/s |",
+        "|---|---|---|---|---|---|---|---|",
+        f"| {f(r['ttft_ms_p50'])} | {f(r['ttft_ms_p99'])} | {f(r['tpot_ms_p50'])} | "
+        f"{f(r['tpot_ms_p99'])} | {f(r['output_tokens_per_s'])} | "
+        f"{f(r['acceptance_rate'], 3)} | {f(r['kv_achieved_gib_per_s'], 3)} | "
+        f"{f(r.get('kv_raw_gib_per_s'), 3)} |",
+    ])
+
+
+def main(args: ServeBenchArgs, json_out: str | None) -> dict:
+    res = asyncio.run(run(args))
+    print(format_table(res))
+    if json_out:
+        with open(json_out, "w") as f:
+            json.dump(res, f, indent=2)
+    return res
