@@ -32,12 +32,12 @@ def sampling_params(req: GenerateRequest) -> SamplingParams:
     )
 
 
-def to_chunk(out: RequestOutput, req: Request | None = None) -> TokenChunk:
+def to_chunk(out: RequestOutput) -> TokenChunk:
     return TokenChunk(
         token_ids=out.new_token_ids, finished=out.finished, finish_reason=out.finish_reason,
         num_prompt_tokens=out.num_prompt_tokens, num_output_tokens=out.num_output_tokens,
         num_drafted=out.num_drafted, num_accepted=out.num_accepted,
-        num_rounds=req.num_rounds if req else 0,
+        num_rounds=out.num_rounds,
     )
 
 
@@ -57,6 +57,8 @@ class AsyncEngine:
         fut: concurrent.futures.Future = concurrent.futures.Future()
 
         def action() -> None:
+            if not fut.set_running_or_notify_cancel():  # the caller gave up while queued
+                return
             try:
                 fut.set_result(fn(self.engine))
             except BaseException as e:  # handed to the caller, never kills the loop
@@ -98,9 +100,10 @@ class AsyncEngine:
                 self._listeners.pop(rid, None)
                 raise
 
-        await self.acall(register_and_add)
         finished = False
         try:
+            # Inside the try: a caller cancelled while the add is queued still aborts it.
+            await self.acall(register_and_add)
             while True:
                 chunk: TokenChunk = await q.get()
                 finished = chunk.finished
@@ -134,10 +137,7 @@ class AsyncEngine:
                 self._fail_all(f"engine step failed: {e}")
                 continue
             for out in outputs:
-                self._publish(out.request_id, to_chunk(out, self._request(out.request_id)))
-
-    def _request(self, rid: str) -> Request | None:
-        return self.engine.requests.get(rid) or self.engine.prefilled.get(rid)
+                self._publish(out.request_id, to_chunk(out))
 
     def _publish(self, rid: str, chunk: TokenChunk) -> None:
         target = self._listeners.get(rid)

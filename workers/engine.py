@@ -9,7 +9,7 @@ returns what each request emitted. Roles: "both" (offline / single process), "pr
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -52,7 +52,7 @@ class RequestOutput:
     num_output_tokens: int
     num_drafted: int
     num_accepted: int
-    metrics: dict = field(default_factory=dict)
+    num_rounds: int = 0
 
 
 class EngineError(ValueError):
@@ -302,6 +302,7 @@ class Engine:
             num_prompt_tokens=len(req.prompt_token_ids),
             num_output_tokens=req.num_output_tokens,
             num_drafted=req.num_drafted, num_accepted=req.num_accepted,
+            num_rounds=req.num_rounds,
         )
 
     def stats(self) -> dict:

@@ -59,7 +59,9 @@ def _divide(n: int, d: int, what: str) -> int:
 
 def _plain_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
     if param.shape != loaded.shape:
-        raise ValueError(f"shape mismatch: expected {tuple(param.shape)}, got {tuple(loaded.shape)}")
+        raise ValueError(
+            f"shape mismatch: expected {tuple(param.shape)}, got {tuple(loaded.shape)}"
+        )
     param.data.copy_(loaded)
 
 
