@@ -219,7 +219,8 @@ def train(tc: TrainConfig) -> dict:
         tokens += tc.batch_size * tc.seq_len
         rec = {"step": step + 1, "main": main.item(), "mtp": [x.item() for x in mtps]}
         history.append(rec)
-        bar.set_postfix(main=f"{rec['main']:.3f}", mtp=f"{rec['mtp'][0]:.3f}",
+        bar.set_postfix(main=f"{rec['main']:.3f}",
+                        mtp=" ".join(f"{x:.3f}" for x in rec["mtp"]) or "-",
                         tok_s=f"{tokens / (time.perf_counter() - t0):.0f}")
         if (step + 1) % tc.save_every == 0 or step + 1 == end:
             torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
