@@ -164,7 +164,8 @@ def test_resharded_errors_and_auth(resharded_app) -> None:
 
 def test_client_disconnect_frees_decode_blocks(resharded_app, prompts) -> None:
     base = resharded_app
-    body = {"prompt": prompts[1], "max_tokens": 1500, "temperature": 0, "stream": True}
+    body = {"prompt": prompts[1], "max_tokens": 1500, "temperature": 0, "stream": True,
+            "ignore_eos": True}
     with httpx.Client(base_url=base, headers=auth_headers(), timeout=60) as c:
         with c.stream("POST", "/v1/completions", json=body) as resp:
             assert resp.status_code == 200

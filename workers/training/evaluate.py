@@ -52,18 +52,32 @@ def acceptance(model: str, prompts: list[list[int]], dtype: str) -> dict:
     eng = Engine(EngineConfig(model=model, dtype=dtype, num_speculative_tokens=K_EVAL,
                               num_kv_blocks=4096, max_num_seqs=32))
     params = SamplingParams(max_tokens=K_EVAL + 2, temperature=0, ignore_eos=True)
-    reached = [0] * (K_EVAL + 1)  # reached[j]: rounds where draft j+1 was tested
+    accepted: list[int] = []  # drafts accepted in the first round of each prefix
     for i in range(0, len(prompts), 32):
         reqs = [eng.add_request(f"e{i + j}", p, params) for j, p in enumerate(prompts[i:i + 32])]
-        while any(r.num_rounds == 0 and not r.finished for r in reqs):
+        first: dict[str, int] = {}
+        while len(first) < len(reqs):
             eng.step()
-        for r in reqs:
-            a = r.accepted_per_position
-            n_acc = sum(a)
-            for j in range(min(n_acc + 1, K_EVAL)):
-                reached[j] += 1
-            reached[K_EVAL] += n_acc == K_EVAL
-            eng.abort(r.request_id)
+            # A step runs at most one round per request: read each request right after its
+            # first round and stop it, so later rounds (which see the model's own loops) never
+            # count.
+            for r in reqs:
+                if r.request_id not in first and (r.num_rounds == 1 or r.finished):
+                    first[r.request_id] = sum(r.accepted_per_position)
+                    eng.abort(r.request_id)
+        accepted += [first[r.request_id] for r in reqs]
+    res = summarise_acceptance(accepted)
+    res["accepted_per_prefix"] = accepted
+    return res
+
+
+def summarise_acceptance(accepted: list[int]) -> dict:
+    """Conditional per-position acceptance and E[tokens/round] from accepted counts."""
+    reached = [0] * (K_EVAL + 1)  # reached[j]: rounds where draft j+1 was tested
+    for n_acc in accepted:
+        for j in range(min(n_acc + 1, K_EVAL)):
+            reached[j] += 1
+        reached[K_EVAL] += n_acc == K_EVAL
     alphas = []
     for j in range(K_EVAL):
         tested, passed = reached[j], reached[j + 1]
@@ -73,7 +87,7 @@ def acceptance(model: str, prompts: list[list[int]], dtype: str) -> dict:
         chain *= a
         expected += chain
         per_k[str(j)] = expected
-    n = len(prompts)
+    n = len(accepted)
     return {"num_positions": n, "acceptance_per_position": alphas,
             "acceptance_1_stderr": math.sqrt(alphas[0] * (1 - alphas[0]) / n) if n else None,
             "expected_tokens_per_round": per_k}
@@ -87,20 +101,24 @@ def losses(model: str, ids: list[int], seq_len: int, max_tokens: int, dtype: str
     m = load_model(model, dtype=DTYPES[dtype])
     tot_main = tot_mtp = 0.0
     count = 0
+    per_window = []
     for s in range(0, min(len(ids), max_tokens) - seq_len - 2, seq_len):
         w = torch.tensor([ids[s : s + seq_len + 2]])
         x = w[:, :seq_len]
         pos = torch.arange(seq_len).unsqueeze(0)
         h = m(x, pos)
-        tot_main += F.cross_entropy(m.compute_logits(h)[0], w[0, 1 : seq_len + 1],
-                                    reduction="sum").item()
+        main = F.cross_entropy(m.compute_logits(h)[0], w[0, 1 : seq_len + 1]).item()
+        mtp = None
         if m.mtp:
             hm = m.forward_mtp(0, w[:, 1 : seq_len + 1], h, pos)
-            tot_mtp += F.cross_entropy(m.compute_mtp_logits(0, hm)[0], w[0, 2 : seq_len + 2],
-                                       reduction="sum").item()
+            mtp = F.cross_entropy(m.compute_mtp_logits(0, hm)[0], w[0, 2 : seq_len + 2]).item()
+            tot_mtp += mtp * seq_len
+        tot_main += main * seq_len
+        per_window.append([main, mtp])
         count += seq_len
     return {"heldout_tokens": count, "heldout_main_loss": tot_main / count,
-            "heldout_mtp_loss": tot_mtp / count if m.mtp else None}
+            "heldout_mtp_loss": tot_mtp / count if m.mtp else None,
+            "loss_per_window": per_window}
 
 
 def evaluate(model: str, data: str | None, max_positions: int, seq_len: int = 512,

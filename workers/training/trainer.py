@@ -154,10 +154,11 @@ def build_model(tc: TrainConfig, hf_config: dict) -> CausalLM:
         model = CausalLM(ModelConfig.from_dict(hf_config))
         missing = model.load_state_dict(base.state_dict(), strict=False).missing_keys
         assert all(k.startswith("mtp.") for k in missing), missing
-        for m, mod in enumerate(model.mtp):  # start each MTP block from the last main layer
-            _init_weights(mod)
-            mod.block.load_state_dict(base.model.layers[-1].state_dict())
-            del m
+        for m, mod in enumerate(model.mtp):
+            # New modules start from the last main layer; existing ones are fine-tuned.
+            if any(k.startswith(f"mtp.{m}.") for k in missing):
+                _init_weights(mod)
+                mod.block.load_state_dict(base.model.layers[-1].state_dict())
         if tc.freeze_base:
             for name, p in model.named_parameters():
                 p.requires_grad_(name.startswith("mtp.") and "embed" not in name

@@ -1,0 +1,63 @@
+"""`mtpserve up`: starts a local Ray cluster and the app, prints the URL once /health answers,
+serves requests, and on SIGTERM stops Ray and every process it started."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.ray
+
+
+def _session_members(sid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid:  # field 6 of /proc/PID/stat: session id
+            out.append(int(stat.parent.name))
+    return out
+
+
+def test_up_serves_and_stops_cleanly(default_model) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, MTPSERVE_MODEL=str(default_model))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cluster.cli", "up", "--port", str(port), "--num-cpus", "4"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 400
+        line = ""
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if "is serving" in line or not line:
+                break
+        assert f"http://127.0.0.1:{port}/v1" in line, line
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
+                       json={"prompt": "import os\n", "max_tokens": 8, "temperature": 0},
+                       timeout=120)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+        assert len(_session_members(proc.pid)) > 3  # raylet, GCS, replicas, ...
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 0
+        end = time.monotonic() + 60
+        while _session_members(proc.pid) and time.monotonic() < end:
+            time.sleep(0.5)
+        assert _session_members(proc.pid) == []
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
