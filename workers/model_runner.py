@@ -37,6 +37,23 @@ class ForwardBatch:
     hidden_rows: list[list[int]] = field(default_factory=list)
 
 
+def column_major_linears(model: torch.nn.Module) -> None:
+    """Store every linear weight [out, in] column-major (same values and shape).
+
+    `F.linear` computes x @ W.T; with W.T contiguous, the CPU GEMV streams the weight in
+    order, which is ~20% faster for the memory-bound single-token decode. Embeddings keep
+    row-major storage (their lookups read rows)."""
+    from workers.model.parallel import (
+        ColumnParallelLinear,
+        ReplicatedLinear,
+        RowParallelLinear,
+    )
+
+    for mod in model.modules():
+        if isinstance(mod, ColumnParallelLinear | RowParallelLinear | ReplicatedLinear):
+            mod.weight.data = mod.weight.data.t().contiguous().t()
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -48,6 +65,8 @@ class ModelRunner:
     ) -> None:
         self.device = torch.device(device)
         self.model = load_model(model_path, dtype=dtype, device=self.device)
+        if self.device.type == "cpu":
+            column_major_linears(self.model)
         self.config = self.model.config
         self.block_size = block_size
         self.kv_cache = KVCache(self.config, num_blocks, block_size, dtype, self.device)

@@ -17,8 +17,8 @@ class AttentionMetadata:
 
     write_slots: torch.Tensor  # [N] flat KV slot of each real (non-padding) query token
     write_rows: torch.Tensor | None  # [N] their rows in the flattened [B*S] batch; None: all
-    block_tables: torch.Tensor  # [B, max_blocks] block ids (0-padded)
-    mask: torch.Tensor  # [B, 1, S, L] bool, True = may attend
+    block_index: torch.Tensor  # [B * max_blocks] block tables, flattened (0-padded)
+    mask: torch.Tensor | None  # [B, 1, S, L] bool, True = may attend; None: attend to all
     max_context_len: int  # L
 
     @classmethod
@@ -53,7 +53,8 @@ class AttentionMetadata:
         return cls(
             write_slots=(slots[rows] if padded else slots).to(device),
             write_rows=rows.to(device) if padded else None,
-            block_tables=tables.to(device),
-            mask=mask.to(device),
+            block_index=tables.view(-1).to(device),
+            # A single decode token sees its whole context: no mask, SDPA's fastest path.
+            mask=None if bool(mask.all()) else mask.to(device),
             max_context_len=ctx_len,
         )
