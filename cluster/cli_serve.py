@@ -85,10 +85,11 @@ def _up(args: argparse.Namespace) -> int:
     http, app_args = load_app_config(args.config, args.model, args.host, args.port)
     cfg = ClusterConfig(**app_args)  # fail fast, before starting anything
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False,
              log_to_driver=False)
+    # After ray.init: Ray's core worker installs its own SIGTERM handler, which aborts.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
     try:
         serve.start(http_options={"host": cfg.http.host, "port": cfg.http.port})
         serve.run(build_app(cfg), name="mtpserve", route_prefix="/", blocking=False)
