@@ -40,7 +40,6 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None
     role: Literal["both", "prefill", "decode"] = "both"
-    compile: bool = False  # torch.compile the forwards (faster steps, slow first steps)
 
 
 @dataclass
@@ -65,7 +64,7 @@ class Engine:
         self.config = config
         self.runner = runner or ModelRunner(
             config.model, config.num_kv_blocks, config.block_size,
-            DTYPES[config.dtype], config.device, config.compile,
+            DTYPES[config.dtype], config.device,
         )
         mcfg = self.runner.config
         self.model_config = mcfg

@@ -62,7 +62,6 @@ class ModelRunner:
         block_size: int = 16,
         dtype: torch.dtype = torch.float32,
         device: str = "cpu",
-        compile: bool = False,
     ) -> None:
         self.device = torch.device(device)
         self.model = load_model(model_path, dtype=dtype, device=self.device)
@@ -72,12 +71,6 @@ class ModelRunner:
         self.block_size = block_size
         self.kv_cache = KVCache(self.config, num_blocks, block_size, dtype, self.device)
         self._hidden: dict[str, torch.Tensor] = {}
-        # Opt-in: fuses the many small elementwise ops of a decode step (the CPU decode is
-        # dispatch-bound besides the weight reads); costs a compile per shape family.
-        self._main = torch.compile(self.model.forward, dynamic=True) if compile \
-            else self.model.forward
-        self._mtp = torch.compile(self.model.forward_mtp, dynamic=True) if compile \
-            else self.model.forward_mtp
 
     @torch.inference_mode()
     def execute(self, batch: ForwardBatch) -> torch.Tensor:
@@ -95,14 +88,14 @@ class ModelRunner:
         ids, positions = ids.to(self.device), positions.to(self.device)
         caches = self.kv_cache.layers
         if batch.kind == "main":
-            hidden = self._main(ids, positions, attn, caches)
+            hidden = self.model(ids, positions, attn, caches)
         else:
             src = self._hidden[batch.hidden_from or "main"]
             rows = torch.zeros(B, S, dtype=torch.long)
             for b, r in enumerate(batch.hidden_rows):
                 rows[b, : len(r)] = torch.tensor(r, dtype=torch.long)
             prev = src[rows.to(self.device)]  # [B, S, hidden]
-            hidden = self._mtp(batch.module, ids, prev, positions, attn, caches)
+            hidden = self.model.forward_mtp(batch.module, ids, prev, positions, attn, caches)
         flat = hidden.reshape(B * S, -1)
         self._hidden[batch.kind] = flat
         sel = flat[torch.tensor(batch.logit_rows, dtype=torch.long, device=self.device)]
