@@ -19,17 +19,19 @@ def load_score(routing_stats: dict, queue_len: int) -> float:
     return float(queue_len)
 
 
+def rank_by_load(replicas: list, queue_len) -> list[list]:
+    """Most- to least-preferred, one replica per rank (Serve tries them in order)."""
+    ranked = sorted(replicas, key=lambda r: load_score(r.routing_stats or {}, queue_len(r)))
+    return [[r] for r in ranked]
+
+
 class LeastLoadedRouter(FIFOMixin, RequestRouter):
     async def choose_replicas(
         self,
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
-        ranked = sorted(
-            candidate_replicas,
-            key=lambda r: load_score(r.routing_stats or {}, self._queue_len(r)),
-        )
-        return [[r] for r in ranked]
+        return rank_by_load(candidate_replicas, self._queue_len)
 
     def _queue_len(self, replica: RunningReplica) -> int:
         cache = getattr(self, "_replica_queue_len_cache", None)
