@@ -6,10 +6,14 @@ import pytest
 import torch
 
 from workers.kv_transfer.packing import (
+    extras_nbytes,
     gather_blocks,
     pack_extras,
+    pack_payload,
+    payload_layout,
     scatter_blocks,
     unpack_extras,
+    unpack_payload,
 )
 from workers.kv_transfer.resharding import HeadPull, head_range, pull_plan
 
@@ -56,6 +60,24 @@ def test_extras_round_trip_mixed_dtypes():
     assert list(out) == list(extras)
     for name, t in extras.items():
         assert out[name].dtype == t.dtype and torch.equal(out[name], t)
+
+
+@pytest.mark.parametrize("with_extras", [True, False])
+def test_payload_carries_kv_and_extras_in_one_buffer(with_extras):
+    cache = _cache(dtype=torch.bfloat16)  # 3 layers x 2 x 3 blocks x 4 x 2 heads x 8: 2304 B
+    extras = {"ids": torch.tensor([[5, 7, 9]]), "hidden": torch.randn(1, 5).to(torch.bfloat16)}
+    payload, kv, meta = pack_payload(cache, [4, 0, 2], slice(1, 3), extras if with_extras else None)
+    want = gather_blocks(cache, [4, 0, 2], slice(1, 3))
+    assert torch.equal(kv, want) and kv.data_ptr() == payload.data_ptr()
+    kv_nbytes, offset = payload_layout(list(kv.shape), kv.dtype, meta)
+    assert kv_nbytes == want.numel() * 2
+    assert payload.numel() == offset + extras_nbytes(meta) and offset % 64 == 0
+    assert not payload[kv_nbytes:offset].any()  # padding is zeroed, never stale memory
+
+    got_kv, got_extras = unpack_payload(payload.clone(), list(kv.shape), kv.dtype, meta)
+    assert torch.equal(got_kv, want)
+    assert list(got_extras) == (list(extras) if with_extras else [])
+    assert all(torch.equal(got_extras[k], extras[k]) for k in got_extras)
 
 
 def test_head_range_and_invalid_tp():

@@ -11,39 +11,39 @@ import torch.distributed as dist
 MAILBOX = "mailbox"  # queue in a sender's store where decode ranks announce (re)connections
 
 
-def post(store: dist.Store, queue: str, msg: dict[str, Any]) -> int:
-    """Append `msg` to `queue`; returns its slot.
+def post(store: dist.Store, queue: str, msg: dict[str, Any]) -> None:
+    """Append `msg` to `queue`: one store round trip.
 
-    Slots come from the store's atomic counter, so any process or thread (e.g. an owner waking
-    its own reader with a stop message) can append without coordination.
+    The store's native queue (`queue_push`) is atomic, so any process or thread (e.g. an owner
+    waking its own reader with a stop message) can append without coordination.
     """
-    slot = store.add(f"{queue}/n", 1)  # first slot is 1
-    store.set(f"{queue}/{slot}", json.dumps(msg))
-    return slot
+    store.queue_push(queue, json.dumps(msg))
 
 
 class QueueReader:
-    """Reads one queue's messages in slot order and deletes them, so the store stays small.
+    """Reads one queue's messages in order; a read removes the message, so the store stays
+    small. One blocking store round trip per message (`queue_pop`), no polling.
 
-    Not thread-safe; a store client blocked in `wait` holds its connection, so a reader that
-    waits for long should own its store client.
+    Not thread-safe; a store client blocked in a read holds its connection, so a reader that
+    waits for long should own its store client. Reads change the client's timeout for their
+    duration only.
     """
 
     def __init__(self, store: dist.Store, queue: str) -> None:
         self._store = store
         self._queue = queue
-        self._next = 1
 
     def get(self, timeout_s: float) -> dict[str, Any]:
         """Next message; raises TimeoutError after `timeout_s`, DistError if the store is gone."""
-        key = f"{self._queue}/{self._next}"
+        store = self._store
+        default = store.timeout
+        store.set_timeout(timedelta(seconds=max(timeout_s, 1e-3)))  # local: no round trip
         try:
-            self._store.wait([key], timedelta(seconds=max(timeout_s, 1e-3)))
+            raw = store.queue_pop(self._queue)
         except dist.DistStoreError as e:
             if "timeout" in str(e).lower():
                 raise TimeoutError(f"no message on {self._queue} within {timeout_s:.1f}s") from e
             raise
-        msg = json.loads(self._store.get(key))
-        self._store.delete_key(key)
-        self._next += 1
-        return msg
+        finally:
+            store.set_timeout(default)
+        return json.loads(raw)

@@ -9,26 +9,26 @@ from __future__ import annotations
 
 import torch
 
+_ALIGN = 64  # byte alignment of the extras blob inside a pull payload
+
 
 def gather_blocks(
     kv_layers: list[torch.Tensor],  # each [2, num_blocks, block_size, H_local, D]
     block_ids: list[int],
     heads: slice = slice(None),
-) -> torch.Tensor:  # [L, 2, n_blocks, block_size, h, D], contiguous, new memory
+    out: torch.Tensor | None = None,  # [L, 2, n_blocks, block_size, h, D] on the cache device
+) -> torch.Tensor:  # [L, 2, n_blocks, block_size, h, D], contiguous, new memory (or `out`)
     """Copy the request's blocks, restricted to `heads` (local head indices), out of the cache.
 
-    The result is a fresh tensor, so the cache blocks may be freed once this returns.
+    The result is a fresh tensor (or `out`), so the cache blocks may be freed once this returns.
     """
     assert kv_layers, "no KV layers"
     first = kv_layers[0]
     idx = torch.tensor(block_ids, dtype=torch.long, device=first.device)
-    _, _, block_size, _, head_dim = first.shape
-    num_heads = len(range(first.shape[3])[heads])
-    out = torch.empty(
-        (len(kv_layers), 2, len(block_ids), block_size, num_heads, head_dim),
-        dtype=first.dtype,
-        device=first.device,
-    )
+    shape = gathered_shape(kv_layers, len(block_ids), heads)
+    if out is None:
+        out = torch.empty(shape, dtype=first.dtype, device=first.device)
+    assert tuple(out.shape) == shape and out.dtype == first.dtype, "`out` does not fit"
     for layer, dst in zip(kv_layers, out, strict=True):
         assert layer.shape[0] == 2 and layer.shape[2:] == first.shape[2:], (
             f"layer shape {tuple(layer.shape)} differs from {tuple(first.shape)}"
@@ -37,6 +37,62 @@ def gather_blocks(
         # Narrow the heads first so only the requested slice is read.
         torch.index_select(layer[:, :, :, heads], 1, idx, out=dst)
     return out
+
+
+def gathered_shape(
+    kv_layers: list[torch.Tensor], num_blocks: int, heads: slice = slice(None)
+) -> tuple[int, ...]:  # [L, 2, n_blocks, block_size, h, D]
+    _, _, block_size, num_heads, head_dim = kv_layers[0].shape
+    return (len(kv_layers), 2, num_blocks, block_size, len(range(num_heads)[heads]), head_dim)
+
+
+def payload_layout(kv_shape: list[int], kv_dtype: torch.dtype, meta: list[list]) -> tuple[int, int]:
+    """(kv_nbytes, extras_offset) of a pull payload: the KV bytes first, then the extras blob
+    at an aligned offset, so one send moves both and views of either part stay aligned."""
+    kv_nbytes = _numel(kv_shape) * kv_dtype.itemsize
+    if not meta:
+        return kv_nbytes, kv_nbytes
+    return kv_nbytes, -(-kv_nbytes // _ALIGN) * _ALIGN
+
+
+def pack_payload(
+    kv_layers: list[torch.Tensor],
+    block_ids: list[int],
+    heads: slice,
+    extras: dict[str, torch.Tensor] | None,
+    device: torch.device | str = "cpu",
+) -> tuple[torch.Tensor, torch.Tensor, list[list]]:  # (payload uint8, kv view, extras meta)
+    """Gather the KV blocks and pack the extras (None: none sent) into one byte buffer laid
+    out as `payload_layout` says, with a single allocation; `kv` is a view of its head."""
+    first = kv_layers[0]
+    shape = gathered_shape(kv_layers, len(block_ids), heads)
+    meta: list[list] = []
+    parts: list[torch.Tensor] = []
+    for name, t in (extras or {}).items():
+        t = t.detach().contiguous()
+        meta.append([name, list(t.shape), dtype_name(t.dtype)])
+        parts.append(as_bytes(t))
+    kv_nbytes, offset = payload_layout(list(shape), first.dtype, meta)
+    total = offset + sum(p.numel() for p in parts)
+    payload = torch.empty(total, dtype=torch.uint8, device=first.device)
+    kv = payload[:kv_nbytes].view(first.dtype).view(shape)
+    gather_blocks(kv_layers, block_ids, heads, out=kv)
+    if offset > kv_nbytes:
+        payload[kv_nbytes:offset].zero_()  # alignment padding: never ship stale memory
+    for part in parts:
+        payload[offset : offset + part.numel()].copy_(part)
+        offset += part.numel()
+    payload = payload.to(device)
+    return payload, payload[:kv_nbytes].view(first.dtype).view(shape), meta
+
+
+def unpack_payload(
+    payload: torch.Tensor, kv_shape: list[int], kv_dtype: torch.dtype, meta: list[list]
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Inverse of `pack_payload`: (kv, extras), both views into `payload`."""
+    kv_nbytes, offset = payload_layout(kv_shape, kv_dtype, meta)
+    kv = payload[:kv_nbytes].view(kv_dtype).view(kv_shape)
+    return kv, unpack_extras(meta, payload[offset:])
 
 
 def scatter_blocks(

@@ -20,7 +20,12 @@ from workers.kv_transfer.channel import (
     connect_store,
 )
 from workers.kv_transfer.mailbox import MAILBOX, post
-from workers.kv_transfer.packing import extras_nbytes, parse_dtype, unpack_extras
+from workers.kv_transfer.packing import (
+    extras_nbytes,
+    parse_dtype,
+    payload_layout,
+    unpack_payload,
+)
 
 _GRACE_S = 0.5
 _CLOSE_TIMEOUT_S = 1.0
@@ -299,14 +304,15 @@ class KVReceiver:
             ("request_id", request_id),
             f"the pull of {what} (heads [{head_start}, {head_end}))",
         )
-        # [n_layers, 2, n_blocks, block_size, n_heads, head_dim]
+        # One buffer for [n_layers, 2, n_blocks, block_size, n_heads, head_dim] KV + extras
         dtype = parse_dtype(reply["kv_dtype"])
-        kv = torch.empty(reply["kv_shape"], dtype=dtype, device=self._device)
-        if kv.numel():
-            channel.recv(kv, left(), f"KV of {what}")
-        blob = torch.empty(extras_nbytes(reply["extras"]), dtype=torch.uint8, device=self._device)
-        if blob.numel():
-            channel.recv(blob, left(), f"extras of {what}")
+        kv_nbytes, extras_offset = payload_layout(reply["kv_shape"], dtype, reply["extras"])
+        nbytes = kv_nbytes + extras_nbytes(reply["extras"])  # the payload, without padding
+        payload = torch.empty(
+            extras_offset + nbytes - kv_nbytes, dtype=torch.uint8, device=self._device
+        )
+        if payload.numel():
+            channel.recv(payload, left(), f"KV of {what}")
         _sync(self._device)
         seconds = time.perf_counter() - t0
         left()  # no ack once abandoned: the sender then releases the request as failed
@@ -314,9 +320,9 @@ class KVReceiver:
         with self._lock:
             self._stats["pulls"] += 1
             self._stats["transfers"] += 1
-            self._stats["bytes_received"] += kv.numel() * kv.element_size() + blob.numel()
+            self._stats["bytes_received"] += nbytes
             self._stats["pull_seconds"] += seconds
-        return kv, unpack_extras(reply["extras"], blob)
+        return unpack_payload(payload, reply["kv_shape"], dtype, reply["extras"])
 
     def _probe_buffer(self, link: _Link, num_bytes: int) -> torch.Tensor:
         """A [num_bytes] uint8 view of the link's probe buffer (caller holds link.lock)."""

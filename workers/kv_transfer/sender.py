@@ -21,7 +21,7 @@ from workers.kv_transfer.channel import (
     connect_store,
 )
 from workers.kv_transfer.mailbox import MAILBOX, QueueReader, post
-from workers.kv_transfer.packing import dtype_name, gather_blocks, pack_extras
+from workers.kv_transfer.packing import dtype_name, extras_nbytes, pack_payload
 
 logger = logging.getLogger(__name__)
 
@@ -297,9 +297,11 @@ class KVSender:
         try:
             try:
                 heads = slice(head_start - held.head_start, head_end - held.head_start)
-                kv = gather_blocks(held.kv_layers, held.block_ids, heads)  # [L, 2, n, bs, h, D]
-                with_extras = msg.get("extras", True)
-                meta, blob = pack_extras(held.extras, self._device) if with_extras else ([], None)
+                extras = held.extras if msg.get("extras", True) else None
+                # KV + extras in one buffer, one allocation, one send: [L, 2, n, bs, h, D] + blob
+                payload, kv, meta = pack_payload(
+                    held.kv_layers, held.block_ids, heads, extras, self._device
+                )
             except Exception as e:  # e.g. a malformed hold: fail the request, not the channel
                 logger.exception("%s: packing request %r failed", self.name, request_id)
                 error = f"{self.name} could not pack request {request_id!r}: {e}"
@@ -315,13 +317,9 @@ class KVSender:
                     "extras": meta,
                 }
             )
-            what = f"KV of request {request_id!r}"
-            kv = kv.to(self._device)
-            if kv.numel():
-                channel.send(kv, self.transfer_timeout_s, what)
-            if blob is not None and blob.numel():
-                channel.send(blob, self.transfer_timeout_s, f"extras of request {request_id!r}")
-            nbytes = kv.numel() * kv.element_size() + (0 if blob is None else blob.numel())
+            if payload.numel():
+                channel.send(payload, self.transfer_timeout_s, f"KV of request {request_id!r}")
+            nbytes = kv.numel() * kv.element_size() + extras_nbytes(meta)  # padding not counted
             reply = channel.take(self.transfer_timeout_s, f"ack of request {request_id!r}")
             acked = reply.get("op") == "ack" and reply.get("request_id") == request_id
             if not acked:
