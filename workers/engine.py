@@ -212,7 +212,7 @@ class Engine:
         S = K + 1
         logits = self.runner.execute(ForwardBatch(
             kind="main",
-            input_ids=[[r.all_token_ids[-1]] + r.draft_token_ids for r in reqs],
+            input_ids=[[r.output_token_ids[-1]] + r.draft_token_ids for r in reqs],
             start_positions=[r.num_computed_tokens for r in reqs],
             block_tables=[r.block_ids for r in reqs],
             logit_rows=[b * S + s for b in range(len(reqs)) for s in range(S)],
