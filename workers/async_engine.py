@@ -154,9 +154,5 @@ class AsyncEngine:
             self._publish(rid, TokenChunk([], finished=True, finish_reason="error",
                                           error=message))
 
-    def publish_external(self, rid: str, chunk: TokenChunk) -> None:
-        """Deliver a chunk produced outside `step()` (e.g. a first token from prefill)."""
-        self._publish(rid, chunk)
-
 
 __all__ = ["AsyncEngine", "EngineError", "sampling_params", "to_chunk"]

@@ -28,8 +28,3 @@ class KVCache:
         ]
         self.num_blocks = num_blocks
         self.block_size = block_size
-
-    @property
-    def bytes_per_block(self) -> int:
-        t = self.layers[0]
-        return len(self.layers) * t[:, 0].numel() * t.element_size()

@@ -39,24 +39,30 @@ class PrefillServer(EngineReplica):
     async def prefill(self, req: GenerateRequest) -> KVTransferParams:
         """Run the prompt (plus any resumed tokens) and hold its KV for the decode side."""
         t0 = time.perf_counter()
+        rid = req.request_id
         self.inflight += 1
         try:
             first = None
             async for chunk in self.engine.generate(req, abort_on_exit=False):
                 first = chunk
                 break
+            if first is None or first.finish_reason == "error":
+                raise RuntimeError(first.error if first else "prefill produced no token")
+            self.latency_ms.update((time.perf_counter() - t0) * 1000)
+            metrics()["ttft_ms"].observe(self.latency_ms.value)
+            n_prompt = len(req.prompt_token_ids) + len(req.resume_token_ids)
+            if first.finished:
+                return KVTransferParams(rid, self.kv_addresses, self.driver.tp_size, 0, 0,
+                                        n_prompt, first.token_ids[0], 0, True,
+                                        first.finish_reason)
+            return await self.engine.acall(lambda e: self._hold(e, rid, first.token_ids[0]))
+        except BaseException:
+            # Cancelled (client gone) or failed before the KV was handed to the sender: free
+            # the blocks now; a no-op if the request is already gone.
+            self.engine.call(lambda e: e.abort(rid))
+            raise
         finally:
             self.inflight -= 1
-        if first is None or first.finish_reason == "error":
-            raise RuntimeError(first.error if first else "prefill produced no token")
-        self.latency_ms.update((time.perf_counter() - t0) * 1000)
-        metrics()["ttft_ms"].observe(self.latency_ms.value)
-        rid = req.request_id
-        n_prompt = len(req.prompt_token_ids) + len(req.resume_token_ids)
-        if first.finished:
-            return KVTransferParams(rid, self.kv_addresses, self.driver.tp_size, 0, 0, n_prompt,
-                                    first.token_ids[0], 0, True, first.finish_reason)
-        return await self.engine.acall(lambda e: self._hold(e, rid, first.token_ids[0]))
 
     def _hold(self, engine: Engine, rid: str, first_token: int) -> KVTransferParams:
         r = engine.prefilled[rid]
