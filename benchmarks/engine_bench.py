@@ -25,18 +25,29 @@ class BenchArgs:
     dtype: str = "float32"
     num_prompts: int = 8
     prompt_tokens: int = 256
+    device: str = "cpu"
 
 
-def _hf_generate(model_path: str, prompts: list[list[int]], max_tokens: int, dtype) -> dict:
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _hf_generate(model_path: str, prompts: list[list[int]], max_tokens: int, dtype,
+                 device: str) -> dict:
     import transformers
 
-    ref = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
-    ref.generate(torch.tensor([prompts[0]]), max_new_tokens=4, do_sample=False)  # warm-up
+    ref = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+    ref = ref.to(device).eval()
+    ref.generate(torch.tensor([prompts[0]], device=device), max_new_tokens=4,
+                 do_sample=False)  # warm-up
+    _sync(device)
     t0, n = time.perf_counter(), 0
     for p in prompts:
-        out = ref.generate(torch.tensor([p]), max_new_tokens=max_tokens, do_sample=False,
-                           eos_token_id=None, pad_token_id=0)
+        out = ref.generate(torch.tensor([p], device=device), max_new_tokens=max_tokens,
+                           do_sample=False, eos_token_id=None, pad_token_id=0)
         n += out.shape[1] - len(p)
+    _sync(device)
     dt = time.perf_counter() - t0
     return {"tokens": n, "seconds": dt, "tokens_per_s": n / dt}
 
@@ -73,11 +84,14 @@ def run_bench(args: BenchArgs) -> dict:
     result: dict = {"model": args.model, "dtype": args.dtype, "num_prompts": len(prompts),
                     "prompt_tokens": [len(p) for p in prompts], "max_tokens": args.max_tokens,
                     "threads": torch.get_num_threads()}
-    result["transformers"] = _hf_generate(args.model, prompts, args.max_tokens, dtype)
+    result["device"] = args.device
+    result["transformers"] = _hf_generate(args.model, prompts, args.max_tokens, dtype,
+                                          args.device)
     rows = []
     for k in args.ks:
         eng = Engine(EngineConfig(model=args.model, dtype=args.dtype, num_speculative_tokens=k,
-                                  num_kv_blocks=4096, max_num_seqs=max(args.batch_sizes)))
+                                  num_kv_blocks=4096, max_num_seqs=max(args.batch_sizes),
+                                  device=args.device))
         _engine_run(eng, prompts[:1], 1, 8)  # warm-up
         for b in args.batch_sizes:
             r = _engine_run(eng, prompts, b, args.max_tokens)

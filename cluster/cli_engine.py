@@ -40,6 +40,7 @@ def add_commands(sub: argparse._SubParsersAction, bench: argparse._SubParsersAct
     p.add_argument("--batch-sizes", type=_ints, default=(1, 8))
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--json", dest="json_out", help="write results here")
     p.set_defaults(func=_bench_engine)
 
@@ -97,7 +98,7 @@ def _bench_engine(args: argparse.Namespace) -> int:
     prompts = _read_prompts(args.prompts_file) if args.prompts_file else None
     main(BenchArgs(model=args.model, prompts=prompts, max_tokens=args.max_tokens, ks=args.ks,
                    batch_sizes=args.batch_sizes, dtype=args.dtype,
-                   num_prompts=args.num_prompts), args.json_out)
+                   num_prompts=args.num_prompts, device=args.device), args.json_out)
     return 0
 
 

@@ -100,5 +100,8 @@ class ModelRunner:
         self._hidden[batch.kind] = flat
         sel = flat[torch.tensor(batch.logit_rows, dtype=torch.long, device=self.device)]
         if batch.kind == "main":
-            return self.model.compute_logits(sel)
-        return self.model.compute_mtp_logits(batch.module, sel)
+            logits = self.model.compute_logits(sel)
+        else:
+            logits = self.model.compute_mtp_logits(batch.module, sel)
+        # Sampling and verification run on the host (rank 0); only the few selected rows move.
+        return logits if logits.device.type == "cpu" else logits.cpu()
