@@ -16,7 +16,7 @@ import torch
 
 from workers.adaptive_k import AdaptiveK
 from workers.block_manager import BlockManager, blocks_for
-from workers.model_runner import ForwardBatch, ModelRunner
+from workers.model_runner import ForwardBatch, ModelRunner, pad_rows
 from workers.request import Request, RequestStatus
 from workers.sampling_params import SamplingParams
 from workers.scheduler import PrefillChunk, Scheduler, draft_slots
@@ -176,6 +176,7 @@ class Engine:
             req = c.request
             if c.is_last:
                 emitted = self._append(req, [first[last.index(b)]])
+                self.totals["emitted"] += len(emitted)
                 outputs.append(self._output(req, emitted))
             if req.num_speculative_tokens == 0 or req.finished:
                 continue
@@ -217,15 +218,14 @@ class Engine:
             block_tables=[r.block_ids for r in reqs],
             logit_rows=[b * S + s for b in range(len(reqs)) for s in range(S)],
         )).view(len(reqs), S, -1)
-        drafts = torch.full((len(reqs), K), PLACEHOLDER_TOKEN_ID, dtype=torch.long)
+        drafts = torch.tensor(pad_rows([r.draft_token_ids for r in reqs], K, PLACEHOLDER_TOKEN_ID),
+                              dtype=torch.long).view(len(reqs), K)  # [R, K]
         q = None
         if K and not all(r.params.greedy for r in reqs):
             q = torch.zeros(len(reqs), K, logits.shape[-1])
-        for b, r in enumerate(reqs):
-            drafts[b, : len(r.draft_token_ids)] = torch.tensor(r.draft_token_ids,
-                                                               dtype=torch.long)
-            if q is not None and r.draft_probs is not None:
-                q[b, : r.draft_probs.shape[0]] = r.draft_probs
+            for b, r in enumerate(reqs):
+                if r.draft_probs is not None:
+                    q[b, : r.draft_probs.shape[0]] = r.draft_probs
         result = self.sampler(logits, drafts, q, [len(r.draft_token_ids) for r in reqs],
                               [r.params for r in reqs], [r.generator for r in reqs])
         outputs, extends = [], []

@@ -37,6 +37,11 @@ class ForwardBatch:
     hidden_rows: list[list[int]] = field(default_factory=list)
 
 
+def pad_rows(rows: list[list[int]], width: int, value: int = 0) -> list[list[int]]:
+    """Right-pad ragged rows so the batch becomes one tensor in one allocation."""
+    return [r + [value] * (width - len(r)) for r in rows]
+
+
 def column_major_linears(model: torch.nn.Module) -> None:
     """Store every linear weight [out, in] column-major (same values and shape).
 
@@ -77,9 +82,7 @@ class ModelRunner:
         """Run one forward; returns float32 logits [len(logit_rows), V]."""
         lens = [len(x) for x in batch.input_ids]
         B, S = len(lens), max(lens)
-        ids = torch.zeros(B, S, dtype=torch.long)
-        for b, row in enumerate(batch.input_ids):
-            ids[b, : len(row)] = torch.tensor(row, dtype=torch.long)
+        ids = torch.tensor(pad_rows(batch.input_ids, S), dtype=torch.long)  # [B, S]
         starts = torch.tensor(batch.start_positions, dtype=torch.long).unsqueeze(1)
         positions = starts + torch.arange(S).unsqueeze(0)  # padding runs past; masked out
         positions = torch.minimum(positions, starts + torch.tensor(lens).unsqueeze(1) - 1)
@@ -91,9 +94,7 @@ class ModelRunner:
             hidden = self.model(ids, positions, attn, caches)
         else:
             src = self._hidden[batch.hidden_from or "main"]
-            rows = torch.zeros(B, S, dtype=torch.long)
-            for b, r in enumerate(batch.hidden_rows):
-                rows[b, : len(r)] = torch.tensor(r, dtype=torch.long)
+            rows = torch.tensor(pad_rows(batch.hidden_rows, S), dtype=torch.long)
             prev = src[rows.to(self.device)]  # [B, S, hidden]
             hidden = self.model.forward_mtp(batch.module, ids, prev, positions, attn, caches)
         flat = hidden.reshape(B * S, -1)
