@@ -1,0 +1,296 @@
+"""helm/mtpserve in production: secure defaults, API key handling, upgrades that cut no
+request, and the knobs of multi-node GPU clusters (role pinning, GCS fault tolerance, NCCL and
+RDMA settings, disruption budgets), as rendered for the default values and the ci/ value sets.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helm_render import (
+    CASE_IDS,
+    CASES,
+    CHART,
+    RELEASE,
+    pod_templates,
+    rayservice,
+    render,
+    render_case,
+    serve_config,
+)
+from ray._private.label_utils import validate_node_labels
+from serve_config_checks import check_serve_config
+
+from cluster.app import deployment_options
+from cluster.config import ClusterConfig
+
+MULTI = CHART / "ci" / "multi-gpu-values.yaml"
+CPU = CHART / "ci" / "cpu-values.yaml"
+GPU_NODE = CHART / "ci" / "gpu-node-values.yaml"
+
+
+def _containers(pod: dict[str, Any]) -> list[dict[str, Any]]:
+    return pod["spec"]["containers"] + pod["spec"].get("initContainers", [])
+
+
+def _args(rs: dict[str, Any]) -> dict[str, Any]:
+    return serve_config(rs)["applications"][0]["args"]
+
+
+# ---------------------------------------------------------------------------- security
+
+
+def _restricted_violations(pod: dict[str, Any]) -> list[str]:
+    """The Pod Security "restricted" profile's rules that a pod template can break."""
+    spec, bad = pod["spec"], []
+    psc = spec.get("securityContext", {})
+    if any("hostPath" in v for v in spec.get("volumes", [])):
+        bad.append("hostPath")
+    if psc.get("seccompProfile", {}).get("type") not in ("RuntimeDefault", "Localhost"):
+        bad.append("seccomp")
+    for c in _containers(pod):
+        sc = c.get("securityContext", {})
+        if sc.get("allowPrivilegeEscalation") is not False:
+            bad.append(f"{c['name']}: allowPrivilegeEscalation")
+        if "ALL" not in sc.get("capabilities", {}).get("drop", []):
+            bad.append(f"{c['name']}: drop ALL")
+        if set(sc.get("capabilities", {}).get("add", [])) - {"NET_BIND_SERVICE"}:
+            bad.append(f"{c['name']}: capabilities.add")
+        if not (sc.get("runAsNonRoot") or psc.get("runAsNonRoot")):
+            bad.append(f"{c['name']}: runAsNonRoot")
+        if sc.get("privileged"):
+            bad.append(f"{c['name']}: privileged")
+    return bad
+
+
+@pytest.mark.parametrize("values_file", [None, CPU, GPU_NODE], ids=["default", "cpu", "gpu-node"])
+def test_pods_meet_restricted_pod_security(values_file: Path | None) -> None:
+    rs = rayservice(render_case(values_file))
+    for role, pod in pod_templates(rs).items():
+        assert _restricted_violations(pod) == [], role
+    # KubeRay injects the autoscaler sidecar into the head; it gets the same context.
+    options = rs["spec"]["rayClusterConfig"].get("autoscalerOptions")
+    if options:
+        assert options["securityContext"]["capabilities"]["drop"] == ["ALL"]
+
+
+def test_rdma_leaves_restricted_only_by_ipc_lock() -> None:
+    pods = pod_templates(rayservice(render_case(MULTI)))
+    for role in ("prefill", "decode"):
+        assert _restricted_violations(pods[role]) == ["ray-worker: capabilities.add"], role
+        (c,) = pods[role]["spec"]["containers"]
+        assert c["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
+        assert c["resources"]["limits"]["rdma/rdma_shared_device_a"] == "1"
+    assert _restricted_violations(pods["head"]) == []
+
+
+@pytest.mark.parametrize("values_file", CASES, ids=CASE_IDS)
+def test_only_the_head_gets_api_credentials(values_file: Path | None) -> None:
+    docs = render_case(values_file)
+    rs = rayservice(docs)
+    pods = pod_templates(rs)
+    (sa,) = docs["serviceaccount.yaml"]
+    assert sa["automountServiceAccountToken"] is False
+    head = pods["head"]["spec"]
+    assert head["serviceAccountName"] == sa["metadata"]["name"] == f"{RELEASE}-mtpserve-head"
+    # The autoscaler sidecar patches pods with the head's token; without it no token at all.
+    assert head["automountServiceAccountToken"] is rs["spec"]["rayClusterConfig"][
+        "enableInTreeAutoscaling"]
+    for role in ("prefill", "decode"):
+        assert "serviceAccountName" not in pods[role]["spec"], role
+        assert pods[role]["spec"]["automountServiceAccountToken"] is False, role
+
+
+def test_ray_token_auth_is_on_by_default() -> None:
+    cluster = rayservice(render_case(None))["spec"]["rayClusterConfig"]
+    assert cluster["authOptions"] == {"mode": "token"}
+    off = rayservice(render({"rayAuth": {"enabled": False}}))["spec"]["rayClusterConfig"]
+    assert off["authOptions"] == {"mode": "disabled"}
+
+
+def test_network_policy_denies_by_default() -> None:
+    (np,) = render_case(None)["networkpolicy.yaml"]
+    release = {"app.kubernetes.io/name": "mtpserve", "app.kubernetes.io/instance": RELEASE}
+    assert np["spec"]["podSelector"] == {"matchLabels": release}
+    assert np["spec"]["policyTypes"] == ["Ingress"]
+    by_port: dict[int, list[Any]] = {}
+    for rule in np["spec"]["ingress"]:
+        if "ports" not in rule:  # the only all-ports rule: this release's own pods
+            assert rule["from"] == [{"podSelector": {"matchLabels": release}}]
+            continue
+        for p in rule["ports"]:
+            by_port[p["port"]] = rule.get("from")
+    # The API from anywhere (key-protected), metrics from the monitoring namespace, the
+    # dashboard from the operator only; GCS (6379) and Ray client (10001) from no one else.
+    assert by_port[8000] is None
+    monitoring = [{"namespaceSelector": {"matchLabels": {
+        "kubernetes.io/metadata.name": "monitoring"}}}]
+    assert by_port[8080] == by_port[44217] == by_port[44227] == monitoring
+    assert by_port[8265] == [{"namespaceSelector": {}, "podSelector": {"matchLabels": {
+        "app.kubernetes.io/name": "kuberay-operator"}}}]
+    assert set(by_port) == {8000, 8080, 44217, 44227, 8265}
+    for pod in pod_templates(rayservice(render_case(None))).values():
+        assert release.items() <= pod["metadata"]["labels"].items()
+
+
+def test_network_policy_egress_when_asked() -> None:
+    extra = [{"to": [{"ipBlock": {"cidr": "10.0.0.1/32"}}], "ports": [{"port": 443}]}]
+    (np,) = render({"networkPolicy": {"egress": extra}})["networkpolicy.yaml"]
+    assert np["spec"]["policyTypes"] == ["Ingress", "Egress"]
+    ports = [p["port"] for r in np["spec"]["egress"] for p in r.get("ports", [])]
+    assert ports == [53, 53, 443]
+
+
+# ---------------------------------------------------------------------------- auth
+
+
+def _key_refs(rs: dict[str, Any]) -> dict[str, tuple[str, str, str]]:
+    refs = {}
+    for role, pod in pod_templates(rs).items():
+        for env in pod["spec"]["containers"][0].get("env", []):
+            ref = env.get("valueFrom", {}).get("secretKeyRef")
+            if ref:
+                refs[role] = (env["name"], ref["name"], ref["key"])
+    return refs
+
+
+def test_default_auth_creates_kept_secret_and_wires_env() -> None:
+    docs = render_case(None)
+    (secret,) = docs["secret.yaml"]
+    key_name = f"{RELEASE}-mtpserve-api-key"
+    assert secret["metadata"]["name"] == key_name and len(secret["data"]["api-key"]) == 64
+    assert secret["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    rs = rayservice(docs)
+    want = ("MTPSERVE_API_KEY", key_name, "api-key")
+    assert _key_refs(rs) == {"head": want, "prefill": want, "decode": want}
+    assert _args(rs)["auth"] == {"api_key_env": "MTPSERVE_API_KEY"}
+    assert "api_key:" not in rs["spec"]["serveConfigV2"]  # only the variable's name travels
+
+
+def test_existing_secret_and_no_auth() -> None:
+    multi = render_case(MULTI)
+    assert multi["secret.yaml"] == []
+    assert set(_key_refs(rayservice(multi)).values()) == {
+        ("MTPSERVE_API_KEY", "mtpserve-api-key", "token")
+    }
+    cpu = render_case(CPU)
+    assert cpu["secret.yaml"] == [] and _key_refs(rayservice(cpu)) == {}
+    assert "auth" not in _args(rayservice(cpu))
+
+
+def test_given_api_key_is_stable_across_renders() -> None:
+    values = {"auth": {"apiKey": "sk-test"}}
+    first, second = render(values), render(values, is_upgrade=True)
+    assert first["secret.yaml"] == second["secret.yaml"]
+    (secret,) = first["secret.yaml"]
+    assert secret["data"]["api-key"] == "c2stdGVzdA=="  # base64("sk-test")
+    assert "annotations" not in secret["metadata"]  # the value is the source of truth
+
+
+# ---------------------------------------------------------------------------- upgrades
+
+
+def test_upgrade_keeps_the_old_cluster_for_running_requests() -> None:
+    spec = rayservice(render_case(None))["spec"]
+    assert spec["upgradeStrategy"] == {"type": "NewCluster"}
+    assert spec["rayClusterDeletionDelaySeconds"] == 600 + 30
+    short = rayservice(render({"serve": {"args": {"request_timeout_s": 120}}}))["spec"]
+    assert short["rayClusterDeletionDelaySeconds"] == 150
+    given = render({"upgrade": {"rayClusterDeletionDelaySeconds": 900}})
+    assert rayservice(given)["spec"]["rayClusterDeletionDelaySeconds"] == 900
+
+
+def test_incremental_upgrade_options() -> None:
+    spec = rayservice(render_case(MULTI))["spec"]
+    assert spec["upgradeStrategy"] == {
+        "type": "NewClusterWithIncrementalUpgrade",
+        "clusterUpgradeOptions": {"gatewayClassName": "istio", "maxSurgePercent": 25,
+                                  "stepSizePercent": 10, "intervalSeconds": 60},
+    }
+
+
+@pytest.mark.parametrize("values_file", CASES, ids=CASE_IDS)
+def test_grace_period_covers_the_drain(values_file: Path | None) -> None:
+    rs = rayservice(render_case(values_file))
+    drain = ClusterConfig.model_validate(_args(rs)).graceful_shutdown_timeout_s
+    for role, pod in pod_templates(rs).items():
+        assert pod["spec"]["terminationGracePeriodSeconds"] >= drain + 30, role
+
+
+# ---------------------------------------------------------------------------- production knobs
+
+
+def test_role_pinning_matches_the_builder() -> None:
+    rs = rayservice(render_case(MULTI))
+    cfg = serve_config(rs)
+    cc = check_serve_config(cfg)
+    groups = {g["groupName"]: g for g in rs["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
+    deps = {d["name"]: d for d in cfg["applications"][0]["deployments"]}
+    for role, name in (("prefill", "PrefillServer"), ("decode", "DecodeServer")):
+        assert groups[role]["labels"] == {"mtpserve.io/role": role}
+        assert validate_node_labels(groups[role]["labels"]) is None  # Ray's own check
+        dep = deps[name]
+        assert dep["placement_group_bundle_label_selector"] == [{"mtpserve.io/role": role}]
+        # Serve takes a selector only next to the bundles; they must be the builder's.
+        built = deployment_options(cc, role)
+        assert dep["placement_group_bundles"] == built["placement_group_bundles"]
+        assert dep["placement_group_strategy"] == built["placement_group_strategy"]
+    assert deps["OpenAIIngress"]["max_ongoing_requests"] == 256  # user override kept
+    assert rs["spec"]["rayClusterConfig"]["autoscalerOptions"]["version"] == "v2"
+    default = rayservice(render_case(None))["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    assert all("labels" not in g for g in default)
+
+
+def test_multi_node_knobs() -> None:
+    docs = render_case(MULTI)
+    rs = rayservice(docs)
+    cluster = rs["spec"]["rayClusterConfig"]
+    assert cluster["gcsFaultToleranceOptions"] == {
+        "redisAddress": "redis.llm-infra.svc:6379",
+        "redisPassword": {"valueFrom": {"secretKeyRef": {"name": "mtpserve-redis",
+                                                         "key": "password"}}},
+    }
+    for role, pod in pod_templates(rs).items():
+        spec = pod["spec"]
+        env = {e["name"]: e.get("value") for e in spec["containers"][0]["env"]}
+        assert env["NCCL_SOCKET_IFNAME"] == env["GLOO_SOCKET_IFNAME"] == "eth0", role
+        assert env["NCCL_IB_HCA"] == "mlx5" and env["NCCL_IB_GID_INDEX"] == "3", role
+        assert spec["priorityClassName"] == "llm-serving", role
+        assert pod["metadata"]["annotations"]["k8s.v1.cni.cncf.io/networks"] == "rdma-net"
+        # The GPU runtime class on GPU pods only.
+        assert spec.get("runtimeClassName") == (None if role == "head" else "nvidia"), role
+
+
+def test_cpu_values_set_no_nccl_env() -> None:
+    for pod in pod_templates(rayservice(render_case(CPU))).values():
+        names = {e["name"] for e in pod["spec"]["containers"][0]["env"]}
+        assert "NCCL_DEBUG" not in names and "GLOO_SOCKET_IFNAME" in names
+
+
+def test_extra_volumes_and_init_containers() -> None:
+    values = {
+        "extraVolumes": [{"name": "certs", "secret": {"secretName": "ca"}}],
+        "extraVolumeMounts": [{"name": "certs", "mountPath": "/etc/ca", "readOnly": True}],
+        "extraInitContainers": [{"name": "wait", "image": "busybox:1.36",
+                                 "command": ["true"]}],
+        "terminationGracePeriodSeconds": 200,
+    }
+    for pod in pod_templates(rayservice(render(values))).values():
+        spec = pod["spec"]
+        assert "certs" in {v["name"] for v in spec["volumes"]}
+        assert "/etc/ca" in {m["mountPath"] for m in spec["containers"][0]["volumeMounts"]}
+        assert [c["name"] for c in spec["initContainers"]] == ["wait"]
+        assert spec["terminationGracePeriodSeconds"] == 200
+
+
+@pytest.mark.parametrize("values_file", CASES, ids=CASE_IDS)
+def test_disruption_budgets_select_the_pods(values_file: Path | None) -> None:
+    docs = render_case(values_file)
+    pdbs = {p["metadata"]["name"].rsplit("-", 1)[1]: p for p in docs["poddisruptionbudget.yaml"]}
+    assert pdbs["head"]["spec"]["maxUnavailable"] == 0
+    for role, pod in pod_templates(rayservice(docs)).items():
+        sel = pdbs[role]["spec"]["selector"]["matchLabels"]
+        assert sel.items() <= pod["metadata"]["labels"].items(), role
+        assert pdbs[role]["spec"]["maxUnavailable"] == (0 if role == "head" else 1)
