@@ -27,7 +27,10 @@ def add_commands(sub: argparse._SubParsersAction, bench: argparse._SubParsersAct
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int)
+    p.add_argument("--seed", type=int, help="same seed + k: same tokens (default: random)")
+    p.add_argument("--min-tokens", type=int, default=0, help="no EOS/stop token before this")
+    p.add_argument("--stop-token-ids", type=_ints, default=(), help="comma-separated ids")
+    p.add_argument("--logprobs", type=int, help="with --json: log probs + N alternatives")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt")
     p.set_defaults(func=_generate)
@@ -41,6 +44,10 @@ def add_commands(sub: argparse._SubParsersAction, bench: argparse._SubParsersAct
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--graphs", choices=["on", "off", "both"], default="on",
+                   help="decode path: compiled fixed-shape graphs, eager, or both side by side")
+    p.add_argument("--context-sweep", type=_ints, default=(),
+                   help="also measure k=0 batch-1 TPOT at these context lengths")
     p.add_argument("--json", dest="json_out", help="write results here")
     p.set_defaults(func=_bench_engine)
 
@@ -79,7 +86,9 @@ def _generate(args: argparse.Namespace) -> int:
     prompts = [args.prompt] if args.prompt is not None else _read_prompts(args.prompts_file)
     llm = LLM(args.model, dtype=args.dtype, num_speculative_tokens=args.num_speculative_tokens)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+                            top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                            min_tokens=args.min_tokens, stop_token_ids=args.stop_token_ids,
+                            logprobs=args.logprobs)
     for res in llm.generate(prompts, params):
         if args.json:
             print(json.dumps(res.to_json()))
@@ -98,7 +107,8 @@ def _bench_engine(args: argparse.Namespace) -> int:
     prompts = _read_prompts(args.prompts_file) if args.prompts_file else None
     main(BenchArgs(model=args.model, prompts=prompts, max_tokens=args.max_tokens, ks=args.ks,
                    batch_sizes=args.batch_sizes, dtype=args.dtype,
-                   num_prompts=args.num_prompts, device=args.device), args.json_out)
+                   num_prompts=args.num_prompts, device=args.device, graphs=args.graphs,
+                   context_sweep=args.context_sweep), args.json_out)
     return 0
 
 

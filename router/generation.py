@@ -18,8 +18,14 @@ from typing import Any
 
 from router.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from router.errors import APIError, from_exception
-from router.protocol import MTPStats
-from router.types import GenerateRequest, Orchestrator, TokenChunk
+from router.protocol import (
+    ChatLogprobs,
+    ChatLogprobToken,
+    CompletionLogprobs,
+    MTPStats,
+    TopLogprob,
+)
+from router.types import GenerateRequest, Orchestrator, TokenChunk, TokenLogprobs
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +43,8 @@ class Choice:
         self.text_parts: list[str] = []
         self.finish_reason: str | None = None
         self.num_drafted = self.num_accepted = self.num_rounds = 0
+        self.logprobs: list[TokenLogprobs] = []  # one per token id, when requested
+        self._text_offset = 0  # completions' text_offset of the next token
 
     @property
     def finished(self) -> bool:
@@ -57,6 +65,42 @@ class Choice:
     def mtp_stats(self) -> MTPStats:
         return MTPStats.of(self.num_drafted, self.num_accepted, self.num_rounds)
 
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.request.logprobs is not None
+
+    def _token_text(self, token_id: int) -> str:
+        return self.detokenizer.tokenizer.decode([token_id])
+
+    def completion_logprobs(self, entries: list[TokenLogprobs] | None
+                            ) -> CompletionLogprobs | None:
+        """`entries` (a chunk's, or all of them) in the completions format; text offsets run
+        on across the calls of a stream, so call it once per chunk, in order."""
+        if not self.wants_logprobs:
+            return None
+        out = CompletionLogprobs()
+        for e in entries or []:
+            text = self._token_text(e.token_id)
+            out.tokens.append(text)
+            out.token_logprobs.append(e.logprob)
+            out.top_logprobs.append({self._token_text(t): lp for t, lp in e.top})
+            out.text_offset.append(self._text_offset)
+            self._text_offset += len(text)
+        return out
+
+    def chat_logprobs(self, entries: list[TokenLogprobs] | None) -> ChatLogprobs | None:
+        if not self.wants_logprobs:
+            return None
+
+        def top(t: int, lp: float) -> TopLogprob:
+            text = self._token_text(t)
+            return TopLogprob(token=text, logprob=lp, bytes=list(text.encode()))
+
+        return ChatLogprobs(content=[
+            ChatLogprobToken(**top(e.token_id, e.logprob).model_dump(),
+                             top_logprobs=[top(t, lp) for t, lp in e.top])
+            for e in entries or []])
+
     def feed(self, chunk: TokenChunk) -> str:
         """Consume one chunk; returns the new text to show. Raises APIError on a failed chunk."""
         if chunk.finish_reason == "error":
@@ -66,6 +110,8 @@ class Choice:
             raise APIError("the request was aborted by the server", 503,
                            code="service_unavailable")
         self.token_ids += chunk.token_ids
+        if chunk.logprobs:
+            self.logprobs += chunk.logprobs
         # Counters are running totals of the sequence; max() because a backend may not know
         # them any more on the final chunk (the engine has already dropped the request).
         self.num_drafted = max(self.num_drafted, chunk.num_drafted)
@@ -92,6 +138,7 @@ class ChoiceEvent:
     text: str
     token_ids: list[int]
     finish_reason: str | None
+    logprobs: list[TokenLogprobs] | None = None  # of `token_ids`, when requested
 
 
 async def _aclose(stream: AsyncIterator[TokenChunk]) -> None:
@@ -130,7 +177,7 @@ class ChoiceSet:
             async for chunk in stream:
                 text = choice.feed(chunk)
                 self._queue.put_nowait(ChoiceEvent(choice, text, chunk.token_ids,
-                                                   choice.finish_reason))
+                                                   choice.finish_reason, chunk.logprobs))
                 if first:
                     first = False
                     self._num_without_first -= 1

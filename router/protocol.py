@@ -2,8 +2,12 @@
 
 Requests ignore unknown fields (OpenAI clients send new ones; forward compatible) but reject
 values of the wrong type (`"max_tokens": "ten"` → 400, no silent coercion of strings). Fields that
-would change the output and that we do not implement (`logprobs`, `echo`, `suffix`, penalties,
-`logit_bias`, `tools`, ...) are rejected with 400 by `check_supported()` rather than ignored.
+would change the output and that we do not implement (`echo`, `suffix`, penalties, `logit_bias`,
+`tools`, ...) are rejected with 400 by `check_supported()` rather than ignored.
+
+Log probabilities (completions `logprobs: N`, chat `logprobs: true` + `top_logprobs: N`, N <= 20)
+are those of the target model's raw logits at each emitted position, exact under speculation;
+streams carry them per chunk. `stop_token_ids` and `min_tokens` follow vLLM.
 
 Extensions (request):
   - `mtp: {"num_speculative_tokens": int >= 0 | null, "disable": bool}` caps this request's
@@ -32,6 +36,8 @@ Str = Annotated[str, Strict()]
 
 MAX_N = 16
 MAX_STOP_STRINGS = 4
+MAX_LOGPROBS = 20  # OpenAI's limit for top_logprobs
+MAX_STOP_TOKEN_IDS = 64
 
 
 class _Request(BaseModel):
@@ -73,6 +79,12 @@ class SamplingRequest(_Request):
     mtp: MTPOptions | None = None
     ignore_eos: Bool | None = False
     return_token_ids: Bool | None = False
+    stop_token_ids: list[Int] | None = Field(
+        None, max_length=MAX_STOP_TOKEN_IDS,
+        description="extension (vLLM): token ids that end the choice (included in the output)")
+    min_tokens: Int | None = Field(
+        None, ge=0, description="extension (vLLM): EOS and stop tokens cannot end the choice "
+        "before this many tokens")
 
     @field_validator("stop")
     @classmethod
@@ -90,6 +102,16 @@ class SamplingRequest(_Request):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def num_logprobs(self) -> int | None:
+        """Alternatives per token the engine returns (None: no logprobs at all)."""
+        return None
+
+    def generate_options(self) -> dict[str, Any]:
+        """`GenerateRequest` fields taken from this body as they are (besides sampling)."""
+        return {"stop_token_ids": list(self.stop_token_ids or []),
+                "min_tokens": self.min_tokens or 0, "logprobs": self.num_logprobs}
+
     def check_supported(self) -> None:
         """Reject, rather than ignore, parameters that would change the output."""
         for name in ("presence_penalty", "frequency_penalty"):
@@ -106,7 +128,8 @@ class CompletionRequest(SamplingRequest):
     prompt: Str | list[Str] | list[Int] | list[list[Int]]
     max_tokens: Int | None = Field(None, ge=1)
     echo: Bool | None = False
-    logprobs: Int | None = None
+    logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS,
+                                 description="log probabilities of each token + the N best")
     suffix: Str | None = None
     best_of: Int | None = None
 
@@ -124,10 +147,12 @@ class CompletionRequest(SamplingRequest):
             return [p]
         return [p] if isinstance(p[0], int) else list(p)
 
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
     def check_supported(self) -> None:
         super().check_supported()
-        if self.logprobs is not None:
-            raise APIError("'logprobs' is not supported", 400, param="logprobs")
         if self.echo:
             raise APIError("'echo' is not supported", 400, param="echo")
         if self.suffix:
@@ -168,7 +193,7 @@ class ChatCompletionRequest(SamplingRequest):
     max_tokens: Int | None = Field(None, ge=1)
     max_completion_tokens: Int | None = Field(None, ge=1)
     logprobs: Bool | None = None
-    top_logprobs: Int | None = None
+    top_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
 
@@ -176,10 +201,14 @@ class ChatCompletionRequest(SamplingRequest):
     def max_output_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     def check_supported(self) -> None:
         super().check_supported()
-        if self.logprobs or self.top_logprobs is not None:
-            raise APIError("'logprobs' is not supported", 400, param="logprobs")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError("'top_logprobs' needs 'logprobs': true", 400, param="top_logprobs")
         if self.tools:
             raise APIError("'tools' are not supported", 400, param="tools")
         if self.response_format and self.response_format.get("type", "text") != "text":
@@ -228,9 +257,33 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy completions format: parallel lists, one entry per token."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogprobToken(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatLogprobToken] | None = None
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
+    logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None = None
     token_ids: list[int] | None = None
     mtp_stats: MTPStats | None = None
@@ -257,6 +310,7 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None = None
     token_ids: list[int] | None = None
     mtp_stats: MTPStats | None = None
@@ -281,6 +335,7 @@ class DeltaMessage(BaseModel):
 class ChatStreamChoice(BaseModel):
     index: int
     delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None = None
     token_ids: list[int] | None = None
     mtp_stats: MTPStats | None = None

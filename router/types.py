@@ -5,6 +5,7 @@ Everything here is plain data (picklable, no torch tensors) so it crosses Ray ha
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
@@ -17,6 +18,11 @@ class GenerateRequest:
     `resume_token_ids` holds tokens already emitted to the client: a request can be resumed on
     another decode replica from `prompt_token_ids + resume_token_ids` alone (recompute), which
     is what failover needs; no KV or engine state is required.
+
+    `seed` keys all of the request's randomness. A request without one gets a random seed here,
+    at admission, so prefill, decode and any replica it is resumed on use the same numbers;
+    `user_seed` remembers whether the user chose it (a reproducible request: adaptive
+    speculation keeps its k). `logprobs`: None, or N >= 0 alternatives per token (<= 20).
     """
 
     request_id: str
@@ -30,6 +36,24 @@ class GenerateRequest:
     ignore_eos: bool = False
     num_speculative_tokens: int | None = None  # per-request cap; 0 disables speculation
     resume_token_ids: list[int] = field(default_factory=list)
+    min_tokens: int = 0  # EOS / stop tokens are impossible before this many output tokens
+    logprobs: int | None = None
+    user_seed: bool | None = None  # None: decided here from whether `seed` was given
+
+    def __post_init__(self) -> None:
+        if self.user_seed is None:
+            self.user_seed = self.seed is not None
+        if self.seed is None:
+            self.seed = secrets.randbits(63)
+
+
+@dataclass
+class TokenLogprobs:
+    """Log probabilities of one emitted token under the target model (raw logits)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)  # (id, logprob), best first
 
 
 @dataclass
@@ -51,6 +75,7 @@ class KVTransferParams:
     num_drafts: int
     finished: bool = False  # the first token already ended the request (EOS / max_tokens=1)
     finish_reason: str | None = None
+    first_token_logprobs: TokenLogprobs | None = None  # when the request asked for logprobs
 
 
 @dataclass
@@ -66,6 +91,7 @@ class TokenChunk:
     num_accepted: int = 0
     num_rounds: int = 0
     error: str | None = None  # set with finish_reason "error"
+    logprobs: list[TokenLogprobs] | None = None  # one per token id, if requested
 
 
 @runtime_checkable

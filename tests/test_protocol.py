@@ -41,7 +41,7 @@ def test_mtp_cap():
 
 
 @pytest.mark.parametrize("extra,param", [
-    ({"logprobs": 1}, "logprobs"), ({"echo": True}, "echo"), ({"suffix": "s"}, "suffix"),
+    ({"echo": True}, "echo"), ({"suffix": "s"}, "suffix"),
     ({"presence_penalty": 0.5}, "presence_penalty"), ({"logit_bias": {"1": 2}}, "logit_bias"),
 ])
 def test_output_changing_unsupported_fields_are_400(extra, param):
@@ -63,9 +63,31 @@ def test_chat_messages():
             {"type": "image_url", "image_url": {"url": "x"}}]}]})
     with pytest.raises(ValidationError):
         ChatCompletionRequest.model_validate({"messages": []})
-    with pytest.raises(APIError):
+    with pytest.raises(APIError) as e:  # top_logprobs alone is an error, as at OpenAI
         ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}],
-                                              "logprobs": True}).check_supported()
+                                              "top_logprobs": 2}).check_supported()
+    assert e.value.param == "top_logprobs"
+
+
+def test_logprobs_and_token_options():
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    assert ChatCompletionRequest.model_validate(chat).num_logprobs is None
+    assert ChatCompletionRequest.model_validate({**chat, "logprobs": True}).num_logprobs == 0
+    req = ChatCompletionRequest.model_validate({**chat, "logprobs": True, "top_logprobs": 5})
+    req.check_supported()
+    assert req.num_logprobs == 5
+    cmpl = CompletionRequest(prompt="x", logprobs=3, stop_token_ids=[7, 9], min_tokens=4)
+    cmpl.check_supported()
+    assert cmpl.generate_options() == {"stop_token_ids": [7, 9], "min_tokens": 4,
+                                       "logprobs": 3}
+    assert CompletionRequest(prompt="x").generate_options() == {
+        "stop_token_ids": [], "min_tokens": 0, "logprobs": None}
+    for bad in ({"logprobs": 21}, {"logprobs": -1}, {"min_tokens": -1},
+                {"stop_token_ids": ["a"]}):
+        with pytest.raises(ValidationError):
+            CompletionRequest.model_validate({"prompt": "x", **bad})
+    with pytest.raises(ValidationError):
+        ChatCompletionRequest.model_validate({**chat, "logprobs": True, "top_logprobs": 21})
 
 
 def test_mtp_stats():

@@ -108,3 +108,29 @@ def test_error_chunk_raises_and_close_cancels_the_other_choices(tokenizer):
     err = asyncio.run(run())
     assert err.status == 500 and "replica died" in err.message
     assert orch.closed == ["r-0"]  # the healthy choice's stream was closed, not leaked
+
+
+def test_logprobs_render_per_chunk_in_both_formats(tokenizer):
+    from router.types import TokenLogprobs
+
+    ids = tokenizer.encode(" hello world café")
+    lps = [TokenLogprobs(t, -0.5 * (i + 1), [(t, -0.5 * (i + 1)), (ids[0], -9.0)])
+           for i, t in enumerate(ids)]
+    req = GenerateRequest("r", tokenizer.encode("def"), 50, logprobs=1)
+    c = Choice(0, req, tokenizer, [])
+    c.feed(TokenChunk(ids[:2], logprobs=lps[:2]))
+    c.feed(TokenChunk(ids[2:], finished=True, finish_reason="length", logprobs=lps[2:]))
+    assert c.logprobs == lps
+    streamed = [c.completion_logprobs(lps[:2]), c.completion_logprobs(lps[2:])]
+    tokens = [t for part in streamed for t in part.tokens]
+    offsets = [o for part in streamed for o in part.text_offset]
+    assert "".join(tokens) == c.text  # per-token texts rebuild the completion
+    assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    assert [v for part in streamed for v in part.token_logprobs] == [e.logprob for e in lps]
+    chat = Choice(0, req, tokenizer, []).chat_logprobs(lps)
+    assert [e.logprob for e in chat.content] == [e.logprob for e in lps]
+    assert all(e.bytes == list(e.token.encode()) and len(e.top_logprobs) == 2
+               for e in chat.content)
+    # Not requested: nothing rendered.
+    plain = Choice(0, GenerateRequest("p", [1], 5), tokenizer, [])
+    assert plain.completion_logprobs(lps) is None and plain.chat_logprobs(lps) is None

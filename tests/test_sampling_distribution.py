@@ -1,8 +1,14 @@
 """End to end: with speculation (drafts sampled from the MTP head's q, verified by rejection
-sampling) the engine's sampled tokens follow the target model's distribution."""
+sampling) the engine's sampled tokens follow the target model's distribution at every output
+position (first token, accepted drafts, recovered and bonus tokens), for several sampling
+settings and with requests of different k in one batch. A tiny-vocabulary model keeps the
+exact marginals cheap to enumerate."""
 
 from __future__ import annotations
 
+import functools
+
+import pytest
 import torch
 
 from workers.engine import Engine, EngineConfig
@@ -10,55 +16,76 @@ from workers.model.loader import load_model
 from workers.sampling_params import SamplingParams
 from workers.spec.sampling import processed_probs
 
-PROMPT = [11, 42, 7, 99]
-TOP_K = 6  # small support so a few thousand samples pin the distribution down
+PROMPT = [1, 4, 3, 2]
+NUM_POS = 5  # output positions checked: the first token, then up to 3 drafts + bonus
 
 
-def exact_second_token(path) -> torch.Tensor:
-    """Marginal of the 2nd generated token: sum_t1 p(t1) p(t2 | t1) under top-k sampling."""
+def exact_marginals(path, params: SamplingParams, num_pos: int,
+                    banned: tuple[int, ...] = ()) -> list[torch.Tensor]:
+    """Marginal of each of the first `num_pos` generated tokens under plain sampling, with
+    `banned` tokens impossible (min_tokens covering all of them)."""
     model = load_model(path)
-    params = [SamplingParams(temperature=1.0, top_k=TOP_K)]
-    with torch.no_grad():
-        def probs(ids: list[int]) -> torch.Tensor:
+
+    @functools.cache
+    def probs(ids: tuple[int, ...]) -> torch.Tensor:
+        with torch.no_grad():
             h = model(torch.tensor([ids]), torch.arange(len(ids)).unsqueeze(0))
-            return processed_probs(model.compute_logits(h[:, -1]), params)[0]
+            logits = model.compute_logits(h[:, -1])
+            logits[:, list(banned)] = float("-inf")
+            return processed_probs(logits, [params])[0].double()
 
-        p1 = probs(PROMPT)
-        out = torch.zeros_like(p1)
-        for t1 in p1.nonzero().flatten().tolist():
-            out += p1[t1] * probs(PROMPT + [t1])
+    out = [torch.zeros(model.config.vocab_size, dtype=torch.float64) for _ in range(num_pos)]
+
+    def walk(prefix: tuple[int, ...], mass: float, depth: int) -> None:
+        p = probs(prefix)
+        out[depth] += mass * p
+        if depth + 1 < num_pos:
+            for t in (p > 0).nonzero().flatten().tolist():
+                walk(prefix + (t,), mass * float(p[t]), depth + 1)
+
+    walk(tuple(PROMPT), 1.0, 0)
     return out
-
-
-def sample_second_tokens(path, k: int, n: int) -> torch.Tensor:
-    eng = Engine(EngineConfig(model=str(path), num_speculative_tokens=k, num_kv_blocks=4096,
-                              block_size=4, max_num_seqs=256, max_num_batched_tokens=1024))
-    counts = torch.zeros(eng.model_config.vocab_size)
-    reqs = [eng.add_request(f"s{i}", PROMPT, SamplingParams(
-        max_tokens=4, temperature=1.0, top_k=TOP_K, seed=1000 + i, ignore_eos=True))
-        for i in range(n)]
-    while eng.has_unfinished():
-        eng.step()
-    for r in reqs:
-        counts[r.output_token_ids[1]] += 1
-    if k:  # the 2nd token really went through verification of sampled drafts
-        assert all(r.drafted_per_position[0] >= 1 for r in reqs)
-    assert eng.block_manager.num_free_blocks == 4096
-    return counts
 
 
 def tv(counts: torch.Tensor, p: torch.Tensor) -> float:
     return 0.5 * (counts / counts.sum() - p).abs().sum().item()
 
 
-def test_speculative_sampling_matches_the_target(tiny_qwen3) -> None:
-    n = 3000
-    exact = exact_second_token(tiny_qwen3)
-    spec = sample_second_tokens(tiny_qwen3, k=2, n=n)
+@pytest.mark.parametrize("params,banned", [
+    (SamplingParams(temperature=0.7, top_k=3, ignore_eos=True), ()),
+    (SamplingParams(temperature=1.3, top_p=0.6, ignore_eos=True), ()),
+    # min_tokens bans EOS (id 2) and the stop token on p and q alike: still exact.
+    (SamplingParams(temperature=1.0, min_tokens=NUM_POS, stop_token_ids=(4,)), (2, 4)),
+], ids=["T0.7-topk", "T1.3-topp", "min_tokens"])
+def test_every_position_matches_the_target(tiny_factory, params: SamplingParams,
+                                           banned: tuple[int, ...]) -> None:
+    path = tiny_factory(vocab_size=6, seed=5)  # small V: q overlaps p, drafts get accepted
+    n = 2400
+    exact = exact_marginals(path, params, NUM_POS, banned)
+    eng = Engine(EngineConfig(model=str(path), num_speculative_tokens=3, num_kv_blocks=8192,
+                              block_size=4, max_num_seqs=n, max_num_batched_tokens=4096))
+    reqs = []
+    for i in range(n):  # k = 1, 2, 3 side by side in every round
+        kw = dict(params.__dict__, max_tokens=NUM_POS, seed=10_000 + i,
+                  num_speculative_tokens=1 + i % 3)
+        reqs.append(eng.add_request(f"s{i}", PROMPT, SamplingParams(**kw)))
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.block_manager.num_free_blocks == 8192
+    assert all(r.num_output_tokens == NUM_POS for r in reqs)
+    # Every path was exercised: drafts accepted at each depth, so bonus tokens too.
+    for k in (1, 2, 3):
+        group = [r for r in reqs if r.num_speculative_tokens == k]
+        assert sum(r.accepted_per_position[k - 1] for r in group) > 20
     g = torch.Generator().manual_seed(0)
-    direct = torch.bincount(torch.multinomial(exact, n, replacement=True, generator=g),
-                            minlength=len(exact)).float()
-    noise = tv(direct, exact)
-    assert tv(spec, exact) < 2.5 * noise + 0.01, (tv(spec, exact), noise)
-    # Tokens outside the target's support never appear (a q/p mix-up would leak them).
-    assert spec[exact == 0].sum() == 0
+    for pos in range(NUM_POS):
+        counts = torch.bincount(torch.tensor([r.output_token_ids[pos] for r in reqs]),
+                                minlength=len(exact[pos])).double()
+        direct = [tv(torch.bincount(torch.multinomial(exact[pos], n, replacement=True,
+                                                      generator=g),
+                                    minlength=len(exact[pos])).double(), exact[pos])
+                  for _ in range(5)]
+        noise = sum(direct) / len(direct)
+        assert tv(counts, exact[pos]) < 2.5 * noise + 0.005, (pos, tv(counts, exact[pos]), noise)
+        # Tokens outside the target's support never appear (a q/p mix-up would leak them).
+        assert counts[exact[pos] == 0].sum() == 0

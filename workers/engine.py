@@ -4,25 +4,34 @@
 returns what each request emitted. Roles: "both" (offline / single process), "prefill"
 (stop after the first token and the first k drafts, keep the KV for transfer) and "decode"
 (requests arrive with their KV already in place).
+
+Randomness: every draw is keyed by (request seed, position of the token it decides, slot)
+(workers.spec.keyed_random), so a seeded request's output depends only on its prompt, seed and
+k: not on the batch, TP, prefill->decode, preemption or resumption elsewhere. A resumed or
+preempted request recomputes all tokens but the last emitted one and goes straight to a
+verify round, which keeps its round structure (and so its draws) unchanged.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
+from router.types import TokenLogprobs
 from workers.adaptive_k import AdaptiveK
 from workers.block_manager import BlockManager, blocks_for
-from workers.model_runner import ForwardBatch, ModelRunner, pad_rows
+from workers.model_runner import ForwardBatch, ModelRunner
 from workers.request import Request, RequestStatus
 from workers.sampling_params import SamplingParams
 from workers.scheduler import PrefillChunk, Scheduler, draft_slots
+from workers.spec.keyed_random import SLOT_FINAL, uniforms_for
 from workers.spec.mtp_proposer import MTPExtend, MTPProposer
-from workers.spec.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler
-from workers.spec.sampling import draw_uniforms, processed_probs, sample_with_uniforms
+from workers.spec.rejection_sampler import RejectionSampler
+from workers.spec.sampling import processed_probs, sample_with_uniforms, suppress_tokens
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -53,6 +62,8 @@ class RequestOutput:
     num_drafted: int
     num_accepted: int
     num_rounds: int = 0
+    # One entry per new token when the request asked for logprobs (SamplingParams.logprobs).
+    logprobs: list[TokenLogprobs] | None = None
 
 
 class EngineError(ValueError):
@@ -75,17 +86,24 @@ class Engine:
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens)
-        self.proposer = MTPProposer(self.runner.execute, mcfg.num_mtp_modules)
+        self.proposer = MTPProposer(self.runner.execute, mcfg.num_mtp_modules, self._banned)
         self.sampler = RejectionSampler()
-        self.adaptive = AdaptiveK(config.num_speculative_tokens) if config.adaptive_k else None
+        # Always present: it observes every round (windows, metrics hook into it); it only
+        # changes k when adaptive_k is on.
+        self.adaptive = AdaptiveK(config.num_speculative_tokens, enabled=config.adaptive_k)
         self.requests: dict[str, Request] = {}
         self.prefilled: dict[str, Request] = {}  # role "prefill": KV held for transfer
-        self.eos_ids = set(mcfg.eos_token_ids)
+        self.eos_ids = set(mcfg.eos_token_ids)  # config.json + generation_config.json
         self.totals = {"rounds": 0, "drafted": 0, "accepted": 0, "emitted": 0}
 
     # Requests ------------------------------------------------------------------------------
     def make_request(self, request_id: str, prompt_token_ids: list[int],
-                     params: SamplingParams) -> Request:
+                     params: SamplingParams, resume_token_ids: list[int] | None = None
+                     ) -> Request:
+        """Validate and build a request. `resume_token_ids`: tokens already emitted elsewhere
+        (migration); they count towards max_tokens and the request continues after them
+        exactly as it would have where it started (same seed, same k)."""
+        resume = list(resume_token_ids or [])
         if request_id in self.requests:
             raise EngineError(f"duplicate request id {request_id!r}")
         n = len(prompt_token_ids)
@@ -96,35 +114,73 @@ class Engine:
                 f"prompt has {n} tokens; the context window is {self.max_model_len} tokens "
                 "(prompt + at least one generated token must fit)"
             )
+        if resume and (n + len(resume) >= self.max_model_len
+                       or len(resume) >= params.max_tokens):
+            raise EngineError(f"nothing left to generate after {len(resume)} resumed tokens")
         vocab = self.model_config.vocab_size
-        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
+        if min(prompt_token_ids + resume) < 0 or max(prompt_token_ids + resume) >= vocab:
             raise EngineError(f"prompt token ids must be in [0, {vocab})")
         k = self.config.num_speculative_tokens
         if params.num_speculative_tokens is not None:
             k = min(k, params.num_speculative_tokens)
-        worst = min(n + params.max_tokens, self.max_model_len) + 2 * k + 1
+        # A prefill-only engine holds the prompt (+ resumed tokens) and the drafts' MTP
+        # entries, never the output: its admission ignores max_tokens.
+        out_len = 0 if self.config.role == "prefill" else params.max_tokens
+        worst = min(n + out_len, self.max_model_len) + 2 * k + 1
         if blocks_for(worst, self.config.block_size) > self.config.num_kv_blocks:
             raise EngineError(
                 f"request needs up to {blocks_for(worst, self.config.block_size)} KV blocks; "
                 f"the cache has {self.config.num_kv_blocks}"
             )
         return Request(request_id, list(prompt_token_ids), params, arrival=time.monotonic(),
-                       num_speculative_tokens=k)
+                       num_speculative_tokens=k, output_token_ids=resume)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams) -> Request:
-        req = self.make_request(request_id, prompt_token_ids, params)
+                    params: SamplingParams, resume_token_ids: list[int] | None = None
+                    ) -> Request:
+        req = self.make_request(request_id, prompt_token_ids, params, resume_token_ids)
         self.requests[request_id] = req
         self.scheduler.add(req)
         return req
 
-    def add_transferred(self, req: Request) -> None:
-        """A request whose KV (main + MTP), first token and drafts arrived from a prefill
-        replica; its blocks are already allocated and filled."""
+    def add_resumed(self, request_id: str, prompt_token_ids: list[int],
+                    params: SamplingParams, resume_token_ids: list[int]) -> Request:
+        """A request resumed after `resume_token_ids` were already sent (migration), with
+        `max_tokens` / `min_tokens` counting what is left (the orchestrator's convention).
+        It continues with the same round structure, so a seeded request's tokens are those
+        it would have produced where it started. A prefill-only engine must emit a first
+        token, so there the resumed tokens simply extend the prompt."""
+        if not resume_token_ids or self.config.role == "prefill":
+            return self.add_request(request_id, prompt_token_ids + resume_token_ids, params)
+        n = len(resume_token_ids)
+        total = dataclasses.replace(params, max_tokens=params.max_tokens + n,
+                                    min_tokens=params.min_tokens + n)
+        return self.add_request(request_id, prompt_token_ids, total, resume_token_ids)
+
+    def add_transferred(self, req: Request, num_slots: int) -> None:
+        """Park a request whose KV (main + MTP), first token and drafts come from a prefill
+        replica as waiting-for-KV: the scheduler gives it `num_slots` slots of blocks when a
+        sequence slot and blocks are free (`admit_transferred`); transfer threads fill them;
+        `activate_transferred` schedules it once every rank has its KV."""
         assert req.num_computed_tokens == req.num_tokens - 1, "decode invariant"
         self.requests[req.request_id] = req
+        self.scheduler.add_transferred(req, num_slots)
+
+    def activate_transferred(self, req: Request) -> None:
+        """Every TP rank has received the request's KV: it joins the decode rounds (or, if
+        it was aborted meanwhile, its blocks are freed now)."""
+        if req.request_id in self.scheduler.cancelled:
+            self.scheduler.drop_transfer(req)
+            return
         req.first_token_time = time.monotonic()
-        self.scheduler.add_running(req)
+        self.scheduler.finish_transfer(req)
+
+    def drop_transferred(self, req: Request) -> None:
+        """A waiting-for-KV request whose pull failed on some rank (every rank is done with
+        its blocks): free them and forget it."""
+        self.requests.pop(req.request_id, None)
+        self.scheduler.drop_transfer(req)
+        req.status = RequestStatus.FINISHED_ABORTED
 
     def release_prefilled(self, request_id: str) -> bool:
         """Free a prefill-only request's KV once the decode side has it (or gave up)."""
@@ -165,25 +221,30 @@ class Engine:
             start_positions=[c.start for c in chunks],
             block_tables=[c.request.block_ids for c in chunks],
             logit_rows=[b * S + chunks[b].end - chunks[b].start - 1 for b in last],
-        ))
-        outputs: list[RequestOutput] = []
-        done = [chunks[b].request for b in last]
-        first = self._sample(logits, done) if done else []
+        ))  # [len(last), V]
+        # A recompute (preempted / resumed request) stops one token short of the end and
+        # samples nothing: its last emitted token is verified next round with fresh drafts.
+        fresh = [i for i, b in enumerate(last) if not chunks[b].request.output_token_ids]
+        first = dict(zip(fresh, self._sample(logits[fresh], [chunks[last[i]].request
+                                                             for i in fresh]), strict=True))
         for c in chunks:
             c.request.num_computed_tokens = c.end
+        outputs: list[RequestOutput] = []
         extends = []
         for b, c in enumerate(chunks):
             req = c.request
-            if c.is_last:
-                emitted = self._append(req, [first[last.index(b)]])
+            if c.is_last and last.index(b) in fresh:
+                i = last.index(b)
+                emitted = self._append(req, [first[i]])
                 self.totals["emitted"] += len(emitted)
-                outputs.append(self._output(req, emitted))
+                lp = self._logprobs(logits[i : i + 1], emitted, req.params.logprobs)
+                outputs.append(self._output(req, emitted, lp))
             if req.num_speculative_tokens == 0 or req.finished:
                 continue
             tokens = req.all_token_ids[c.start + 1 : c.end + 1]
             extends.append(MTPExtend(req, c.start, tokens,
                                      [b * S + i for i in range(len(tokens))],
-                                     self._k(req) if c.is_last else 0))
+                                     self._num_drafts(req) if c.is_last else 0))
         self.proposer.extend(extends)
         for c in chunks:
             if c.is_last:
@@ -202,37 +263,37 @@ class Engine:
             self.scheduler.finish_prefill(req)
 
     def _decode_step(self, reqs: list[Request]) -> list[RequestOutput]:
-        for r in reqs:  # never verify past the context window or the token budget
-            room = min(self.max_model_len - 1 - r.num_computed_tokens - 1,
-                       r.params.max_tokens - r.num_output_tokens - 1)
-            if len(r.draft_token_ids) > max(room, 0):
-                r.draft_token_ids = r.draft_token_ids[: max(room, 0)]
+        for r in reqs:  # drafting is capped the same way; this only guards transferred drafts
+            room = max(self._room(r), 0)
+            if len(r.draft_token_ids) > room:
+                r.draft_token_ids = r.draft_token_ids[:room]
                 if r.draft_probs is not None:
-                    r.draft_probs = r.draft_probs[: max(room, 0)]
+                    r.draft_probs = r.draft_probs[:room]
         K = max(len(r.draft_token_ids) for r in reqs)
         S = K + 1
-        logits = self.runner.execute(ForwardBatch(
+        raw = self.runner.execute(ForwardBatch(
             kind="main",
             input_ids=[[r.output_token_ids[-1]] + r.draft_token_ids for r in reqs],
             start_positions=[r.num_computed_tokens for r in reqs],
             block_tables=[r.block_ids for r in reqs],
             logit_rows=[b * S + s for b in range(len(reqs)) for s in range(S)],
-        )).view(len(reqs), S, -1)
-        drafts = torch.tensor(pad_rows([r.draft_token_ids for r in reqs], K, PLACEHOLDER_TOKEN_ID),
-                              dtype=torch.long).view(len(reqs), K)  # [R, K]
-        q = None
-        if K and not all(r.params.greedy for r in reqs):
-            q = torch.zeros(len(reqs), K, logits.shape[-1])
-            for b, r in enumerate(reqs):
-                if r.draft_probs is not None:
-                    q[b, : r.draft_probs.shape[0]] = r.draft_probs
-        result = self.sampler(logits, drafts, q, [len(r.draft_token_ids) for r in reqs],
-                              [r.params for r in reqs], [r.generator for r in reqs])
+        ))  # [R * S, V]
+        # Row (b, s) decides the token at position n_b + 1 + s; min_tokens masks it like q.
+        first_pos = [r.num_computed_tokens + 1 for r in reqs]
+        logits = suppress_tokens(raw, [self._banned(r, first_pos[b] + s)
+                                       for b, r in enumerate(reqs) for s in range(S)])
+        result = self.sampler(logits.view(len(reqs), S, -1), [r.draft_token_ids for r in reqs],
+                              [r.draft_probs for r in reqs], [r.params for r in reqs],
+                              [r.seed for r in reqs], first_pos)
         outputs, extends = [], []
-        rows = result.output_token_ids.tolist()
+        emitted_rows: list[list[int]] = []
         for b, r in enumerate(reqs):
-            a = result.num_accepted[b]
             k_used = len(r.draft_token_ids)
+            n = r.num_computed_tokens
+            emitted = self._append(r, result.output_token_ids[b])
+            emitted_rows.append(emitted)
+            # Drafts cut off by EOS / a stop token / the length limit were never emitted.
+            a = min(result.num_accepted[b], len(emitted))
             for i in range(k_used):
                 r.drafted_per_position[i] += 1
                 r.accepted_per_position[i] += i < a
@@ -240,37 +301,81 @@ class Engine:
             self.totals["rounds"] += 1
             self.totals["drafted"] += k_used
             self.totals["accepted"] += a
+            self.totals["emitted"] += len(emitted)
             if self.adaptive:
                 self.adaptive.observe(k_used, a)
-            n = r.num_computed_tokens
-            emitted = self._append(r, rows[b][: a + 1])
-            self.totals["emitted"] += len(emitted)
-            outputs.append(self._output(r, emitted))
             r.draft_token_ids, r.draft_probs = [], None
             if r.finished:
-                self._finish(r)
                 continue
             r.num_computed_tokens = n + a + 1  # main KV: last token + accepted drafts
             self.block_manager.truncate(r, draft_slots(r))  # roll back rejected slots
             if r.num_speculative_tokens:
                 extends.append(MTPExtend(r, n, emitted, [b * S + i for i in range(a + 1)],
-                                         self._k(r)))
+                                         self._num_drafts(r)))
+        for b, r in enumerate(reqs):
+            # Row (b, s) of the verify forward is the plain forward's row for emitted token s.
+            lp = self._logprobs(raw[b * S : b * S + len(emitted_rows[b])], emitted_rows[b],
+                                r.params.logprobs)
+            outputs.append(self._output(r, emitted_rows[b], lp))
+            if r.finished:
+                self._finish(r)
         self.proposer.extend(extends)
         return outputs
 
     # Helpers -----------------------------------------------------------------------------
     def _k(self, req: Request) -> int:
         k = req.num_speculative_tokens
-        return min(k, self.adaptive.k) if self.adaptive and k else k
+        return self.adaptive.k_for(req, len(self.scheduler.running)) if k else k
+
+    def _room(self, req: Request) -> int:
+        """Drafts the next round may verify: the round writes main KV up to position n + k
+        and emits up to k + 1 tokens, within the window and the token budget. Drafting
+        writes MTP entries up to n + k - 2, so the same cap keeps it inside the window."""
+        return min(self.max_model_len - 2 - req.num_computed_tokens,
+                   req.params.max_tokens - req.num_output_tokens - 1)
+
+    def _num_drafts(self, req: Request) -> int:
+        return max(0, min(self._k(req), self._room(req)))
+
+    def _banned(self, req: Request, position: int) -> list[int]:
+        """Token ids the token at `position` may not be: EOS / stop ids before min_tokens."""
+        p = req.params
+        if position - len(req.prompt_token_ids) >= p.min_tokens:
+            return []
+        return list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(self.eos_ids))
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> list[int]:
+        """The first token of each request (logits [R, V]), keyed at its position."""
+        if not reqs:
+            return []
+        pos = [r.num_tokens for r in reqs]
+        logits = suppress_tokens(logits, [self._banned(r, p) for r, p in zip(reqs, pos,
+                                                                             strict=True)])
         tokens = logits.argmax(dim=-1)
         rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
         if rows:
             p = processed_probs(logits[rows], [reqs[i].params for i in rows])
-            u = draw_uniforms([reqs[i].generator for i in rows], 1).squeeze(1)
-            tokens[rows] = sample_with_uniforms(p, u)
+            u = uniforms_for([reqs[i].seed for i in rows], [pos[i] for i in rows], SLOT_FINAL,
+                             logits.device)
+            tokens[torch.tensor(rows, device=tokens.device)] = sample_with_uniforms(p, u)
         return tokens.tolist()
+
+    @staticmethod
+    def _logprobs(raw: torch.Tensor, token_ids: list[int], num_top: int | None
+                  ) -> list[TokenLogprobs] | None:
+        """log_softmax of the raw target logits (raw [N, V], row i decided token_ids[i]): each
+        emitted token's log probability and the `num_top` most likely alternatives. Under
+        speculation the rows come from the verify forward, i.e. they are the plain forward's.
+        None when the request did not ask for logprobs."""
+        if num_top is None or not token_ids:
+            return None
+        lp = torch.log_softmax(raw.float(), dim=-1)  # [N, V]
+        ids = torch.tensor(token_ids, device=lp.device)
+        chosen = lp.gather(1, ids.unsqueeze(1)).squeeze(1).tolist()
+        top_v, top_i = lp.topk(num_top, dim=-1)  # [N, num_top]; num_top may be 0
+        top_v, top_i = top_v.tolist(), top_i.tolist()
+        return [TokenLogprobs(t, chosen[j], list(zip(top_i[j], top_v[j], strict=True)))
+                for j, t in enumerate(token_ids)]
 
     def _append(self, req: Request, tokens: list[int]) -> list[int]:
         """Append emitted tokens up to a stop condition; returns those kept."""
@@ -295,14 +400,15 @@ class Engine:
         self.requests.pop(req.request_id, None)
 
     @staticmethod
-    def _output(req: Request, emitted: list[int]) -> RequestOutput:
+    def _output(req: Request, emitted: list[int],
+                logprobs: list[TokenLogprobs] | None = None) -> RequestOutput:
         return RequestOutput(
             request_id=req.request_id, new_token_ids=emitted, finished=req.finished,
             finish_reason=req.status.value if req.finished else None,
             num_prompt_tokens=len(req.prompt_token_ids),
             num_output_tokens=req.num_output_tokens,
             num_drafted=req.num_drafted, num_accepted=req.num_accepted,
-            num_rounds=req.num_rounds,
+            num_rounds=req.num_rounds, logprobs=logprobs,
         )
 
     def stats(self) -> dict:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
+from router.types import TokenLogprobs
 from workers.engine import Engine, EngineConfig
 from workers.paths import default_model_path
 from workers.sampling_params import SamplingParams
@@ -23,10 +24,15 @@ class GenerationResult:
     accepted_per_position: list[int]
     decode_seconds: float
     ttft_seconds: float
+    seed: int | None = None  # the seed that keyed this request's randomness
+    logprobs: list[TokenLogprobs] | None = None  # per output token, if params.logprobs
     extra: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k != "extra"}
+        out = {k: v for k, v in self.__dict__.items() if k not in ("extra", "logprobs")}
+        if self.logprobs is not None:
+            out["logprobs"] = [asdict(e) for e in self.logprobs]
+        return out
 
 
 class LLM:
@@ -52,8 +58,11 @@ class LLM:
             self._counter += 1
             reqs.append((p if isinstance(p, str) else None,
                          self.engine.add_request(f"llm-{self._counter}", ids, params)))
+        logprobs: dict[str, list[TokenLogprobs]] = {}
         while self.engine.has_unfinished():
-            self.engine.step()
+            for out in self.engine.step():
+                if out.logprobs:
+                    logprobs.setdefault(out.request_id, []).extend(out.logprobs)
         results = []
         for text_prompt, r in reqs:
             end = r.finish_time or time.monotonic()
@@ -65,6 +74,8 @@ class LLM:
                 finish_reason=r.status.value, num_rounds=r.num_rounds,
                 drafted_per_position=list(r.drafted_per_position),
                 accepted_per_position=list(r.accepted_per_position),
-                decode_seconds=end - first, ttft_seconds=first - r.arrival,
+                decode_seconds=end - first, ttft_seconds=first - r.arrival, seed=r.seed,
+                logprobs=logprobs.get(r.request_id, []) if params.logprobs is not None
+                else None,
             ))
         return results

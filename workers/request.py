@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import enum
+import secrets
 from dataclasses import dataclass, field
 
 import torch
 
 from workers.sampling_params import SamplingParams
+from workers.spec.keyed_random import fold_seed
 
 
 class RequestStatus(enum.Enum):
@@ -45,7 +47,9 @@ class Request:
     num_rounds: int = 0
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
-    generator: torch.Generator | None = None
+    # Keys every random number of this request (workers.spec.keyed_random): the user's seed,
+    # or one drawn at admission when the request has none.
+    seed: int | None = None
     num_preemptions: int = 0
     # Prefill chunks run over `prefill_token_ids` (prompt, plus outputs after a preemption).
     prefill_target: int = 0
@@ -53,11 +57,31 @@ class Request:
     finish_time: float | None = None
 
     def __post_init__(self) -> None:
-        if self.params.seed is not None and self.generator is None:
-            self.generator = torch.Generator().manual_seed(self.params.seed)
+        if self.seed is None:
+            seed = self.params.seed
+            self.seed = fold_seed(seed) if seed is not None else secrets.randbits(63)
         k = self.num_speculative_tokens
         self.drafted_per_position = self.drafted_per_position or [0] * k
         self.accepted_per_position = self.accepted_per_position or [0] * k
+
+    @property
+    def reproducible(self) -> bool:
+        """The user fixed the seed, so the output must depend only on (prompt, seed, k):
+        adaptive speculation must leave this request's k alone."""
+        return self.params.reproducible
+
+    @property
+    def k_from_user(self) -> bool:
+        """The user capped k for this request (`num_speculative_tokens` / `mtp` option)."""
+        return self.params.num_speculative_tokens is not None
+
+    @property
+    def recompute_target(self) -> int:
+        """Tokens a (re)prefill computes: the prompt, or after a preemption / resume every
+        token but the last emitted one, which the next round verifies together with fresh
+        drafts. The round structure then stays what it would have been without the
+        recompute, and so (keyed randomness) does a seeded request's output."""
+        return self.num_tokens - 1 if self.output_token_ids else self.num_tokens
 
     @property
     def all_token_ids(self) -> list[int]:

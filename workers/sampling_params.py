@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
+MAX_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
@@ -12,7 +13,13 @@ class SamplingParams:
     """OpenAI-style sampling; `temperature == 0` is greedy.
 
     `num_speculative_tokens` caps this request's drafts per round (0 disables speculation);
-    None uses the engine's k.
+    None uses the engine's k. `seed` keys every random number the request uses (see
+    `workers.spec.keyed_random`); None: the engine draws one at admission. `user_seed` says
+    whether the seed was the user's choice (a reproducible request, whose k adaptive
+    speculation must not change) or drawn for the user upstream (the router does that so the
+    seed travels with the request). `min_tokens`: EOS and stop tokens cannot be generated
+    before this many output tokens. `logprobs`: None for none; N >= 0 returns the log
+    probability of each emitted token plus the N most likely alternatives.
     """
 
     max_tokens: int = 16
@@ -23,6 +30,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     num_speculative_tokens: int | None = None
+    min_tokens: int = 0
+    logprobs: int | None = None
+    user_seed: bool = True
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -35,7 +45,16 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1, 0 or positive, got {self.top_k}")
         if self.num_speculative_tokens is not None and self.num_speculative_tokens < 0:
             raise ValueError("num_speculative_tokens must be >= 0")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
+
+    @property
+    def reproducible(self) -> bool:
+        """The user fixed the seed: the output must be a function of (prompt, seed, k)."""
+        return self.seed is not None and self.user_seed

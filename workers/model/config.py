@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -64,8 +64,7 @@ class ModelConfig:
             n_mtp = int(cfg.get("num_nextn_predict_layers", 0) or 0)
             naming = "mimo" if model_type == "mimo" else "deepseek_v3"
         naming = cfg.get("mtp_naming", naming)
-        eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        eos_ids = _eos_ids(cfg.get("eos_token_id"))
         return cls(
             model_type=model_type,
             vocab_size=cfg["vocab_size"],
@@ -92,4 +91,18 @@ class ModelConfig:
         cfg_file = Path(path) / "config.json"
         if not cfg_file.is_file():
             raise FileNotFoundError(f"{cfg_file} not found: not a Hugging Face checkpoint folder")
-        return cls.from_dict(json.loads(cfg_file.read_text()))
+        cfg = cls.from_dict(json.loads(cfg_file.read_text()))
+        # Chat models often list their end-of-turn token(s) only in generation_config.json.
+        gen_file = Path(path) / "generation_config.json"
+        if gen_file.is_file():
+            extra = _eos_ids(json.loads(gen_file.read_text()).get("eos_token_id"))
+            merged = cfg.eos_token_ids + tuple(t for t in extra if t not in cfg.eos_token_ids)
+            cfg = replace(cfg, eos_token_ids=merged)
+        return cfg
+
+
+def _eos_ids(eos: Any) -> tuple[int, ...]:
+    """`eos_token_id` as a tuple: HF configs hold one id, a list, or null."""
+    if eos is None:
+        return ()
+    return tuple(int(t) for t in eos) if isinstance(eos, list) else (int(eos),)

@@ -5,9 +5,15 @@ produced (prefill chunks, or the accepted tokens + the recovered/bonus token of 
 which also fills the MTP KV cache. For requests that want drafts, the output at their last
 entry gives draft 1; drafts 2..k are serial one-token steps that feed back the MTP's own
 output: step s uses module min(s-1, N-1), so depth-specific modules (DeepSeek-V3) or one module
-reused k times (Qwen3.5 style). Depth modules m >= 1 only get KV entries from drafting steps
-(their exact catch-up would need every shallower module's outputs at lagging entries); their
-drafts are therefore approximate, which costs acceptance, never exactness.
+reused k times (Qwen3.5 style). Depth modules m >= 1 have no exact history (their catch-up
+would need every shallower module's outputs at lagging entries), so they attend only to the
+entries they wrote in the current draft chain: those run at chain-relative positions 0, 1, ...
+(RoPE scores depend only on relative positions), which never reads a slot left over from
+another round or another request. Their drafts are approximate, which costs acceptance, never
+exactness; and drafts are a function of the request's tokens alone, so a migrated or
+preempted request drafts the same.
+
+Sampled drafts use the uniform keyed (seed, position of the drafted token, SLOT_DRAFT + depth).
 """
 
 from __future__ import annotations
@@ -19,7 +25,11 @@ import torch
 
 from workers.model_runner import ForwardBatch
 from workers.request import Request
-from workers.spec.sampling import draw_uniforms, processed_probs, sample_with_uniforms
+from workers.spec.keyed_random import SLOT_DRAFT, keyed_uniforms
+from workers.spec.sampling import processed_probs, sample_with_uniforms, suppress_tokens
+
+# (request, position of the token being decided) -> token ids it may not be (min_tokens)
+BannedFn = Callable[[Request, int], list[int]]
 
 
 @dataclass
@@ -34,9 +44,11 @@ class MTPExtend:
 
 
 class MTPProposer:
-    def __init__(self, execute: Callable[[ForwardBatch], torch.Tensor], num_modules: int):
+    def __init__(self, execute: Callable[[ForwardBatch], torch.Tensor], num_modules: int,
+                 banned: BannedFn | None = None):
         self.execute = execute
         self.num_modules = num_modules
+        self.banned = banned
 
     def extend(self, items: list[MTPExtend]) -> None:
         if not items:
@@ -74,31 +86,44 @@ class MTPProposer:
             active = [active[j] for j in nxt]
             batch_reqs = [reqs[i] for i in active]
             module = min(step - 1, self.num_modules - 1)
-            # A reused module appends entries after its last one (n, n+1, ...); depth module m
-            # takes the DeepSeek-V3 entry n-1 (previous depth's output there, token n+m).
+            # A reused module 0 appends entries after its exact ones (n, n+1, ...); depth
+            # module m takes the DeepSeek-V3 entry n-1 (previous depth's output there, token
+            # n+m) at chain-relative position 0 (then 1, ... when it is reused past depth N).
             offset = step - 1 - module
             logits = self.execute(ForwardBatch(
                 kind="mtp", module=module,
                 input_ids=[[r.draft_token_ids[-1]] for r in batch_reqs],
-                start_positions=[r.num_computed_tokens - 1 + offset for r in batch_reqs],
+                start_positions=[(r.num_computed_tokens - 1 if module == 0 else 0) + offset
+                                 for r in batch_reqs],
                 block_tables=[r.block_ids for r in batch_reqs],
                 logit_rows=list(range(len(batch_reqs))),
                 hidden_from="mtp", hidden_rows=rows,
             ))
             prev_rows = list(range(len(batch_reqs)))
 
-    @staticmethod
-    def _take_drafts(reqs: list[Request], logits: torch.Tensor) -> None:
-        """Append one draft per request: argmax (greedy) or a sample from q, keeping q."""
+    def _take_drafts(self, reqs: list[Request], logits: torch.Tensor) -> None:
+        """Append one draft per request: argmax (greedy) or a sample from q, keeping q.
+
+        logits [len(reqs), V]: the MTP head's rows. The draft decides the token at position
+        num_computed_tokens + depth."""
+        depth = [len(r.draft_token_ids) + 1 for r in reqs]
+        pos = [r.num_computed_tokens + d for r, d in zip(reqs, depth, strict=True)]
+        if self.banned is not None:  # min_tokens: the same mask as on the target side
+            logits = suppress_tokens(logits, [self.banned(r, p) for r, p in zip(reqs, pos,
+                                                                               strict=True)])
         greedy = [r.params.greedy for r in reqs]
         tokens = logits.argmax(dim=-1)
         if not all(greedy):
             rows = [i for i, g in enumerate(greedy) if not g]
-            q = processed_probs(logits[rows], [reqs[i].params for i in rows])
-            u = draw_uniforms([reqs[i].generator for i in rows], 1).squeeze(1)
+            q = processed_probs(logits[rows], [reqs[i].params for i in rows])  # [n, V]
+            dev = logits.device
+            u = keyed_uniforms(
+                torch.tensor([reqs[i].seed for i in rows], device=dev),
+                torch.tensor([pos[i] for i in rows], device=dev),
+                torch.tensor([SLOT_DRAFT + depth[i] for i in rows], device=dev))
             sampled = sample_with_uniforms(q, u)
+            tokens[torch.tensor(rows, device=tokens.device)] = sampled
             for j, i in enumerate(rows):
-                tokens[i] = sampled[j]
                 r = reqs[i]
                 qi = q[j : j + 1]
                 r.draft_probs = qi if r.draft_probs is None else torch.cat([r.draft_probs, qi])
