@@ -132,6 +132,7 @@ def test_large_k_at_the_window_end(tiny_factory, num_mtp: int) -> None:
     while sampled.has_unfinished():
         sampled.step()
     assert req.status.value in ("length", "stop")
+    assert req.num_tokens <= 48 and (req.status.value == "stop" or req.num_tokens == 48)
 
 
 def test_depth_modules_never_read_unwritten_slots(tiny_factory) -> None:

@@ -75,13 +75,19 @@ class MTPProposer:
     def _draft_loop(self, reqs: list[Request], counts: list[int], logits: torch.Tensor,
                     prev_rows: list[int]) -> None:
         active = list(range(len(reqs)))
+        # q rows ([V] each) per request, stacked once at the end: growing draft_probs with a
+        # cat per step would copy O(k^2 V) floats per request per round.
+        qs: list[list[torch.Tensor]] = [[] for _ in reqs]
         step = 1
         while True:
-            self._take_drafts([reqs[i] for i in active], logits)
+            for i, qi in zip(active, self._take_drafts([reqs[i] for i in active], logits),
+                             strict=True):
+                if qi is not None:
+                    qs[i].append(qi)
             step += 1
             nxt = [j for j, i in enumerate(active) if counts[i] >= step]
             if not nxt:
-                return
+                break
             rows = [[prev_rows[j]] for j in nxt]
             active = [active[j] for j in nxt]
             batch_reqs = [reqs[i] for i in active]
@@ -100,9 +106,14 @@ class MTPProposer:
                 hidden_from="mtp", hidden_rows=rows,
             ))
             prev_rows = list(range(len(batch_reqs)))
+        for r, q in zip(reqs, qs, strict=True):
+            if q:
+                r.draft_probs = torch.stack(q)  # [k, V]
 
-    def _take_drafts(self, reqs: list[Request], logits: torch.Tensor) -> None:
-        """Append one draft per request: argmax (greedy) or a sample from q, keeping q.
+    def _take_drafts(self, reqs: list[Request], logits: torch.Tensor
+                     ) -> list[torch.Tensor | None]:
+        """Append one draft per request: argmax (greedy) or a sample from q. Returns each
+        request's q row ([V], the distribution its draft was drawn from) or None (greedy).
 
         logits [len(reqs), V]: the MTP head's rows. The draft decides the token at position
         num_computed_tokens + depth."""
@@ -113,6 +124,7 @@ class MTPProposer:
                                                                                strict=True)])
         greedy = [r.params.greedy for r in reqs]
         tokens = logits.argmax(dim=-1)
+        q_rows: list[torch.Tensor | None] = [None] * len(reqs)
         if not all(greedy):
             rows = [i for i, g in enumerate(greedy) if not g]
             q = processed_probs(logits[rows], [reqs[i].params for i in rows])  # [n, V]
@@ -124,8 +136,7 @@ class MTPProposer:
             sampled = sample_with_uniforms(q, u)
             tokens[torch.tensor(rows, device=tokens.device)] = sampled
             for j, i in enumerate(rows):
-                r = reqs[i]
-                qi = q[j : j + 1]
-                r.draft_probs = qi if r.draft_probs is None else torch.cat([r.draft_probs, qi])
+                q_rows[i] = q[j]
         for r, t in zip(reqs, tokens.tolist(), strict=True):
             r.draft_token_ids.append(t)
+        return q_rows

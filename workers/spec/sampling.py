@@ -32,9 +32,12 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[fl
     k = torch.tensor([k if k > 0 else V for k in top_ks], device=dev).unsqueeze(1)
     remove = ranks >= k
     probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
-    # Keep the smallest prefix whose mass reaches top_p (the top token always survives).
+    # Keep the smallest prefix whose mass reaches top_p (the top token always survives). Only
+    # rows with top_p < 1: a float32 cumsum reaches 1.0 before the tail, and `>= 1.0` would
+    # drop that tail from rows that asked for no top-p (and make them depend on the batch).
     cum_before = probs.cumsum(dim=-1) - probs
-    remove |= cum_before >= torch.tensor(top_ps, dtype=probs.dtype, device=dev).unsqueeze(1)
+    tp = torch.tensor(top_ps, dtype=probs.dtype, device=dev).unsqueeze(1)  # [N, 1]
+    remove |= (cum_before >= tp) & (tp < 1.0)
     sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, idx, sorted_logits)
 
