@@ -14,6 +14,7 @@ from ray.serve.config import RequestRouterConfig
 from cluster.config import AutoscalingSettings, ClusterConfig
 
 ROUTER = "router.routing:LeastLoadedRouter"
+ROUTING_STATS_PERIOD_S = 1.0  # = router.routing.ROUTING_STATS_PERIOD_S (no Serve import here)
 
 
 def _bundles(tp: int, cpus: float, gpus: float) -> list[dict]:
@@ -22,14 +23,29 @@ def _bundles(tp: int, cpus: float, gpus: float) -> list[dict]:
 
 
 def _autoscaling(a: AutoscalingSettings, initial: int, policy: str, kwargs: dict) -> dict:
+    # The policy holds scale-downs itself (`downscale_hold_s`, with the model's prediction);
+    # Serve's own delay on top only has to absorb one tick. Reports older than a few
+    # intervals are stale: the policy then holds.
+    kwargs = kwargs | {"downscale_hold_s": a.downscale_delay_s,
+                       "max_age_s": max(5.0, 4 * a.metrics_interval_s)}
     return {
         "min_replicas": a.min_replicas, "max_replicas": a.max_replicas,
         "initial_replicas": min(max(initial, a.min_replicas), a.max_replicas),
-        "metrics_interval_s": 2.0, "look_back_period_s": 10.0,
-        "upscale_delay_s": a.upscale_delay_s, "downscale_delay_s": a.downscale_delay_s,
+        "metrics_interval_s": a.metrics_interval_s,
+        "look_back_period_s": 5 * a.metrics_interval_s,
+        "upscale_delay_s": a.upscale_delay_s, "downscale_delay_s": 1.0,
         "policy": {"policy_function": f"cluster.autoscaling_policy:{policy}",
                    "policy_kwargs": kwargs},
     }
+
+
+def _max_ongoing(cfg: ClusterConfig, role: str) -> int:
+    if role == "decode":
+        n = cfg.decode.max_num_seqs
+        return n + max(2, n // 4)
+    # Prefill requests are short (one chunked prefill each); the engine batches up to its token
+    # budget, so a few prompts' worth of budget keeps it busy without a long local queue.
+    return max(16, 4 * cfg.prefill.max_num_batched_tokens // 256)
 
 
 def deployment_options(cfg: ClusterConfig, role: str) -> dict:
@@ -47,8 +63,16 @@ def deployment_options(cfg: ClusterConfig, role: str) -> dict:
                 "TORCH_CPP_LOG_LEVEL": "ERROR",
                 "OMP_NUM_THREADS": str(max(1, int(side.cpus_per_rank)))}},
         },
-        "max_ongoing_requests": 256,
-        "request_router_config": RequestRouterConfig(request_router_class=ROUTER),
+        # Serve's admission matches the engine's: decode runs max_num_seqs at once plus a small
+        # queue in the engine; beyond that requests wait in the caller's router, at most
+        # limits.max_queued_requests of them, then BackPressureError (answered 429).
+        "max_ongoing_requests": _max_ongoing(cfg, role),
+        "max_queued_requests": cfg.limits.max_queued_requests,
+        "graceful_shutdown_timeout_s": cfg.graceful_shutdown_timeout_s,
+        "graceful_shutdown_wait_loop_s": 1.0,
+        # Routing stats at <= 1 s, combined with Serve's live queue lengths (router/routing.py).
+        "request_router_config": RequestRouterConfig(
+            request_router_class=ROUTER, request_routing_stats_period_s=ROUTING_STATS_PERIOD_S),
         "health_check_period_s": 10.0,
         "health_check_timeout_s": 60.0,
     }
@@ -57,12 +81,12 @@ def deployment_options(cfg: ClusterConfig, role: str) -> dict:
     elif role == "decode":
         a = side.autoscaling
         opts["autoscaling_config"] = _autoscaling(
-            a, side.replicas, "DecodePolicy",
-            {"target_tpot_ms": a.target_tpot_ms, "min_acceptance_rate": a.min_acceptance_rate})
+            a, side.replicas, "DecodePolicy", {"target_tpot_ms": a.target_tpot_ms})
     else:
         a = side.autoscaling
         opts["autoscaling_config"] = _autoscaling(
-            a, side.replicas, "PrefillPolicy", {"target_ttft_ms": a.target_ttft_ms})
+            a, side.replicas, "PrefillPolicy",
+            {"target_ttft_ms": a.target_ttft_ms, "window_s": a.window_s})
     return opts
 
 
@@ -80,6 +104,11 @@ def build_app(args: ClusterConfig) -> Application:
     cfg = resolve(args if isinstance(args, ClusterConfig) else ClusterConfig(**args))
     prefill = PrefillServer.options(**deployment_options(cfg, "prefill")).bind(cfg)
     decode = DecodeServer.options(**deployment_options(cfg, "decode")).bind(cfg)
+    # The ingress answers its own overload with 429 (limits.max_concurrent_requests) before
+    # Serve's proxy would, so Serve's cap sits above it.
     return OpenAIIngress.options(
-        ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1024,
+        ray_actor_options={"num_cpus": 0},
+        max_ongoing_requests=cfg.limits.max_concurrent_requests + 64,
+        graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,
+        graceful_shutdown_wait_loop_s=1.0,
     ).bind(prefill, decode, cfg)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -34,6 +35,23 @@ def add_commands(sub: argparse._SubParsersAction, bench: argparse._SubParsersAct
     p.add_argument("--prompt-tokens", type=int, default=200)
     p.add_argument("--json", dest="json_out")
     p.set_defaults(func=_bench_serve)
+
+    p = bench.add_parser("autoscale", help="load profile (ramp, acceptance step, ramp down) "
+                         "recording an autoscaling timeline (JSON + PNG)")
+    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--api-key")
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--time-scale", type=float, default=1.0, help="1.0: 3 min of load")
+    p.add_argument("--idle-s", type=float, default=45.0)
+    p.add_argument("--target-tpot-ms", type=float, default=50.0)
+    p.add_argument("--deploy", choices=["model", "default"], help="start a local Ray cluster "
+                   "and deploy with our model-based policy or Serve's default policy")
+    p.add_argument("--config", help="Serve config (YAML) whose args --deploy uses")
+    p.add_argument("--ray-address", help="read replica counts from this Ray cluster")
+    p.add_argument("--json", dest="json_out")
+    p.add_argument("--png", dest="png_out")
+    p.set_defaults(func=_bench_autoscale)
 
 
 def load_app_config(path: str | Path, model: str | None = None, host: str | None = None,
@@ -84,6 +102,11 @@ def _up(args: argparse.Namespace) -> int:
 
     http, app_args = load_app_config(args.config, args.model, args.host, args.port)
     cfg = ClusterConfig(**app_args)  # fail fast, before starting anything
+    try:  # fail closed: a configured key variable that is missing never means "no auth"
+        cfg.auth.resolve(os.environ)
+    except RuntimeError as e:
+        print(f"mtpserve: {e}", file=sys.stderr)
+        return 2
     stop = threading.Event()
     ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False,
              log_to_driver=False)
@@ -103,6 +126,7 @@ def _up(args: argparse.Namespace) -> int:
         print(f"mtpserve is serving {Path(cfg.model).name} at {url}/v1 (Ctrl-C to stop)",
               flush=True)
         stop.wait()
+        _drain(cfg.graceful_shutdown_timeout_s)
         return 0
     finally:
         try:
@@ -111,10 +135,44 @@ def _up(args: argparse.Namespace) -> int:
             ray.shutdown()
 
 
+def _drain(timeout_s: float) -> None:
+    """SIGTERM: the ingress stops taking requests (503; /health 503) and the running ones get
+    up to `timeout_s` to finish. Then Serve's own shutdown drains the replicas."""
+    from ray import serve
+
+    try:
+        ingress = serve.get_deployment_handle("OpenAIIngress", app_name="mtpserve")
+        deadline = time.monotonic() + timeout_s
+        left = ingress.drain.remote().result(timeout_s=10)
+        if left:
+            print(f"mtpserve: draining {left} request(s) (at most {timeout_s:g}s)", flush=True)
+        while left and time.monotonic() < deadline:
+            time.sleep(0.2)
+            left = ingress.num_inflight.remote().result(timeout_s=10)
+        if left:
+            print(f"mtpserve: {left} request(s) still running after {timeout_s:g}s; stopping",
+                  file=sys.stderr)
+    except Exception as e:  # the app may have failed already: shut down regardless
+        print(f"mtpserve: drain failed ({type(e).__name__}: {e})", file=sys.stderr)
+
+
 def _bench_serve(args: argparse.Namespace) -> int:
     from benchmarks.serve_bench import ServeBenchArgs, main
 
     main(ServeBenchArgs(url=args.url, api_key=args.api_key, concurrency=args.concurrency,
                         num_requests=args.num_requests, max_tokens=args.max_tokens,
                         prompt_tokens=args.prompt_tokens), args.json_out)
+    return 0
+
+
+def _bench_autoscale(args: argparse.Namespace) -> int:
+    from benchmarks.autoscale_bench import AutoscaleBenchArgs, local_config, main
+
+    a = AutoscaleBenchArgs(
+        url=args.url, api_key=args.api_key, concurrency=args.concurrency,
+        max_tokens=args.max_tokens, time_scale=args.time_scale, idle_s=args.idle_s,
+        target_tpot_ms=args.target_tpot_ms, deploy=args.deploy, ray_address=args.ray_address)
+    if args.deploy:
+        a.config = load_app_config(args.config)[1] if args.config else local_config(a)
+    main(a, args.json_out, args.png_out)
     return 0

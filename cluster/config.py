@@ -7,6 +7,7 @@ engine receives frozen dataclasses built from these values.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
 
@@ -20,26 +21,33 @@ class _Strict(BaseModel):
 
 
 class AutoscalingSettings(_Strict):
-    """Bounds and SLOs for the custom autoscaling policy of one deployment."""
+    """Bounds and SLOs of the model-based autoscaling policy of one deployment
+    (cluster.autoscaling_policy): decode sizes from predicted TPOT, prefill from TTFT."""
 
     min_replicas: int = Field(1, ge=0, description="Fewest replicas kept running.")
     max_replicas: int = Field(1, ge=1, description="Most replicas the policy may ask for.")
     target_tpot_ms: float = Field(
-        50.0, gt=0, description="Decode SLO: scale up when mean time per output token exceeds it."
+        50.0, gt=0, description="Decode SLO: the policy keeps the predicted time per output "
+        "token under 80% of it (scales down only where it stays under 65%)."
     )
     target_ttft_ms: float = Field(
-        1000.0, gt=0, description="Prefill SLO: scale up when mean time to first token exceeds it."
+        1000.0, gt=0, description="Prefill SLO: the policy keeps the predicted time to first "
+        "token (queueing + compute) under 80% of it."
     )
     min_acceptance_rate: float = Field(
-        0.3,
-        ge=0,
-        le=1,
-        description="Below this draft acceptance rate speculation buys little, so decode capacity "
-        "is added sooner.",
+        0.3, ge=0, le=1,
+        description="Deprecated and ignored: acceptance now enters the decode performance "
+        "model directly (tokens per round).",
     )
-    upscale_delay_s: float = Field(5.0, ge=0, description="Seconds a scale-up signal must hold.")
-    downscale_delay_s: float = Field(60.0, ge=0, description="Seconds slack must hold before "
-                                     "removing a replica.")
+    upscale_delay_s: float = Field(2.0, ge=0, description="Seconds a scale-up decision must "
+                                   "hold before Serve applies it.")
+    downscale_delay_s: float = Field(60.0, ge=0, description="Seconds the smaller count must "
+                                     "be predicted to meet the SLO before replicas are removed.")
+    window_s: float = Field(30.0, gt=0, description="Replicas report signals (TPOT, "
+                            "acceptance, batch, prefill times) over this sliding window; an "
+                            "idle replica's window empties.")
+    metrics_interval_s: float = Field(1.0, gt=0, description="How often replicas report their "
+                                      "signals to the Serve controller.")
 
     @model_validator(mode="after")
     def _bounds(self) -> AutoscalingSettings:
@@ -106,6 +114,19 @@ class KVTransferSettings(_Strict):
         60.0, gt=0, description="Prefill frees a request's KV blocks after this long without an "
         "acknowledgement from decode."
     )
+    failure_policy: Literal["recompute", "fail"] = Field(
+        "recompute", description="When a KV pull fails or times out: 'recompute' the request "
+        "on a decode replica from its prompt (and tokens already sent), or 'fail' it with a "
+        "clear error (vLLM's kv_load_failure_policy)."
+    )
+    host: str | None = Field(
+        None, description="Address KV senders listen on and advertise; None: this node's IP "
+        "(ray.util.get_node_ip_address()). Set 127.0.0.1 to keep KV on loopback (one machine)."
+    )
+    interface: str | None = Field(
+        None, description="Network interface the gloo KV pairs bind; None: the interface that "
+        "carries `host` ('lo' for a loopback host)."
+    )
 
 
 class HTTPSettings(_Strict):
@@ -114,12 +135,104 @@ class HTTPSettings(_Strict):
 
 
 class AuthSettings(_Strict):
+    """API keys. Fails closed: a configured `*_env` variable that is missing or empty where the
+    ingress starts stops it from starting (it never means 'no auth')."""
+
     api_key: str | None = Field(
-        None, description="Require `Authorization: Bearer <api_key>`; None disables auth."
+        None, min_length=1,
+        description="Require `Authorization: Bearer <api_key>`; None disables auth.",
     )
     api_key_env: str | None = Field(
-        None, description="Read the API key from this environment variable instead (e.g. a "
-        "Kubernetes Secret)."
+        None, min_length=1, description="Read the API key from this environment variable "
+        "instead (e.g. a Kubernetes Secret); missing or empty refuses to start."
+    )
+    admin_api_key: str | None = Field(
+        None, min_length=1, description="Key of the admin routes (kv_probe, unredacted stats); "
+        "it is also accepted wherever the API key is."
+    )
+    admin_api_key_env: str | None = Field(
+        None, min_length=1, description="Read the admin key from this environment variable; "
+        "missing or empty refuses to start."
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> AuthSettings:
+        if self.api_key and self.api_key_env:
+            raise ValueError("set auth.api_key or auth.api_key_env, not both")
+        if self.admin_api_key and self.admin_api_key_env:
+            raise ValueError("set auth.admin_api_key or auth.admin_api_key_env, not both")
+        return self
+
+    def resolve(self, environ: Mapping[str, str]) -> tuple[str | None, str | None]:
+        """(api key, admin key) where the ingress runs. A configured variable that is missing
+        or empty raises: starting without the auth the operator asked for would be silent."""
+        keys = []
+        for value, env, what in ((self.api_key, self.api_key_env, "auth.api_key_env"),
+                                 (self.admin_api_key, self.admin_api_key_env,
+                                  "auth.admin_api_key_env")):
+            if env is not None:
+                value = environ.get(env, "").strip()
+                if not value:
+                    raise RuntimeError(f"{what} names ${env}, which is missing or empty here; "
+                                       "refusing to start without the configured API key")
+            keys.append(value)
+        return keys[0], keys[1]
+
+
+class AdminSettings(_Strict):
+    """Operator-only routes; off unless asked for, and always behind the admin key."""
+
+    enable_kv_probe: bool = Field(
+        False, description="Serve POST /v1/mtpserve/kv_probe (a raw KV-channel transfer); needs "
+        "an admin key."
+    )
+    kv_probe_max_bytes: int = Field(
+        16 << 20, ge=1, le=256 << 20, description="Largest transfer one kv_probe may ask for."
+    )
+
+
+class LimitsSettings(_Strict):
+    """Server-side caps and backpressure, answered with OpenAI-style 400 / 413 / 429 errors."""
+
+    max_tokens: int = Field(
+        8192, ge=1, description="Largest `max_tokens` a request may ask for (400 beyond)."
+    )
+    max_n: int = Field(16, ge=1, description="Largest `n` (choices per prompt).")
+    max_prompt_tokens: int | None = Field(
+        None, ge=1, description="Longest prompt in tokens (400 beyond); None: the context "
+        "window is the only limit."
+    )
+    max_request_bytes: int = Field(
+        4 << 20, ge=1024, description="Largest request body (413 beyond), checked while the "
+        "body streams in."
+    )
+    max_concurrent_requests: int = Field(
+        512, ge=1, description="Requests one ingress replica works on at once; more are "
+        "answered 429 with Retry-After."
+    )
+    max_queued_requests: int = Field(
+        64, ge=1, description="Requests waiting for a busy prefill or decode deployment (Serve's "
+        "max_queued_requests); more are answered 429 with Retry-After."
+    )
+    retry_after_s: int = Field(1, ge=1, description="Retry-After of a 429.")
+
+
+class MigrationSettings(_Strict):
+    """Request migration: a decode stream that fails resumes on another decode replica."""
+
+    max_migrations: int = Field(
+        2, ge=0, description="Resumes per request after a decode failure; then an error."
+    )
+    stall_timeout_s: float = Field(
+        60.0, gt=0, description="Longest wait for the next chunk from a replica (beyond the KV "
+        "transfer timeout for the first one) before it is treated as failed (frozen peer)."
+    )
+    retry_backoff_s: float = Field(
+        0.2, gt=0, description="First back-off between retries while Serve still routes to a "
+        "dead replica or every replica is busy; doubles up to 2 s."
+    )
+    retry_window_s: float = Field(
+        30.0, gt=0, description="How long one resume may keep retrying unavailable replicas."
     )
 
 
@@ -147,10 +260,24 @@ class ClusterConfig(_Strict):
     kv_transfer: KVTransferSettings = Field(default_factory=KVTransferSettings)
     http: HTTPSettings = Field(default_factory=HTTPSettings)
     auth: AuthSettings = Field(default_factory=AuthSettings)
-    request_timeout_s: float = Field(600.0, gt=0, description="Longest a request may run.")
+    admin: AdminSettings = Field(default_factory=AdminSettings)
+    limits: LimitsSettings = Field(default_factory=LimitsSettings)
+    migration: MigrationSettings = Field(default_factory=MigrationSettings)
+    request_timeout_s: float = Field(
+        600.0, gt=0, description="Longest a request may run, end to end (prefill, transfer, "
+        "decode, migrations); then it ends with a timeout error."
+    )
+    graceful_shutdown_timeout_s: float = Field(
+        30.0, ge=0, description="On scale-down or SIGTERM: stop taking requests and let running "
+        "ones finish for at most this long."
+    )
 
     @model_validator(mode="after")
     def _cross_field(self) -> ClusterConfig:
+        if self.admin.enable_kv_probe and not (
+            self.auth.admin_api_key or self.auth.admin_api_key_env
+        ):
+            raise ValueError("admin.enable_kv_probe needs auth.admin_api_key(_env)")
         if self.kv_transfer.backend == "nccl" and self.device != "cuda":
             raise ValueError("kv_transfer.backend 'nccl' needs device 'cuda'")
         if self.device == "cuda" and (

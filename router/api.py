@@ -8,6 +8,13 @@ same way. Behaviour clients can rely on:
 - `max_tokens` (default 16 for completions; the rest of the window for chat) beyond the window is
   CLAMPED to `max_model_len - prompt_tokens`, not rejected; such a choice ends with
   finish_reason "length" at the window's edge.
+- Server caps (router.limits.Limits, from the config's `limits:`): `max_tokens` above
+  `limits.max_tokens`, `n` above `limits.max_n` or a prompt above `limits.max_prompt_tokens` is a
+  400 naming the limit; prompt token ids outside the vocabulary are a 400. Bodies above
+  `max_request_bytes` are a 413 and too many requests in flight a 429 with Retry-After
+  (router.limits, before the body is parsed).
+- `/v1/mtpserve/stats` hides network addresses unless the admin key is presented;
+  `/v1/mtpserve/kv_probe` is off unless enabled, needs the admin key, and is capped in size.
 - `model` may be omitted; any name other than the served one is a 404 `model_not_found`.
 - `n` choices (per prompt) are n independent `GenerateRequest`s with request ids `{id}-{index}`,
   run concurrently; with a `seed`, choice i uses `seed + i` so the choices differ.
@@ -27,17 +34,19 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from router.auth import APIKeyMiddleware
+from router.auth import APIKeyMiddleware, key_matches
 from router.chat_template import apply_chat_template
 from router.errors import APIError, install_error_handlers
 from router.generation import Choice, ChoiceSet
+from router.limits import AdmissionGate, Limits, LimitsMiddleware
+from router.metrics_api import metrics_router
 from router.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -63,6 +72,8 @@ T = TypeVar("T")
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_CHOICES = 64  # prompts x n in one request
+_TOKENIZE_INLINE_CHARS = 8192  # longer prompts are tokenized off the event loop
+_REDACTED_KEYS = ("addr", "host", "port", "peer", "store")
 
 
 @dataclass
@@ -74,6 +85,11 @@ class IngressState:
     model_name: str
     max_model_len: int
     api_key: str | None = None
+    admin_api_key: str | None = None
+    vocab_size: int | None = None  # None: the engine checks token ids
+    limits: Limits = field(default_factory=Limits)
+    enable_kv_probe: bool = False
+    kv_probe_max_bytes: int = 16 << 20
 
 
 # Request → choices ---------------------------------------------------------------------------
@@ -93,6 +109,10 @@ def _check_model(state: IngressState, model: str | None) -> None:
 def _check_window(state: IngressState, prompt_ids: list[int], param: str) -> None:
     if not prompt_ids:
         raise APIError("the prompt is empty", 400, param=param)
+    cap = state.limits.max_prompt_tokens
+    if cap is not None and len(prompt_ids) > cap:
+        raise APIError(f"the prompt has {len(prompt_ids)} tokens; this server accepts at most "
+                       f"{cap}", 400, param=param, code="context_length_exceeded")
     if len(prompt_ids) >= state.max_model_len:
         raise APIError(
             f"this model's maximum context length is {state.max_model_len} tokens, but the "
@@ -100,15 +120,54 @@ def _check_window(state: IngressState, prompt_ids: list[int], param: str) -> Non
             "must fit)", 400, param=param, code="context_length_exceeded")
 
 
+def _check_max_tokens(state: IngressState, requested: int | None, param: str) -> None:
+    cap = state.limits.max_tokens
+    if requested is not None and requested > cap:
+        raise APIError(f"'{param}' is {requested}; this server allows at most {cap}", 400,
+                       param=param)
+
+
+def _check_token_ids(state: IngressState, ids: list[int], param: str) -> None:
+    if not ids:
+        return
+    vocab = state.vocab_size
+    if min(ids) < 0 or (vocab is not None and max(ids) >= vocab):
+        raise APIError(f"prompt token ids must be in [0, {vocab})" if vocab is not None
+                       else "prompt token ids must be >= 0", 400, param=param)
+
+
+async def _encode(state: IngressState, text: str) -> list[int]:
+    if len(text) <= _TOKENIZE_INLINE_CHARS:
+        return list(state.tokenizer.encode(text))
+    return list(await asyncio.to_thread(state.tokenizer.encode, text))
+
+
 def _max_tokens(state: IngressState, requested: int | None, prompt_len: int) -> int:
-    """Clamp to the room left in the context window (None: all of it)."""
+    """Clamp to the room left in the context window (None: all of it, within the server cap)."""
     room = state.max_model_len - prompt_len
-    return room if requested is None else min(requested, room)
+    return min(room, state.limits.max_tokens) if requested is None else min(requested, room)
+
+
+def _is_admin(state: IngressState, request: Request) -> bool:
+    return key_matches(request.headers.get("authorization"), state.admin_api_key)
+
+
+def redact(stats: Any) -> Any:
+    """Stats without network addresses (stores, senders, peers): what a non-admin may see."""
+    if isinstance(stats, dict):
+        return {k: redact(v) for k, v in stats.items()
+                if not any(word in str(k).lower() for word in _REDACTED_KEYS)}
+    if isinstance(stats, list):
+        return [redact(v) for v in stats]
+    return stats
 
 
 def _choices(state: IngressState, body: SamplingRequest, response_id: str,
              prompts: list[list[int]], max_tokens: list[int]) -> list[Choice]:
     n = body.n or 1
+    if n > state.limits.max_n:
+        raise APIError(f"'n' is {n}; this server allows at most {state.limits.max_n}", 400,
+                       param="n")
     if len(prompts) * n > MAX_CHOICES:
         raise APIError(f"at most {MAX_CHOICES} choices per request (prompts x n)", 400,
                        param="n")
@@ -125,6 +184,7 @@ def _choices(state: IngressState, body: SamplingRequest, response_id: str,
                 seed=None if body.seed is None else body.seed + index,
                 ignore_eos=bool(body.ignore_eos),
                 num_speculative_tokens=body.mtp.cap if body.mtp else None,
+                **body.generate_options(),  # stop_token_ids, min_tokens, logprobs
             )
             choices.append(Choice(index, request, state.tokenizer, body.stop_strings))
     return choices
@@ -233,14 +293,22 @@ def create_app(state: IngressState | None = None) -> FastAPI:
     """The FastAPI app serving the OpenAI API subset over `state.orchestrator`."""
     app = FastAPI(title="mtpserve", summary="OpenAI-compatible API with MTP speculative decoding")
     app.state.ingress = state
+    app.state.gate = AdmissionGate()
     install_error_handlers(app)
-    app.add_middleware(APIKeyMiddleware, get_key=lambda: getattr(app.state.ingress, "api_key",
-                                                                 None))
+    app.include_router(metrics_router())  # GET /metrics (Prometheus, all replicas)
+    # Added first = inner: the key is checked before the body is read or counted.
+    app.add_middleware(LimitsMiddleware, gate=app.state.gate,
+                       get_limits=lambda: getattr(app.state.ingress, "limits", None))
+    app.add_middleware(APIKeyMiddleware, get_keys=lambda: (
+        getattr(app.state.ingress, "api_key", None),
+        getattr(app.state.ingress, "admin_api_key", None)))
 
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:
         if request.app.state.ingress is None:
             return JSONResponse({"status": "starting"}, status_code=503)
+        if request.app.state.gate.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/v1/models")
@@ -251,12 +319,23 @@ def create_app(state: IngressState | None = None) -> FastAPI:
 
     @app.get("/v1/mtpserve/stats")
     async def stats(request: Request) -> JSONResponse:
-        return JSONResponse(await _state(request).orchestrator.stats())
+        s = _state(request)
+        out = await s.orchestrator.stats()
+        return JSONResponse(out if _is_admin(s, request) else redact(out))
 
     @app.post("/v1/mtpserve/kv_probe")
     async def kv_probe(body: KVProbeRequest, request: Request) -> JSONResponse:
+        s = _state(request)
+        if not s.enable_kv_probe:
+            raise APIError("kv_probe is disabled on this server (admin.enable_kv_probe)", 404,
+                           code="not_found")
+        if not _is_admin(s, request):
+            raise APIError("kv_probe needs the admin key", 403, code="permission_denied")
+        if body.num_bytes > s.kv_probe_max_bytes:
+            raise APIError(f"num_bytes is {body.num_bytes}; at most {s.kv_probe_max_bytes}",
+                           400, param="num_bytes")
         try:
-            return JSONResponse(await _state(request).orchestrator.kv_probe(body.num_bytes))
+            return JSONResponse(await s.orchestrator.kv_probe(body.num_bytes))
         except NotImplementedError as e:
             raise APIError(str(e) or "this backend has no KV channel to probe", 501,
                            code="not_implemented") from None
@@ -266,11 +345,11 @@ def create_app(state: IngressState | None = None) -> FastAPI:
         s = _state(request)
         body.check_supported()
         _check_model(s, body.model)
+        _check_max_tokens(s, body.max_tokens, "max_tokens")
         prompts = []
         for p in body.prompts:
-            ids = list(s.tokenizer.encode(p)) if isinstance(p, str) else list(p)
-            if ids and min(ids) < 0:
-                raise APIError("prompt token ids must be >= 0", 400, param="prompt")
+            ids = await _encode(s, p) if isinstance(p, str) else list(p)
+            _check_token_ids(s, ids, "prompt")
             _check_window(s, ids, "prompt")
             prompts.append(ids)
         requested = body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
@@ -286,9 +365,11 @@ def create_app(state: IngressState | None = None) -> FastAPI:
         if body.stream:
             async def events() -> AsyncIterator[str]:
                 while (ev := await choices.next_event()) is not None:
-                    if ev.text or ev.finish_reason or (want_ids and ev.token_ids):
+                    if ev.text or ev.finish_reason or (
+                            (want_ids or ev.choice.wants_logprobs) and ev.token_ids):
                         yield _sse(chunk([CompletionChoice(
                             index=ev.choice.index, text=ev.text, finish_reason=ev.finish_reason,
+                            logprobs=ev.choice.completion_logprobs(ev.logprobs),
                             token_ids=ev.token_ids if want_ids else None,
                             mtp_stats=ev.choice.mtp_stats() if ev.finish_reason else None)]))
                 if body.include_usage:
@@ -301,6 +382,7 @@ def create_app(state: IngressState | None = None) -> FastAPI:
         await _run(request, choices)
         return _json(chunk(
             [CompletionChoice(index=c.index, text=c.text, finish_reason=c.finish_reason,
+                              logprobs=c.completion_logprobs(c.logprobs),
                               token_ids=c.token_ids if want_ids else None,
                               mtp_stats=c.mtp_stats()) for c in choices.choices],
             usage=_usage(prompts, choices), mtp_stats=_total_stats(choices),
@@ -311,6 +393,8 @@ def create_app(state: IngressState | None = None) -> FastAPI:
         s = _state(request)
         body.check_supported()
         _check_model(s, body.model)
+        _check_max_tokens(s, body.max_output_tokens, "max_completion_tokens"
+                          if body.max_completion_tokens else "max_tokens")
         messages = [{"role": m.role, "content": m.text} for m in body.messages]
         try:
             ids = apply_chat_template(s.tokenizer, messages)
@@ -333,10 +417,12 @@ def create_app(state: IngressState | None = None) -> FastAPI:
                     yield _sse(chunk([ChatStreamChoice(
                         index=c.index, delta=DeltaMessage(role="assistant", content=""))]))
                 while (ev := await choices.next_event()) is not None:
-                    if ev.text or ev.finish_reason or (want_ids and ev.token_ids):
+                    if ev.text or ev.finish_reason or (
+                            (want_ids or ev.choice.wants_logprobs) and ev.token_ids):
                         yield _sse(chunk([ChatStreamChoice(
                             index=ev.choice.index, delta=DeltaMessage(content=ev.text or None),
                             finish_reason=ev.finish_reason,
+                            logprobs=ev.choice.chat_logprobs(ev.logprobs),
                             token_ids=ev.token_ids if want_ids else None,
                             mtp_stats=ev.choice.mtp_stats() if ev.finish_reason else None)]))
                 if body.include_usage:
@@ -351,6 +437,7 @@ def create_app(state: IngressState | None = None) -> FastAPI:
             id=rid, created=created, model=s.model_name,
             choices=[ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
                                 finish_reason=c.finish_reason,
+                                logprobs=c.chat_logprobs(c.logprobs),
                                 token_ids=c.token_ids if want_ids else None,
                                 mtp_stats=c.mtp_stats()) for c in choices.choices],
             usage=_usage([ids], choices), mtp_stats=_total_stats(choices),

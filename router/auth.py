@@ -1,8 +1,13 @@
-"""Optional API key: `Authorization: Bearer <key>` on every route but the open ones.
+"""API keys: `Authorization: Bearer <key>` on every route but the open ones.
 
 A pure ASGI middleware rather than a FastAPI dependency, so a request without the key is
 refused before its body is read or validated (a bad key never learns whether its JSON parsed).
-The key is read per request through `get_key`, so it can be set after the app is built.
+Keys are read per request through `get_keys`, so they can be set after the app is built.
+
+Fails closed: an empty bearer never matches, comparisons are constant-time
+(`hmac.compare_digest`), and the admin key, when configured, is accepted wherever the API key is
+(admin routes check for it themselves with `is_admin`). Where the keys come from (config,
+environment) and refusing to start without them is `cluster.config.AuthSettings.resolve`.
 """
 
 from __future__ import annotations
@@ -18,27 +23,42 @@ from router.errors import APIError
 OPEN_PATHS = frozenset({"/health"})
 
 
-def key_matches(header: str | None, key: str) -> bool:
-    """Constant-time comparison of a `Bearer` header with the configured key."""
-    scheme, _, token = (header or "").partition(" ")
-    ok_scheme = scheme.lower() == "bearer"
-    return hmac.compare_digest(token.strip().encode(), key.encode()) and ok_scheme
+def bearer_token(header: str | None) -> str | None:
+    """The token of a `Bearer <token>` header; None when absent, malformed or empty."""
+    scheme, _, token = (header or "").strip().partition(" ")
+    token = token.strip()
+    return token if scheme.lower() == "bearer" and token else None
+
+
+def key_matches(header: str | None, key: str | None) -> bool:
+    """Constant-time comparison of a `Bearer` header with a configured key. An empty token or
+    an empty/absent key never matches."""
+    token = bearer_token(header)
+    if not key or token is None:
+        return False
+    return hmac.compare_digest(token.encode(), key.encode())
 
 
 class APIKeyMiddleware:
-    def __init__(self, app: ASGIApp, get_key: Callable[[], str | None],
+    def __init__(self, app: ASGIApp,
+                 get_keys: Callable[[], tuple[str | None, str | None]],
                  open_paths: frozenset[str] = OPEN_PATHS) -> None:
         self.app = app
-        self.get_key = get_key
+        self.get_keys = get_keys  # () -> (api key, admin key); None: not configured
         self.open_paths = open_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        key = self.get_key() if scope["type"] == "http" else None
-        if key is None or self._path(scope) in self.open_paths:
+        if scope["type"] != "http" or self._path(scope) in self.open_paths:
+            await self.app(scope, receive, send)
+            return
+        key, admin = self.get_keys()
+        if key is None:  # no API key configured: open API (admin routes still check theirs)
             await self.app(scope, receive, send)
             return
         header = Headers(scope=scope).get("authorization")
-        if key_matches(header, key):
+        # Both comparisons always run: the time taken does not tell which key was close.
+        ok = [key_matches(header, key), key_matches(header, admin)]
+        if any(ok):
             await self.app(scope, receive, send)
             return
         message = ("missing API key: send 'Authorization: Bearer <key>'" if not header

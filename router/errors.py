@@ -26,16 +26,19 @@ _TYPES = {
     405: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
+    499: "invalid_request_error",
     501: "not_implemented_error",
     503: "server_error",
+    504: "timeout_error",
 }
 # Matched by class name (anywhere in the MRO) so the router never imports the engine (torch) or
 # Ray; Ray re-raises remote errors as subclasses of the original class, so the MRO still shows it.
 _BAD_REQUEST_NAMES = {"EngineError"}
+_BUSY_NAMES = {"BackPressureError"}  # Serve's max_queued_requests is full
 _UNAVAILABLE_NAMES = {
-    "BackPressureError", "DeploymentUnavailableError", "RayActorError", "ActorDiedError",
-    "ActorUnavailableError",
+    "DeploymentUnavailableError", "RayActorError", "ActorDiedError", "ActorUnavailableError",
 }
+RETRY_AFTER_S = 1
 _MAX_MESSAGE_CHARS = 500
 
 
@@ -49,6 +52,7 @@ class APIError(Exception):
         type: str | None = None,
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
@@ -57,18 +61,27 @@ class APIError(Exception):
                                        "invalid_request_error")
         self.param = param
         self.code = code
+        self.headers = dict(headers or {})
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
 
     def response(self) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        headers = dict(self.headers)
+        if self.status == 401:
+            headers["WWW-Authenticate"] = "Bearer"
+        return JSONResponse(self.body(), status_code=self.status, headers=headers or None)
 
     def sse(self) -> str:
         """The error as one server-sent event (the stream is closed after it)."""
         return f"data: {json.dumps(self.body())}\n\n"
+
+
+def overloaded(message: str, retry_after_s: int = RETRY_AFTER_S) -> APIError:
+    """429 with Retry-After: the server is at capacity, the request may be retried as is."""
+    return APIError(message, 429, code="rate_limit_exceeded",
+                    headers={"Retry-After": str(retry_after_s)})
 
 
 def _short(text: str) -> str:
@@ -81,9 +94,14 @@ def from_exception(exc: BaseException) -> APIError:
     if isinstance(exc, APIError):
         return exc
     names = {cls.__name__ for cls in type(exc).__mro__}
-    detail = _short(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+    # Ray's remote errors carry the remote traceback in str(): only the last line is shown.
+    lines = str(exc).strip().splitlines()
+    detail = _short(f"{type(exc).__name__}: {lines[-1]}" if lines else type(exc).__name__)
     if names & _BAD_REQUEST_NAMES:
-        return APIError(_short(str(exc)) or detail, 400)
+        return APIError(_short(str(exc).strip().splitlines()[-1] if str(exc).strip() else detail),
+                        400)
+    if names & _BUSY_NAMES:
+        return overloaded("the server is at capacity; retry after a short wait")
     if isinstance(exc, (TimeoutError, ConnectionError)) or names & _UNAVAILABLE_NAMES:
         logger.warning("generation backend unavailable: %s", detail)
         return APIError(f"the generation backend is unavailable ({detail})", 503,

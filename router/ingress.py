@@ -1,5 +1,11 @@
 """The HTTP ingress deployment: the OpenAI API (router.api) over the disaggregated
-orchestrator. Tokenization happens here, once per request."""
+orchestrator. Tokenization happens here, once per request.
+
+Fails closed: a configured `auth.*_env` variable that is missing or empty raises here, so the
+replica (and the deployment) does not start without the auth the operator asked for.
+`drain()` (called by `mtpserve up` on SIGTERM) stops taking requests; `num_inflight()` says
+when the running ones are done. Serve's own scale-down drain is `graceful_shutdown_timeout_s`.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +15,8 @@ from pathlib import Path
 from ray import serve
 
 from cluster.config import ClusterConfig
-from router.orchestrator import DisaggOrchestrator
+from router.limits import Limits
+from router.orchestrator import DisaggOrchestrator, OrchestratorConfig
 
 
 @serve.deployment(name="OpenAIIngress")
@@ -20,21 +27,42 @@ class OpenAIIngress:
         from workers.tokenizer import load_tokenizer
 
         self.cfg = cfg
-        self.orchestrator = DisaggOrchestrator(prefill, decode, cfg.request_timeout_s)
+        # Before anything slow: a missing key must fail the deployment, not open the API.
+        self.api_key, self.admin_api_key = cfg.auth.resolve(os.environ)
+        self.orchestrator = DisaggOrchestrator(prefill, decode, OrchestratorConfig.of(cfg))
         self.tokenizer = load_tokenizer(cfg.model)
         mcfg = ModelConfig.from_pretrained(cfg.model)
         self.max_model_len = min(cfg.max_model_len or mcfg.max_position_embeddings,
                                  mcfg.max_position_embeddings)
-        # The key may come from a Kubernetes Secret, only present in the pods' environment.
-        self.api_key = cfg.auth.api_key or (
-            os.environ.get(cfg.auth.api_key_env) if cfg.auth.api_key_env else None)
+        self.vocab_size = mcfg.vocab_size
         self.model_name = cfg.served_model_name or Path(cfg.model).name
+        self._app = None
 
     def __serve_build_asgi_app__(self):
         from router.api import IngressState, create_app
 
-        return create_app(IngressState(
+        lim = self.cfg.limits
+        self._app = create_app(IngressState(
             orchestrator=self.orchestrator, tokenizer=self.tokenizer,
             model_name=self.model_name, max_model_len=self.max_model_len,
-            api_key=self.api_key,
+            api_key=self.api_key, admin_api_key=self.admin_api_key,
+            vocab_size=self.vocab_size,
+            limits=Limits(max_tokens=lim.max_tokens, max_n=lim.max_n,
+                          max_prompt_tokens=lim.max_prompt_tokens,
+                          max_request_bytes=lim.max_request_bytes,
+                          max_concurrent_requests=lim.max_concurrent_requests,
+                          retry_after_s=lim.retry_after_s),
+            enable_kv_probe=self.cfg.admin.enable_kv_probe,
+            kv_probe_max_bytes=self.cfg.admin.kv_probe_max_bytes,
         ))
+        return self._app
+
+    def drain(self) -> int:
+        """Refuse new requests from now on (503, /health 503); returns those still running."""
+        if self._app is None:
+            return 0
+        self._app.state.gate.draining = True
+        return self._app.state.gate.num_inflight
+
+    def num_inflight(self) -> int:
+        return 0 if self._app is None else self._app.state.gate.num_inflight

@@ -1,74 +1,349 @@
-"""Disaggregated request flow: one async function over the prefill and decode handles.
+"""Disaggregated request flow over the prefill and decode handles, with request migration.
 
 prefill(request) -> first token + KVTransferParams; the first token is streamed to the client
 at once (TTFT), then decode(request, params) streams the rest. Closing the generator (client
 disconnect, stop string) cancels the decode call, which aborts the request and frees its KV.
+
+What survives a failure (DESIGN decision 13: a request is prompt + tokens already sent + seed):
+- Prefill: a failed, dead or frozen prefill replica is retried once; then the request is
+  recomputed on a decode replica (decode replicas recompute requests sent without KV params).
+- KV transfer: a failed pull follows `kv_transfer.failure_policy`: `recompute` on a decode
+  replica, or `fail` with a clear error. The prefill hold is released at once either way.
+- Decode: when a stream fails (replica or actor death, engine error, a replica silent for
+  `stall_timeout_s`), the request resumes on a decode replica from prompt + tokens already sent
+  (`GenerateRequest.resume_token_ids`, `max_tokens` reduced by them), so the client's stream goes
+  on with no token lost or repeated. At most `max_migrations` times; then an error.
+- Serve may still route to a dead replica for a moment, and every replica may be busy: such
+  attempts (no chunk received) are retried with exponential back-off within `retry_window_s`
+  and do not count as migrations.
+- Every wait has a deadline: the request's `request_timeout_s` end to end, and
+  `stall_timeout_s` per wait on a replica (plus the KV timeout before the first decode chunk).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
 
+from router.errors import APIError, overloaded
 from router.types import GenerateRequest, KVTransferParams, TokenChunk
 
 logger = logging.getLogger(__name__)
 
+# Matched by class name anywhere in the MRO (Ray re-raises remote errors as subclasses of the
+# original class), so the router imports neither Ray nor the engine.
+_CLIENT_ERRORS = {"EngineError"}  # the request itself is invalid: never retried
+_KV_ERRORS = {"KVTransferFailed"}
+_BUSY = {"BackPressureError"}
+_UNAVAILABLE = {"RayActorError", "ActorDiedError", "ActorUnavailableError",
+                "DeploymentUnavailableError", "ReplicaUnavailableError"}
+_MAX_BACKOFF_S = 2.0
 
-def _error(message: str) -> TokenChunk:
-    return TokenChunk([], finished=True, finish_reason="error", error=message)
+
+@dataclass(frozen=True)
+class OrchestratorConfig:
+    """The reliability knobs of one orchestrator (cluster.config names them the same)."""
+
+    request_timeout_s: float = 600.0
+    max_migrations: int = 2
+    kv_failure_policy: str = "recompute"  # "recompute" | "fail"
+    kv_timeout_s: float = 30.0
+    stall_timeout_s: float = 60.0
+    retry_backoff_s: float = 0.2
+    retry_window_s: float = 30.0
+
+    @classmethod
+    def of(cls, cfg: Any) -> OrchestratorConfig:
+        """From a `cluster.config.ClusterConfig`."""
+        m = cfg.migration
+        return cls(request_timeout_s=cfg.request_timeout_s, max_migrations=m.max_migrations,
+                   kv_failure_policy=cfg.kv_transfer.failure_policy,
+                   kv_timeout_s=cfg.kv_transfer.timeout_s, stall_timeout_s=m.stall_timeout_s,
+                   retry_backoff_s=m.retry_backoff_s, retry_window_s=m.retry_window_s)
 
 
-class DisaggOrchestrator:
-    def __init__(self, prefill, decode, request_timeout_s: float = 600.0) -> None:
-        self.prefill = prefill  # DeploymentHandle of PrefillServer
-        self.decode = decode  # DeploymentHandle of DecodeServer
-        self.request_timeout_s = request_timeout_s
+class _Stalled(Exception):
+    """A replica sent nothing for `stall_timeout_s` (frozen or overloaded peer)."""
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
-        try:
-            params: KVTransferParams = await self.prefill.prefill.remote(request)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            logger.warning("prefill of %s failed: %s", request.request_id, e)
-            yield _error(f"prefill failed: {_short(e)}")
-            return
-        yield TokenChunk([params.first_token_id], finished=params.finished,
-                         finish_reason=params.finish_reason,
-                         num_prompt_tokens=len(request.prompt_token_ids),
-                         num_output_tokens=1)
-        if params.finished:
-            return
-        gen = self.decode.options(stream=True).generate.remote(request, params)
-        done = False
-        try:
-            async for chunk in gen:
-                done = chunk.finished
-                yield chunk
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            logger.warning("decode of %s failed: %s", request.request_id, e)
-            done = True
-            yield _error(f"decode failed: {_short(e)}")
-        finally:
-            if not done:
-                gen.cancel()  # frees the decode replica's KV blocks for this request
 
-    async def stats(self) -> dict:
-        # One sample per call; with several replicas Serve routes each call to one of them.
-        p, d = await asyncio.gather(self.prefill.stats.remote(), self.decode.stats.remote())
-        return {"prefill": p, "decode": d}
+class _StreamFailed(Exception):
+    """A decode stream ended with an error chunk, or without a finished one."""
 
-    async def kv_probe(self, num_bytes: int) -> dict:
-        """Raw send/recv of num_bytes between a prefill rank-0 sender and a decode rank 0,
-        on the channel KV pulls use."""
-        p = await self.prefill.stats.remote()
-        return await self.decode.kv_probe.remote(p["kv_addresses"][0], num_bytes)
+
+@dataclass
+class _Progress:
+    """What the client has received so far: the state a migration resumes from."""
+
+    request: GenerateRequest
+    sent: list[int] = field(default_factory=list)
+    base: list[int] = field(default_factory=lambda: [0, 0, 0])  # drafted, accepted, rounds
+    last: list[int] = field(default_factory=lambda: [0, 0, 0])  # of the current attempt
+
+    def emit(self, chunk: TokenChunk) -> TokenChunk:
+        """The chunk as the client must see it: counters continue across migrations."""
+        self.sent += chunk.token_ids
+        self.last = [chunk.num_drafted, chunk.num_accepted, chunk.num_rounds]
+        d, a, r = (b + x for b, x in zip(self.base, self.last, strict=True))
+        return dataclasses.replace(
+            chunk, num_prompt_tokens=len(self.request.prompt_token_ids),
+            num_output_tokens=len(self.sent), num_drafted=d, num_accepted=a, num_rounds=r)
+
+    def new_attempt(self) -> None:
+        self.base = [b + x for b, x in zip(self.base, self.last, strict=True)]
+        self.last = [0, 0, 0]
+
+
+def resumed(request: GenerateRequest, sent: list[int], attempt: int) -> GenerateRequest:
+    """`request` continued after the tokens the client already has. A decode replica computes
+    prompt + sent and generates the rest; limits count what is left. A fresh request id per
+    attempt, so a replica that still knows the failed attempt cannot refuse it as a duplicate."""
+    changes: dict[str, Any] = {
+        "request_id": f"{request.request_id}#m{attempt}",
+        "resume_token_ids": list(request.resume_token_ids) + list(sent),
+        "max_tokens": request.max_tokens - len(sent),
+    }
+    if hasattr(request, "min_tokens"):  # the engine counts min_tokens from the resume point too
+        changes["min_tokens"] = max(0, (request.min_tokens or 0) - len(sent))
+    return dataclasses.replace(request, **changes)
+
+
+def _names(e: BaseException) -> set[str]:
+    return {cls.__name__ for cls in type(e).__mro__}
+
+
+def _is_kv_failure(e: BaseException, names: set[str]) -> bool:
+    """A failed KV pull: raised when decode admits the request (`KVTransferFailed`) or sent
+    as the stream's error chunk when it fails later (decode pulls asynchronously); the decode
+    side words those "KV transfer ... failed"."""
+    return bool(names & _KV_ERRORS) or "KV transfer" in str(e)
 
 
 def _short(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return (text[-1] if text else type(e).__name__)[:300]
+
+
+async def _await(response: Any) -> Any:
+    return await response
+
+
+class DisaggOrchestrator:
+    def __init__(self, prefill, decode, config: OrchestratorConfig | float | None = None
+                 ) -> None:
+        self.prefill = prefill  # DeploymentHandle of PrefillServer
+        self.decode = decode  # DeploymentHandle of DecodeServer
+        if not isinstance(config, OrchestratorConfig):  # a bare request timeout (old callers)
+            config = OrchestratorConfig(**({} if config is None else
+                                           {"request_timeout_s": float(config)}))
+        self.config = config
+        self._background: set[asyncio.Task] = set()
+        self.num_migrations = 0  # totals, for stats
+        self.num_prefill_retries = 0
+        self.num_kv_recomputes = 0
+
+    # Public ----------------------------------------------------------------------------------
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
+        deadline = time.monotonic() + self.config.request_timeout_s
+        progress = _Progress(request)
+        params = await self._prefill(request, deadline)
+        held = params is not None and not params.finished
+        try:
+            if params is not None:
+                first = TokenChunk([params.first_token_id], finished=params.finished,
+                                   finish_reason=params.finish_reason)
+                first_logprobs = getattr(params, "first_token_logprobs", None)
+                if first_logprobs is not None:
+                    first.logprobs = [first_logprobs]
+                yield progress.emit(first)
+                if params.finished:
+                    return
+            async for chunk in self._decode(progress, params, deadline):
+                held = False  # the decode side has the KV (it acknowledged the pull)
+                yield chunk
+        finally:
+            if params is not None:
+                # The client left between prefill and decode, or decode never pulled: free the
+                # prefill replica's blocks now rather than at hold_ttl_s. A no-op otherwise.
+                if held or params.finished:
+                    self._release(params.request_id)
+
+    async def stats(self) -> dict:
+        # One sample per call; with several replicas Serve routes each call to one of them.
+        timeout = self.config.stall_timeout_s
+        p, d = await asyncio.wait_for(asyncio.gather(
+            _await(self.prefill.stats.remote()), _await(self.decode.stats.remote())), timeout)
+        return {"prefill": p, "decode": d,
+                "orchestrator": {"num_migrations": self.num_migrations,
+                                 "num_prefill_retries": self.num_prefill_retries,
+                                 "num_kv_recomputes": self.num_kv_recomputes}}
+
+    async def kv_probe(self, num_bytes: int) -> dict:
+        """Raw send/recv of num_bytes between a prefill rank-0 sender and a decode rank 0,
+        on the channel KV pulls use."""
+        timeout = self.config.stall_timeout_s + self.config.kv_timeout_s
+        p = await asyncio.wait_for(_await(self.prefill.stats.remote()), timeout)
+        return await asyncio.wait_for(
+            _await(self.decode.kv_probe.remote(p["kv_addresses"][0], num_bytes)), timeout)
+
+    # Prefill ---------------------------------------------------------------------------------
+    async def _prefill(self, request: GenerateRequest, deadline: float
+                       ) -> KVTransferParams | None:
+        """KV params from a prefill replica, retried once; None: recompute on decode."""
+        for attempt in range(2):
+            response = self.prefill.prefill.remote(request)
+            try:
+                return await self._within(_await(response), deadline,
+                                          self.config.stall_timeout_s)
+            except BaseException as e:
+                response.cancel()  # frees the prefill's blocks if it is still running
+                if isinstance(e, (asyncio.CancelledError, APIError)):
+                    raise
+                if not isinstance(e, Exception):
+                    raise
+                names = _names(e)
+                if names & _CLIENT_ERRORS or (names & _BUSY and attempt == 0):
+                    raise  # 400 / 429 for the client, as the engine or Serve said
+                logger.warning("prefill of %s failed (attempt %d): %s", request.request_id,
+                               attempt + 1, _short(e))
+                self.num_prefill_retries += attempt == 0
+                if attempt == 0:
+                    await self._sleep(self.config.retry_backoff_s, deadline)
+        logger.warning("prefill of %s failed twice; recomputing it on a decode replica",
+                       request.request_id)
+        return None
+
+    # Decode ----------------------------------------------------------------------------------
+    async def _decode(self, progress: _Progress, params: KVTransferParams | None,
+                      deadline: float) -> AsyncIterator[TokenChunk]:
+        cfg = self.config
+        request = progress.request
+        migrations = attempt = 0
+        backoff = cfg.retry_backoff_s
+        retry_until = time.monotonic() + cfg.retry_window_s
+        use_params = params is not None
+        while True:
+            if use_params:
+                req, kv = request, params
+            else:  # recompute from prompt + everything the client has
+                req, kv = resumed(request, progress.sent, attempt), None
+            gen = self.decode.options(stream=True).generate.remote(req, kv)
+            got_chunk = finished = False
+            failure: Exception | None = None
+            try:
+                while True:
+                    wait = cfg.stall_timeout_s + (0 if got_chunk or kv is None
+                                                  else cfg.kv_timeout_s)
+                    try:
+                        chunk = await self._within(gen.__anext__(), deadline, wait)
+                    except StopAsyncIteration:
+                        failure = _StreamFailed("the decode stream ended before the request "
+                                                "finished")
+                        break
+                    except (asyncio.CancelledError, APIError):
+                        raise
+                    except Exception as e:
+                        failure = e
+                        break
+                    if chunk.finish_reason in ("error", "abort"):
+                        failure = _StreamFailed(chunk.error or f"decode {chunk.finish_reason}")
+                        break
+                    got_chunk = True
+                    finished = chunk.finished
+                    yield progress.emit(chunk)
+                    if finished:
+                        return
+            finally:
+                if not finished:
+                    _cancel(gen)  # aborts the request there and frees its KV blocks
+            # The attempt failed: decide whether and how to go on.
+            assert failure is not None
+            if use_params and not got_chunk:
+                await self._release_now(params.request_id)  # decode failed before pulling
+            names = _names(failure)
+            detail = _short(failure)
+            if names & _CLIENT_ERRORS and not use_params and not progress.sent:
+                raise failure  # the request itself is invalid (a 400)
+            retry_quietly = not got_chunk and bool(names & (_BUSY | _UNAVAILABLE))
+            if use_params and not got_chunk and _is_kv_failure(failure, names):
+                if cfg.kv_failure_policy == "fail":
+                    raise APIError(f"KV transfer from the prefill replica failed ({detail}); "
+                                   "kv_transfer.failure_policy is 'fail'", 503,
+                                   code="kv_transfer_failed")
+                self.num_kv_recomputes += 1
+                retry_quietly = True  # recompute is the policy, not a migration
+            use_params = False
+            attempt += 1
+            progress.new_attempt()
+            if retry_quietly:
+                # Serve may still route to a replica that just died; or every replica is busy.
+                if time.monotonic() > retry_until:
+                    if names & _BUSY:
+                        raise overloaded("every decode replica is busy; retry after a short "
+                                         "wait")
+                    raise APIError(f"no decode replica could take the request ({detail})", 503,
+                                   code="service_unavailable")
+                await self._sleep(backoff, deadline)
+                backoff = min(2 * backoff, _MAX_BACKOFF_S)
+                continue
+            if migrations >= cfg.max_migrations:
+                raise APIError(f"generation failed after {migrations} migrations ({detail})",
+                               503, code="migration_limit_reached")
+            migrations += 1
+            self.num_migrations += 1
+            backoff = cfg.retry_backoff_s
+            retry_until = time.monotonic() + cfg.retry_window_s
+            logger.warning("decode of %s failed after %d tokens (%s); migrating (%d/%d)",
+                           request.request_id, len(progress.sent), detail, migrations,
+                           cfg.max_migrations)
+
+    # Helpers ---------------------------------------------------------------------------------
+    async def _within(self, awaitable: Any, deadline: float, stall_s: float) -> Any:
+        """Await with the request's deadline (a 504 for the client) and a stall limit
+        (`_Stalled`, which the callers treat as a failed replica)."""
+        left = deadline - time.monotonic()
+        timeout = min(left, stall_s)
+        try:
+            return await asyncio.wait_for(awaitable, max(timeout, 0.001))
+        except asyncio.TimeoutError:
+            if timeout >= left:
+                raise self._timeout() from None
+            raise _Stalled(f"no answer from the replica within {stall_s:.0f}s") from None
+
+    def _timeout(self) -> APIError:
+        return APIError(f"the request did not finish within request_timeout_s="
+                        f"{self.config.request_timeout_s:g}s", 504, code="request_timeout")
+
+    async def _sleep(self, seconds: float, deadline: float) -> None:
+        if time.monotonic() + seconds >= deadline:
+            raise self._timeout()
+        await asyncio.sleep(seconds)
+
+    async def _release_now(self, request_id: str) -> None:
+        """Tell the prefill side to free a held KV now (best effort: hold_ttl_s frees it
+        anyway). `PrefillServer.release` answers False when nothing was held."""
+        try:
+            await asyncio.wait_for(_await(self.prefill.release.remote(request_id)),
+                                   self.config.stall_timeout_s)
+        except Exception as e:
+            logger.debug("release of %s failed: %s", request_id, _short(e))
+
+    def _release(self, request_id: str) -> None:
+        """`_release_now` in the background (from a closing generator, which cannot wait)."""
+        try:
+            task = asyncio.get_running_loop().create_task(self._release_now(request_id))
+        except RuntimeError:  # no loop (interpreter shutdown)
+            return
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+
+def _cancel(gen: Any) -> None:
+    try:
+        gen.cancel()
+    except Exception:  # the replica may be gone already
+        pass

@@ -103,3 +103,17 @@ def test_override_key_typos_are_caught() -> None:
     assert unknown_override_keys(app) == ["DecodeServer.autoscaling_config.max_replica"]
     good = {"deployments": [{"name": "OpenAIIngress", "max_ongoing_requests": 64}]}
     assert unknown_override_keys(good) == []
+
+
+def test_serve_admission_matches_the_engine() -> None:
+    """Decode takes max_num_seqs plus a small queue; beyond, Serve queues at most
+    limits.max_queued_requests per caller (then 429); drains use graceful_shutdown_timeout_s."""
+    from cluster.app import deployment_options
+
+    cfg = ClusterConfig(**args_of(load("local-cpu.yaml")))
+    for role in ("prefill", "decode"):
+        opts = deployment_options(cfg, role)
+        assert opts["max_queued_requests"] == cfg.limits.max_queued_requests
+        assert opts["graceful_shutdown_timeout_s"] == cfg.graceful_shutdown_timeout_s
+    decode = deployment_options(cfg, "decode")["max_ongoing_requests"]
+    assert cfg.decode.max_num_seqs < decode <= 2 * cfg.decode.max_num_seqs

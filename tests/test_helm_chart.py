@@ -323,13 +323,15 @@ def test_dashboard_panels() -> None:
     dash = json.loads(cm["data"]["mtpserve.json"])
     exprs = {p["title"]: " ".join(t["expr"] for t in p.get("targets", []))
              for p in dash["panels"]}
-    wanted = {
-        "TTFT": "ray_mtpserve_ttft_ms_bucket",
-        "TPOT": "ray_mtpserve_tpot_ms_bucket",
-        "acceptance": "ray_mtpserve_spec_acceptance_rate",
-        "tokens/s": "ray_mtpserve_generated_tokens_total",
-        "KV": "ray_mtpserve_kv_blocks_used",
+    wanted = {  # /metrics (router/metrics_api.py): vLLM's names + mtpserve:*
+        "TTFT": "vllm:time_to_first_token_seconds_bucket",
+        "TPOT": "vllm:request_time_per_output_token_seconds_bucket",
+        "acceptance per position": "vllm:spec_decode_num_accepted_tokens_per_pos_total",
+        "k per replica": "mtpserve:num_speculative_tokens",
+        "tokens/s": "vllm:generation_tokens_total",
+        "KV": "vllm:kv_cache_usage_perc",
         "Replicas": "ray_serve_deployment_replica_healthy",
+        "desired": "mtpserve:autoscaling_desired_replicas",
     }
     for word, metric in wanted.items():
         assert any(word in title and metric in e for title, e in exprs.items()), word

@@ -30,6 +30,7 @@ from workers.sampling_params import SamplingParams
 from workers.tokenizer import load_tokenizer
 
 API_KEY = "sk-test-123"
+ADMIN_KEY = "sk-admin-456"
 MODEL = "tiny-mtp"
 NUM_KV_BLOCKS = 256
 
@@ -102,7 +103,8 @@ def orchestrator(engine):
 def server(engine, orchestrator, ckpt):
     srv = Server(create_app(IngressState(
         orchestrator=orchestrator, tokenizer=load_tokenizer(str(ckpt)), model_name=MODEL,
-        max_model_len=engine.engine.max_model_len, api_key=API_KEY)))
+        max_model_len=engine.engine.max_model_len, api_key=API_KEY, admin_api_key=ADMIN_KEY,
+        enable_kv_probe=True)))
     yield srv
     srv.stop()
 
@@ -371,17 +373,18 @@ def test_api_key_required(server):
     assert httpx.get(server.url + "/health").status_code == 200
 
 
-@pytest.mark.parametrize("path,body", [
-    ("/v1/completions", {"prompt": "x", "logprobs": 2}),
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                              "logprobs": True}),
+                              "top_logprobs": 2}, "top_logprobs"),
 ])
-def test_logprobs_is_400(http, path, body):
-    assert_error(http.post(path, json=body), 400, "invalid_request_error", "logprobs")
+def test_bad_logprobs_are_400(http, path, body, param):
+    assert_error(http.post(path, json=body), 400, "invalid_request_error", param)
 
 
 def test_kv_probe_without_channel_is_501(http):
-    assert_error(http.post("/v1/mtpserve/kv_probe", json={"num_bytes": 1024}), 501,
+    assert_error(http.post("/v1/mtpserve/kv_probe", json={"num_bytes": 1024},
+                           headers={"Authorization": f"Bearer {ADMIN_KEY}"}), 501,
                  "not_implemented_error", in_message="KV channel")
 
 
@@ -451,7 +454,7 @@ def failing(ckpt):
     tokenizer = load_tokenizer(str(ckpt))
     srv = Server(create_app(IngressState(
         orchestrator=FailingOrchestrator(tokenizer.encode("Hi there")), tokenizer=tokenizer,
-        model_name=MODEL, max_model_len=64)))
+        model_name=MODEL, max_model_len=64, admin_api_key=ADMIN_KEY, enable_kv_probe=True)))
     yield srv
     srv.stop()
 
@@ -481,5 +484,6 @@ def test_unexpected_exception_is_500_without_details(failing):
     resp = httpx.get(failing.url + "/v1/mtpserve/stats")
     assert_error(resp, 500, "server_error", in_message="internal server error")
     assert "secret" not in resp.text
-    probe = httpx.post(failing.url + "/v1/mtpserve/kv_probe", json={"num_bytes": 8})
+    probe = httpx.post(failing.url + "/v1/mtpserve/kv_probe", json={"num_bytes": 8},
+                       headers={"Authorization": f"Bearer {ADMIN_KEY}"})
     assert probe.json() == {"num_bytes": 8, "gbps": 1.0}

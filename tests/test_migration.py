@@ -1,0 +1,345 @@
+"""Request migration, retries and deadlines of `router.orchestrator` without Ray.
+
+The orchestrator under test is the real one; its two Serve handles are replaced by in-process
+handles over a real engine (`AsyncEngine`), with the failures Serve reports (errors named like
+Ray's: the orchestrator matches them by class name). Decode replicas emulate the KV path by
+recomputing, which for greedy decoding gives the same tokens. Outputs are compared with the
+offline engine: the client must see every token exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from types import SimpleNamespace
+
+import pytest
+
+from router.errors import APIError
+from router.orchestrator import DisaggOrchestrator, OrchestratorConfig
+from router.types import GenerateRequest, KVTransferParams, TokenChunk
+from workers.async_engine import AsyncEngine
+from workers.engine import Engine, EngineConfig
+from workers.llm import LLM
+from workers.sampling_params import SamplingParams
+
+MAX_TOKENS = 40
+
+
+class ActorDiedError(Exception):
+    """Named like ray.exceptions.ActorDiedError."""
+
+
+class KVTransferFailed(RuntimeError):
+    """Named like workers.decode_server.KVTransferFailed."""
+
+
+class BackPressureError(Exception):
+    """Named like ray.serve.exceptions.BackPressureError."""
+
+
+class _Response:
+    def __init__(self, coro) -> None:
+        self.task = asyncio.ensure_future(coro)
+
+    def __await__(self):
+        return self.task.__await__()
+
+    def cancel(self) -> None:
+        self.task.cancel()
+
+
+class _Stream:
+    def __init__(self, agen) -> None:
+        self.agen = agen
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> TokenChunk:
+        return await self.agen.__anext__()
+
+    def cancel(self) -> None:
+        asyncio.ensure_future(self.agen.aclose())
+
+
+class Handle:
+    """A Serve-like handle: round-robin over replicas, dead ones included (Serve keeps routing to
+    a dead replica for a moment)."""
+
+    def __init__(self, replicas: list) -> None:
+        self.replicas = replicas
+        self.next = 0
+
+    def options(self, **_: object) -> Handle:
+        return self
+
+    def __getattr__(self, name: str) -> SimpleNamespace:
+        def remote(*args):
+            replica = self.replicas[self.next % len(self.replicas)]
+            self.next += 1
+            out = getattr(replica, name)(*args)
+            return _Stream(out) if inspect.isasyncgen(out) else _Response(out)
+
+        return SimpleNamespace(remote=remote)
+
+
+class Prefill:
+    def __init__(self, engine: AsyncEngine, fail: int = 0) -> None:
+        self.engine = engine
+        self.fail = fail  # calls that fail like a dead replica
+        self.held: set[str] = set()
+        self.calls = 0
+
+    async def prefill(self, req: GenerateRequest) -> KVTransferParams:
+        self.calls += 1
+        if self.fail:
+            self.fail -= 1
+            raise ActorDiedError("The actor died unexpectedly before finishing this task.")
+        gen = self.engine.generate(req)
+        first = await gen.__anext__()
+        await gen.aclose()
+        self.held.add(req.request_id)
+        return KVTransferParams(req.request_id, ["10.0.0.1:1"], 1, 2, 0,
+                                len(req.prompt_token_ids), first.token_ids[0], 2,
+                                first.finished, first.finish_reason)
+
+    async def release(self, request_id: str) -> bool:
+        found = request_id in self.held
+        self.held.discard(request_id)
+        return found
+
+
+class Decode:
+    def __init__(self, engine: AsyncEngine, prefill: Prefill) -> None:
+        self.engine = engine
+        self.prefill = prefill
+        self.die_after: int | None = None  # chunks; then this replica is dead for good
+        self.fail_after: int | None = None  # chunks; fails every stream, stays alive
+        self.freeze_after: int | None = None  # chunks; then silent forever
+        self.kv_fail = 0
+        self.kv_fail_async = False  # fail as the pull does after admission: an error chunk
+        self.dead = False
+        self.streams = 0
+
+    async def generate(self, req: GenerateRequest, params: KVTransferParams | None):
+        if self.dead:
+            raise ActorDiedError("The actor died unexpectedly before finishing this task.")
+        self.streams += 1
+        if params is not None:
+            if self.kv_fail:
+                self.kv_fail -= 1
+                message = "KV transfer of r0 failed on rank 0: timed out after 1.0s"
+                if not self.kv_fail_async:
+                    raise KVTransferFailed(message)
+                yield TokenChunk([], finished=True, finish_reason="error", error=message)
+                return
+            self.prefill.held.discard(params.request_id)  # the pull acknowledges the hold
+        skip = params is not None  # the prefill side already sent the first token
+        sent = 0
+        async for chunk in self.engine.generate(req):
+            ids = chunk.token_ids[1:] if skip else chunk.token_ids
+            skip = False
+            if not ids and not chunk.finished:
+                continue
+            for limit, action in ((self.die_after, "die"), (self.fail_after, "fail"),
+                                  (self.freeze_after, "freeze")):
+                if limit is not None and sent >= limit:
+                    if action == "freeze":
+                        await asyncio.sleep(3600)
+                    self.dead = action == "die"
+                    raise ActorDiedError("The actor died unexpectedly before finishing this "
+                                         "task.")
+            sent += 1
+            yield TokenChunk(ids, chunk.finished, chunk.finish_reason,
+                             num_output_tokens=chunk.num_output_tokens,
+                             num_drafted=chunk.num_drafted, num_accepted=chunk.num_accepted,
+                             num_rounds=chunk.num_rounds)
+
+
+@pytest.fixture(scope="module")
+def engine(default_model):
+    eng = AsyncEngine(Engine(EngineConfig(model=str(default_model), num_speculative_tokens=2,
+                                          num_kv_blocks=512)))
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def prompts(default_model) -> list[list[int]]:
+    from workers.tokenizer import load_tokenizer
+    from workers.training.prompts import held_out_prompts
+
+    tok = load_tokenizer(str(default_model))
+    return [list(tok.encode(p)) for p in held_out_prompts(4, num_chars=200)]
+
+
+@pytest.fixture(scope="module")
+def offline(default_model, prompts) -> list[list[int]]:
+    llm = LLM(str(default_model), num_speculative_tokens=2)
+    res = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0,
+                                               ignore_eos=True))
+    return [r.output_token_ids for r in res]
+
+
+def build(engine, num_decode=2, prefill_fail=0, **cfg):
+    prefill = Prefill(engine, fail=prefill_fail)
+    decodes = [Decode(engine, prefill) for _ in range(num_decode)]
+    config = OrchestratorConfig(**({"retry_backoff_s": 0.01, "stall_timeout_s": 5.0} | cfg))
+    return DisaggOrchestrator(Handle([prefill]), Handle(decodes), config), prefill, decodes
+
+
+def request(i: int, ids: list[int], **kw) -> GenerateRequest:
+    return GenerateRequest(f"r{i}", ids, **({"max_tokens": MAX_TOKENS, "temperature": 0.0,
+                                             "ignore_eos": True} | kw))
+
+
+async def collect(orch, req: GenerateRequest) -> list[int]:
+    """The client's view: every token once, counters consistent, one finished chunk."""
+    tokens: list[int] = []
+    finished = 0
+    async for chunk in orch.generate(req):
+        tokens += chunk.token_ids
+        assert chunk.num_output_tokens == len(tokens)
+        assert chunk.num_prompt_tokens == len(req.prompt_token_ids)
+        finished += chunk.finished
+    assert finished == 1
+    return tokens
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_no_fault_equals_offline(engine, prompts, offline) -> None:
+    orch, prefill, _ = build(engine)
+
+    async def main():
+        return await asyncio.gather(*(collect(orch, request(i, p))
+                                      for i, p in enumerate(prompts)))
+
+    assert run(main()) == offline
+    assert prefill.held == set() and orch.num_migrations == 0
+
+
+def test_decode_death_mid_stream_migrates(engine, prompts, offline) -> None:
+    orch, prefill, (a, b) = build(engine)
+    a.die_after = 3  # every stream on replica a dies mid-generation, a stays dead
+
+    async def main():
+        return await asyncio.gather(*(collect(orch, request(i, p))
+                                      for i, p in enumerate(prompts)))
+
+    assert run(main()) == offline  # no token lost or repeated, same greedy text
+    assert a.dead and orch.num_migrations >= 1
+    assert prefill.held == set()
+    assert engine.engine.stats()["used_blocks"] == 0
+
+
+def test_migration_limit_then_error(engine, prompts) -> None:
+    orch, _, decodes = build(engine, max_migrations=2)
+    for d in decodes:
+        d.fail_after = 2
+
+    with pytest.raises(APIError) as err:
+        run(collect(orch, request(0, prompts[0])))
+    assert err.value.status == 503 and err.value.code == "migration_limit_reached"
+    assert sum(d.streams for d in decodes) == 3  # first attempt + 2 migrations
+
+
+@pytest.mark.parametrize("when", ["at_admission", "after_admission"])
+def test_kv_failure_recompute(engine, prompts, offline, when) -> None:
+    orch, prefill, (a, b) = build(engine)
+    a.kv_fail = b.kv_fail = 1
+    a.kv_fail_async = b.kv_fail_async = when == "after_admission"
+    assert run(collect(orch, request(0, prompts[0]))) == offline[0]
+    assert orch.num_kv_recomputes == 1 and orch.num_migrations == 0
+    assert prefill.held == set()  # released at once, not at the hold TTL
+
+
+@pytest.mark.parametrize("when", ["at_admission", "after_admission"])
+def test_kv_failure_policy_fail(engine, prompts, when) -> None:
+    orch, prefill, (a, b) = build(engine, kv_failure_policy="fail")
+    a.kv_fail = b.kv_fail = 1
+    a.kv_fail_async = b.kv_fail_async = when == "after_admission"
+    with pytest.raises(APIError) as err:
+        run(collect(orch, request(0, prompts[0])))
+    assert err.value.code == "kv_transfer_failed" and "timed out after 1.0s" in err.value.message
+    assert prefill.held == set()
+
+
+def test_prefill_retried_then_recomputed_on_decode(engine, prompts, offline) -> None:
+    orch, prefill, _ = build(engine, prefill_fail=1)
+    assert run(collect(orch, request(0, prompts[0]))) == offline[0]
+    assert prefill.calls == 2 and orch.num_prefill_retries == 1
+    orch, prefill, _ = build(engine, prefill_fail=2)  # both tries fail: decode recomputes
+    assert run(collect(orch, request(1, prompts[1]))) == offline[1]
+
+
+def test_frozen_decode_replica_is_left_behind(engine, prompts, offline) -> None:
+    orch, _, (a, b) = build(engine, stall_timeout_s=1.0)
+    a.freeze_after = 4
+    assert run(collect(orch, request(0, prompts[0]))) == offline[0]
+    assert orch.num_migrations == 1
+
+
+def test_request_timeout_is_enforced(engine, prompts) -> None:
+    orch, _, decodes = build(engine, request_timeout_s=1.5, stall_timeout_s=30.0)
+    for d in decodes:
+        d.freeze_after = 2
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        with pytest.raises(APIError) as err:
+            await collect(orch, request(0, prompts[0]))
+        return err.value, loop.time() - t0
+
+    err, took = run(main())
+    assert err.status == 504 and err.code == "request_timeout"
+    assert took < 3.0
+    assert engine.engine.stats()["used_blocks"] == 0
+
+
+def test_client_leaving_after_first_token_releases_prefill(engine, prompts) -> None:
+    orch, prefill, _ = build(engine)
+
+    async def main():
+        gen = orch.generate(request(0, prompts[0]))
+        first = await gen.__anext__()
+        assert prefill.held == {"r0"}
+        await gen.aclose()
+        await asyncio.sleep(0.05)  # the release runs in the background
+        return first
+
+    assert len(run(main()).token_ids) == 1
+    assert prefill.held == set()
+
+
+def test_busy_decode_is_retried_within_the_window(engine, prompts, offline) -> None:
+    orch, _, (a, b) = build(engine, retry_window_s=5.0)
+    busy = {"n": 3}
+    real = a.generate
+
+    async def refuse_then_serve(req, params):
+        if busy["n"]:
+            busy["n"] -= 1
+            raise BackPressureError("queue full")
+        async for chunk in real(req, params):
+            yield chunk
+
+    a.generate = b.generate = refuse_then_serve
+    assert run(collect(orch, request(0, prompts[0]))) == offline[0]
+    assert orch.num_migrations == 0
+
+
+def test_seeded_sampling_survives_migration(engine, prompts) -> None:
+    kw = {"temperature": 1.0, "seed": 1234}
+    orch, _, _ = build(engine)
+    want = run(collect(orch, request(0, prompts[2], **kw)))
+    orch, _, (a, b) = build(engine)
+    a.die_after = b.die_after = None
+    a.fail_after = 5
+    got = run(collect(orch, request(0, prompts[2], **kw)))
+    assert orch.num_migrations >= 1
+    assert got == want
