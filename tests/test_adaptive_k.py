@@ -1,8 +1,16 @@
-"""Speculation depth adapts to measured acceptance: deep when drafts land, shallow when not."""
+"""Speculation depth: per batch band from the perf model (0 where drafts do not pay), per
+request from its own acceptance (capped by the replica's), never for seeded requests; outputs
+stay exact (greedy) or unchanged (seeded) while k moves."""
 
 from __future__ import annotations
 
-from workers.adaptive_k import AdaptiveK, best_k
+import torch
+
+from workers.adaptive_k import BANDS, AdaptiveK, band_of, best_k
+from workers.engine import Engine, EngineConfig
+from workers.perf_model import PerfModel
+from workers.request import Request
+from workers.sampling_params import SamplingParams
 
 
 def test_best_k_follows_acceptance() -> None:
@@ -21,3 +29,69 @@ def test_adaptive_k_moves_with_observed_rounds() -> None:
     for _ in range(400):
         ak.observe(num_drafts=ak.k, num_accepted=ak.k)  # everything accepted again
     assert ak.k == 3
+
+
+def test_band_k_from_the_model_is_zero_at_large_batches() -> None:
+    # Drafted tokens are expensive per request (compute bound at large batches).
+    ak = AdaptiveK(k_max=3, update_every=1, model=PerfModel([0.01, 0.0005, 0.001, 0.002]))
+    for _ in range(50):
+        ak.observe(3, 2)  # alpha ~ (1, 1, 0): two of three drafts land
+    assert ak.band_k[band_of(1)] >= 2
+    assert ak.band_k[band_of(64)] == 0
+    assert ak.band_k == sorted(ak.band_k, reverse=True)  # k shrinks as the batch grows
+    assert len(ak.band_k) == len(BANDS)
+
+
+def _req(rid: str, k: int, seed: int | None = None) -> Request:
+    return Request(rid, [5, 6, 7], SamplingParams(max_tokens=64, seed=seed),
+                   num_speculative_tokens=k)
+
+
+def test_request_k_follows_its_own_acceptance_and_seeded_k_never_moves() -> None:
+    ak = AdaptiveK(k_max=3, update_every=1)
+    for _ in range(50):
+        ak.observe(3, 3)  # the replica's drafts all land: replica k = 3
+    good, bad, seeded = _req("g", 3), _req("b", 3), _req("s", 3, seed=7)
+    for r, acc in ((good, 3), (bad, 0), (seeded, 0)):
+        r.num_rounds = 40
+        r.drafted_per_position = [40, 40 if acc else 0, 40 if acc else 0]
+        r.accepted_per_position = [40 if acc else 0] * 3
+    assert ak.k_for(good, 1) == 3
+    assert ak.k_for(bad, 1) == 1  # its own drafts miss: shallow, under the replica's 3
+    assert ak.k_for(seeded, 1) == 3  # seeded: its own k, whatever its acceptance
+    ak.band_k = [1] * len(BANDS)  # the replica caps k at 1
+    assert ak.k_for(good, 1) == 1 and ak.k_for(seeded, 1) == 3
+
+
+def _run(path, reqs: list[tuple[list[int], SamplingParams]], **kw) -> tuple[list, Engine]:
+    eng = Engine(EngineConfig(model=str(path), num_kv_blocks=512, **kw))
+    out = [eng.add_request(str(i), p, sp) for i, (p, sp) in enumerate(reqs)]
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.block_manager.num_free_blocks == 512
+    return [r.output_token_ids for r in out], eng
+
+
+def test_outputs_unchanged_while_k_moves(default_model) -> None:
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 200, (6 + 3 * i,), generator=g).tolist() for i in range(6)]
+    greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    seeded = [SamplingParams(max_tokens=40, temperature=0.8, seed=100 + i, ignore_eos=True)
+              for i in range(3)]
+    work = [(p, greedy) for p in prompts] + list(zip(prompts[:3], seeded, strict=True))
+    plain, _ = _run(default_model, [(p, greedy) for p in prompts], num_speculative_tokens=0)
+    fixed, _ = _run(default_model, work, num_speculative_tokens=3, adaptive_k=False)
+    # A model that makes k change with the batch (k = 0 at batch >= 4) and frequent updates.
+    eng_kw = dict(num_speculative_tokens=3, adaptive_k=True)
+    eng = Engine(EngineConfig(model=str(default_model), num_kv_blocks=512, **eng_kw))
+    eng.adaptive.model = PerfModel([0.01, 0.0005, 0.004, 0.003])
+    eng.adaptive.update_every = 2
+    seen_k = set()
+    reqs = [eng.add_request(str(i), p, sp) for i, (p, sp) in enumerate(work)]
+    while eng.has_unfinished():
+        eng.step()
+        seen_k.add(eng.adaptive.k)
+    got = [r.output_token_ids for r in reqs]
+    assert 0 in seen_k and len(seen_k) >= 2, f"k never moved: {seen_k}"
+    assert got[:6] == plain == fixed[:6]  # greedy: exact for every k
+    assert got[6:] == fixed[6:]  # seeded: kept their k, so the same tokens

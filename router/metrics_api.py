@@ -1,0 +1,209 @@
+"""`GET /metrics`: Prometheus text exposition aggregated over every replica.
+
+vLLM's names where vLLM has the metric (`vllm:time_to_first_token_seconds`,
+`vllm:inter_token_latency_seconds`, `vllm:request_time_per_output_token_seconds`,
+`vllm:spec_decode_num_*`, `vllm:spec_decode_num_accepted_tokens_per_pos{position}`,
+`vllm:kv_cache_usage_perc`, `vllm:num_requests_running|waiting`, `vllm:num_preemptions`,
+`vllm:generation_tokens`), so vLLM dashboards work unchanged; ours under `mtpserve:` (k, measured
+vs predicted TPOT per replica, KV transfer bytes and seconds, the policies' desired replicas).
+Units are seconds. Counters and histograms are sums over replicas, including replicas that went
+away (their last snapshot), so they never go backwards; gauges come from fresh snapshots only.
+
+The data comes from `app.state.metrics_source`, an async callable returning
+`{"snapshots": [EngineRecorder.snapshot(...)], "policy": {deployment: decision}}`: the local
+orchestrator reads its recorder in-process, the Serve ingress reads the `MetricsHub` actor.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+
+from fastapi import APIRouter, Request
+from fastapi.responses import PlainTextResponse
+
+MetricsSource = Callable[[], Awaitable[dict]]
+FRESH_S = 15.0  # a snapshot older than this no longer counts for gauges
+
+COUNTERS = {
+    "spec_decode_num_drafts": "Speculative rounds with drafts (one per request per round).",
+    "spec_decode_num_draft_tokens": "Draft tokens proposed.",
+    "spec_decode_num_accepted_tokens": "Draft tokens accepted.",
+    "generation_tokens": "Output tokens generated.",
+    "num_preemptions": "Requests preempted (KV evicted, recomputed later).",
+}
+HISTOGRAMS = {
+    "time_to_first_token_seconds": "Time to first token inside the prefill engine.",
+    "inter_token_latency_seconds": "Time between output tokens (per token) while decoding.",
+    "request_time_per_output_token_seconds": "Decode-only time per output token of a finished "
+    "request (from the first decode round; KV transfer excluded).",
+}
+
+
+def _labels(**kw: object) -> str:
+    parts = []
+    for k, v in kw.items():
+        text = str(v).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+        parts.append(f'{k}="{text}"')
+    return "{" + ",".join(parts) + "}"
+
+
+def _num(x: float) -> str:
+    return repr(float(x)) if x == x else "NaN"
+
+
+def render(data: dict, model_name: str, now: float | None = None) -> str:
+    """Prometheus text format (version 0.0.4) of the aggregated snapshots."""
+    now = time.time() if now is None else now
+    snaps = data.get("snapshots", [])
+    fresh = [s for s in snaps if now - s.get("time", 0.0) <= FRESH_S]
+    m = _labels(model_name=model_name)
+    lines: list[str] = []
+
+    def family(name: str, kind: str, doc: str) -> None:
+        lines.append(f"# HELP {name} {doc}")
+        lines.append(f"# TYPE {name} {kind}")
+
+    for key, doc in COUNTERS.items():
+        family(f"vllm:{key}", "counter", doc)
+        total = sum(s["counters"].get(key, 0) for s in snaps)
+        lines.append(f"vllm:{key}_total{m} {_num(total)}")
+    family("vllm:spec_decode_num_accepted_tokens_per_pos", "counter",
+           "Accepted draft tokens per draft position (0-based).")
+    width = max((len(s.get("per_pos", [])) for s in snaps), default=0)
+    for i in range(width):
+        total = sum(s["per_pos"][i] for s in snaps if i < len(s.get("per_pos", [])))
+        lines.append(f"vllm:spec_decode_num_accepted_tokens_per_pos_total"
+                     f"{_labels(model_name=model_name, position=i)} {_num(total)}")
+
+    for key, doc in HISTOGRAMS.items():
+        hs = [s["hists"][key] for s in snaps if key in s.get("hists", {})]
+        if not hs:
+            continue
+        family(f"vllm:{key}", "histogram", doc)
+        bounds = hs[0]["bounds"]
+        counts = [sum(h["counts"][j] for h in hs if h["bounds"] == bounds)
+                  for j in range(len(bounds) + 1)]
+        cum = 0
+        for b, c in zip(bounds + [float("inf")], counts, strict=True):
+            cum += c
+            le = "+Inf" if b == float("inf") else repr(float(b))
+            lines.append(f"vllm:{key}_bucket{_labels(model_name=model_name, le=le)} {cum}")
+        lines.append(f"vllm:{key}_sum{m} {_num(sum(h['sum'] for h in hs))}")
+        lines.append(f"vllm:{key}_count{m} {sum(h['count'] for h in hs)}")
+
+    def gauge_sum(key: str, roles: tuple[str, ...]) -> float:
+        return sum(s["gauges"].get(key, 0) for s in fresh if s["role"] in roles)
+
+    family("vllm:num_requests_running", "gauge", "Requests in decode rounds.")
+    running = gauge_sum("num_requests_running", ("decode", "both"))
+    lines.append(f"vllm:num_requests_running{m} {_num(running)}")
+    family("vllm:num_requests_waiting", "gauge", "Requests queued (prefill and decode).")
+    lines.append(f"vllm:num_requests_waiting{m} "
+                 f"{_num(gauge_sum('num_requests_waiting', ('prefill', 'decode', 'both')))}")
+    kv = [s["gauges"]["kv_cache_usage_perc"] for s in fresh
+          if s["role"] in ("decode", "both") and "kv_cache_usage_perc" in s["gauges"]]
+    family("vllm:kv_cache_usage_perc", "gauge", "KV cache usage of the decode replicas "
+           "(mean; 1 = full).")
+    lines.append(f"vllm:kv_cache_usage_perc{m} {_num(sum(kv) / len(kv) if kv else 0.0)}")
+
+    family("mtpserve:kv_transfer_bytes", "counter", "KV bytes received by decode rank 0s.")
+    lines.append(f"mtpserve:kv_transfer_bytes_total{m} "
+                 f"{_num(sum(s['counters'].get('kv_transfer_bytes', 0) for s in snaps))}")
+    family("mtpserve:kv_transfer_seconds", "counter", "Seconds decode rank 0s spent pulling KV.")
+    lines.append(f"mtpserve:kv_transfer_seconds_total{m} "
+                 f"{_num(sum(s['counters'].get('kv_transfer_seconds', 0) for s in snaps))}")
+
+    per_replica = {
+        "num_speculative_tokens": ("gauge", "Speculation depth k of the replica at its batch."),
+        "kv_cache_usage_perc": ("gauge", "KV cache usage of one replica (1 = full)."),
+        "measured_tpot_seconds": ("gauge", "Mean decode-only TPOT over the signal window."),
+        "predicted_tpot_seconds": ("gauge", "TPOT the performance model predicts at the "
+                                   "window's batch and k."),
+    }
+    for key, (kind, doc) in per_replica.items():
+        rows = [s for s in fresh if key in s["gauges"]]
+        if not rows:
+            continue
+        family(f"mtpserve:{key}", kind, doc)
+        for s in rows:
+            lab = _labels(model_name=model_name, replica=s["replica"], role=s["role"])
+            lines.append(f"mtpserve:{key}{lab} {_num(s['gauges'][key])}")
+    family("mtpserve:replicas", "gauge", "Replicas reporting, per role.")
+    for role in sorted({s["role"] for s in fresh}):
+        n = sum(s["role"] == role for s in fresh)
+        lines.append(f"mtpserve:replicas{_labels(model_name=model_name, role=role)} {n}")
+
+    policy = data.get("policy", {})
+    if policy:
+        family("mtpserve:autoscaling_desired_replicas", "gauge",
+               "Replicas the autoscaling policy asks for, per deployment.")
+        for dep, d in sorted(policy.items()):
+            lines.append(f"mtpserve:autoscaling_desired_replicas"
+                         f"{_labels(model_name=model_name, deployment=dep)} "
+                         f"{_num(d['desired_replicas'])}")
+        pred = {dep: d for dep, d in policy.items() if d.get("predicted_tpot_s")}
+        if pred:
+            family("mtpserve:autoscaling_predicted_tpot_seconds", "gauge",
+                   "TPOT the decode policy predicts at the current replica count.")
+            for dep, d in sorted(pred.items()):
+                lines.append(f"mtpserve:autoscaling_predicted_tpot_seconds"
+                             f"{_labels(model_name=model_name, deployment=dep)} "
+                             f"{_num(d['predicted_tpot_s'])}")
+        slo = {dep: d for dep, d in policy.items() if d.get("target_tpot_s")}
+        if slo:
+            family("mtpserve:autoscaling_target_tpot_seconds", "gauge",
+                   "The decode TPOT SLO the policy sizes for.")
+            for dep, d in sorted(slo.items()):
+                lines.append(f"mtpserve:autoscaling_target_tpot_seconds"
+                             f"{_labels(model_name=model_name, deployment=dep)} "
+                             f"{_num(d['target_tpot_s'])}")
+    return "\n".join(lines) + "\n"
+
+
+def metrics_router() -> APIRouter:
+    """`GET /metrics` over `app.state.metrics_source` (empty families when unset)."""
+    router = APIRouter()
+
+    @router.get("/metrics", include_in_schema=False)
+    async def metrics(request: Request) -> PlainTextResponse:
+        source: MetricsSource | None = getattr(request.app.state, "metrics_source", None)
+        if source is None and _in_ray():
+            source = request.app.state.metrics_source = hub_source()  # the Serve ingress
+        data = await source() if source is not None else {}
+        ingress = getattr(request.app.state, "ingress", None)
+        name = getattr(ingress, "model_name", "") if ingress is not None else ""
+        return PlainTextResponse(render(data, name),
+                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return router
+
+
+def _in_ray() -> bool:
+    try:
+        import ray
+
+        return ray.is_initialized()
+    except ImportError:
+        return False
+
+
+def local_source(recorder, key: str = "local") -> MetricsSource:
+    """In-process source over one `EngineRecorder` (the local orchestrator)."""
+
+    async def source() -> dict:
+        stats = await recorder.async_engine.acall(lambda e: e.stats())
+        return {"snapshots": [recorder.snapshot(key, stats)], "policy": {}}
+
+    return source
+
+
+def hub_source() -> MetricsSource:
+    """Source over the cluster's `MetricsHub` actor (Serve ingress)."""
+
+    async def source() -> dict:
+        from cluster.metrics import hub
+
+        return await hub().collect.remote()
+
+    return source

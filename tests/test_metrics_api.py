@@ -1,0 +1,98 @@
+"""`GET /metrics` in Prometheus text format over the local orchestrator: parsed with
+prometheus_client's parser, the counters move by exactly a known request's drafted and
+accepted tokens, and the histograms by its samples."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from cluster.metrics import EngineRecorder
+from router.api import IngressState, create_app
+from router.local_orchestrator import LocalOrchestrator
+from router.metrics_api import local_source, render
+from workers.async_engine import AsyncEngine
+from workers.engine import Engine, EngineConfig
+from workers.tokenizer import load_tokenizer
+
+MODEL = "tiny"
+
+
+def samples(text: str) -> dict[tuple[str, tuple], float]:
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def value(m: dict, name: str, **labels: str) -> float:
+    return m[(name, tuple(sorted({"model_name": MODEL, **labels}.items())))]
+
+
+def test_metrics_counters_move_by_a_known_request(default_model) -> None:
+    eng = AsyncEngine(Engine(EngineConfig(model=str(default_model), num_speculative_tokens=3,
+                                          num_kv_blocks=256)))
+    try:
+        recorder = EngineRecorder(eng, role="both")
+        app = create_app(IngressState(
+            orchestrator=LocalOrchestrator(eng), tokenizer=load_tokenizer(str(default_model)),
+            model_name=MODEL, max_model_len=eng.engine.max_model_len))
+        app.state.metrics_source = local_source(recorder)
+        asyncio.run(_exercise(app))
+    finally:
+        eng.shutdown()
+
+
+async def _exercise(app) -> None:
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=60) as c:
+        before = samples((await c.get("/metrics")).text)
+        r = await c.post("/v1/completions", json={
+            "model": MODEL, "prompt": "def fibonacci(n):", "max_tokens": 40,
+            "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        stats = r.json()["choices"][0]["mtp_stats"]
+        resp = await c.get("/metrics")
+        assert resp.headers["content-type"].startswith("text/plain")
+        after = samples(resp.text)
+
+    def delta(name: str, **labels: str) -> float:
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert stats["num_drafted"] > 0
+    assert delta("vllm:spec_decode_num_draft_tokens_total") == stats["num_drafted"]
+    assert delta("vllm:spec_decode_num_accepted_tokens_total") == stats["num_accepted"]
+    per_pos = sum(delta("vllm:spec_decode_num_accepted_tokens_per_pos_total", position=str(i))
+                  for i in range(3))
+    assert per_pos == stats["num_accepted"]
+    # One draft per round that drafted (the last round may verify none: no room left).
+    assert stats["num_rounds"] - 1 <= delta("vllm:spec_decode_num_drafts_total") \
+        <= stats["num_rounds"]
+    assert delta("vllm:generation_tokens_total") == 40
+    # Histograms of real samples: one TTFT, one request TPOT, one ITL per later token.
+    assert value(after, "vllm:time_to_first_token_seconds_count") == 1
+    assert value(after, "vllm:request_time_per_output_token_seconds_count") == 1
+    assert value(after, "vllm:inter_token_latency_seconds_count") == 39
+    assert value(after, "vllm:time_to_first_token_seconds_bucket", le="+Inf") == 1
+    assert value(after, "vllm:num_requests_running") == 0
+
+
+def test_render_aggregates_replicas_and_keeps_departed_counters() -> None:
+    def snap(rid: str, t: float, drafts: int) -> dict:
+        return {"replica": rid, "role": "decode", "time": t,
+                "counters": {"spec_decode_num_draft_tokens": drafts}, "per_pos": [drafts, 1],
+                "hists": {}, "gauges": {"num_requests_running": 3, "kv_cache_usage_perc": 0.5,
+                                        "num_speculative_tokens": 2}}
+
+    text = render({"snapshots": [snap("a", 100.0, 10), snap("b", 50.0, 5)],
+                   "policy": {"DecodeServer": {"desired_replicas": 2, "predicted_tpot_s": 0.01}}},
+                  MODEL, now=100.0)
+    m = samples(text)
+    assert value(m, "vllm:spec_decode_num_draft_tokens_total") == 15  # b went away: kept
+    assert value(m, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position="0") == 15
+    assert value(m, "vllm:num_requests_running") == 3  # gauges: fresh replicas only
+    assert value(m, "mtpserve:num_speculative_tokens", replica="a", role="decode") == 2
+    assert value(m, "mtpserve:autoscaling_desired_replicas", deployment="DecodeServer") == 2
