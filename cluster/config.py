@@ -26,28 +26,33 @@ class AutoscalingSettings(_Strict):
 
     min_replicas: int = Field(1, ge=0, description="Fewest replicas kept running.")
     max_replicas: int = Field(1, ge=1, description="Most replicas the policy may ask for.")
+    # No acceptance threshold: acceptance enters the decode model as tokens per round, and
+    # each replica already drops to k = 0 where drafting does not pay (workers/adaptive_k.py).
     target_tpot_ms: float = Field(
-        50.0, gt=0, description="Decode SLO: the policy keeps the predicted time per output "
-        "token under 80% of it (scales down only where it stays under 65%)."
+        50.0, gt=0, description="Decode SLO (used by the decode policy only): the policy moves "
+        "to the fewest replicas whose predicted time per output token, from the replicas' "
+        "performance models and live acceptance, is under 80% of it (and KV usage under 85%); "
+        "it scales down only to a count predicted under 65%."
     )
     target_ttft_ms: float = Field(
-        1000.0, gt=0, description="Prefill SLO: the policy keeps the predicted time to first "
-        "token (queueing + compute) under 80% of it."
+        1000.0, gt=0, description="Prefill SLO (used by the prefill policy only): the policy "
+        "moves to the fewest replicas whose predicted time to first token (queueing + "
+        "compute + backlog) is under 80% of it; it scales down only to a count under 65%."
     )
-    min_acceptance_rate: float = Field(
-        0.3, ge=0, le=1,
-        description="Deprecated and ignored: acceptance now enters the decode performance "
-        "model directly (tokens per round).",
-    )
-    upscale_delay_s: float = Field(2.0, ge=0, description="Seconds a scale-up decision must "
-                                   "hold before Serve applies it.")
+    upscale_delay_s: float = Field(2.0, ge=0, description="Seconds the policy must keep asking "
+                                   "for more replicas before Serve adds them (Serve's own "
+                                   "upscale delay, wall-clock); then the whole step is applied "
+                                   "at once. 0 scales up on the first decision.")
     downscale_delay_s: float = Field(60.0, ge=0, description="Seconds the smaller count must "
-                                     "be predicted to meet the SLO before replicas are removed.")
+                                     "keep being predicted to meet the stricter down-headroom "
+                                     "before replicas are removed (the policy's hold; idle "
+                                     "deployments go to min_replicas after it too).")
     window_s: float = Field(30.0, gt=0, description="Replicas report signals (TPOT, "
                             "acceptance, batch, prefill times) over this sliding window; an "
                             "idle replica's window empties.")
     metrics_interval_s: float = Field(1.0, gt=0, description="How often replicas report their "
-                                      "signals to the Serve controller.")
+                                      "signals to the Serve controller; reports older than "
+                                      "max(5 s, 4 intervals) are stale and the policy holds.")
 
     @model_validator(mode="after")
     def _bounds(self) -> AutoscalingSettings:

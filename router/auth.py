@@ -1,5 +1,8 @@
 """API keys: `Authorization: Bearer <key>` on every route but the open ones.
 
+Open: `/health` (load balancers and probes carry no key) and `/metrics` (Prometheus scrapes
+without one, as with vLLM); who may reach them is the network's job (the chart's NetworkPolicy).
+
 A pure ASGI middleware rather than a FastAPI dependency, so a request without the key is
 refused before its body is read or validated (a bad key never learns whether its JSON parsed).
 Keys are read per request through `get_keys`, so they can be set after the app is built.
@@ -20,7 +23,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from router.errors import APIError
 
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health", "/metrics"})
 
 
 def bearer_token(header: str | None) -> str | None:

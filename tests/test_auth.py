@@ -80,6 +80,18 @@ def test_good_keys_and_open_health(server) -> None:
     assert httpx.get(server.url + "/health").status_code == 200
 
 
+def test_metrics_and_health_are_open_but_the_api_is_not(server) -> None:
+    """Prometheus scrapes without a key (the NetworkPolicy limits who can); the API still
+    refuses a request without one."""
+    resp = httpx.get(server.url + "/metrics")
+    assert resp.status_code == 200 and "vllm:num_requests_running" in resp.text
+    assert httpx.get(server.url + "/health").status_code == 200
+    resp = httpx.post(server.url + "/v1/completions", json={"model": "m", "prompt": "hi"})
+    assert resp.status_code == 401 and resp.json()["error"]["code"] == "invalid_api_key"
+    # Only the exact paths are open, not what starts with them.
+    assert httpx.get(server.url + "/metricsx").status_code == 401
+
+
 def test_key_matches_never_accepts_empty() -> None:
     assert not auth.key_matches("Bearer ", "")
     assert not auth.key_matches("Bearer ", None)

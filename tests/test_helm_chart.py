@@ -8,6 +8,8 @@ test_helm_validation.py, schemas in test_helm_schemas.py.
 
 from __future__ import annotations
 
+import copy
+import importlib.util
 import json
 import re
 from pathlib import Path
@@ -81,6 +83,37 @@ def test_values_schema_in_step_with_code() -> None:
     item = serve["deployments"]["items"]
     assert item["additionalProperties"] is False
     assert set(item["properties"]) == set(DeploymentSchema.model_fields)
+
+
+def _sync_tool():
+    path = CHART / "tools" / "sync_args_schema.py"
+    spec = importlib.util.spec_from_file_location("sync_args_schema", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_sync_tool_is_a_no_op_and_rebuilds_optional_models() -> None:
+    """Running sync_args_schema.py changes nothing (the schema is in step), and it rebuilds a
+    nullable nested model (`autoscaling`: pydantic's anyOf [{$ref}, {type: null}]) from
+    scratch or from a shape it cannot merge into, instead of failing."""
+    tool = _sync_tool()
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    assert tool.synced(schema) == schema
+    broken = copy.deepcopy(schema)
+    args = broken["properties"]["serve"]["properties"]["args"]["properties"]
+    del args["decode"]["properties"]["autoscaling"]
+    args["prefill"]["properties"]["autoscaling"] = {"anyOf": [{"type": "object"},
+                                                              {"type": "null"}]}
+    del args["limits"]
+    fixed = tool.synced(broken)
+    _assert_mirrors(ClusterConfig, fixed["properties"]["serve"]["properties"]["args"],
+                    "serve.args")
+    for role in ("prefill", "decode"):
+        node = fixed["properties"]["serve"]["properties"]["args"]["properties"][role][
+            "properties"]["autoscaling"]
+        assert node["type"] == ["object", "null"] and node["additionalProperties"] is False
+        assert node["properties"]["max_replicas"] == {"type": "integer", "minimum": 1}
 
 
 def test_every_value_is_commented() -> None:
@@ -303,8 +336,15 @@ def test_monitoring_is_gated() -> None:
     multi = render_case(MULTI)
     (pm,) = multi["podmonitor.yaml"]
     assert pm["metadata"]["labels"]["release"] == "kube-prometheus-stack"
-    endpoints = [e["port"] for e in pm["spec"]["podMetricsEndpoints"]]
-    assert endpoints == ["metrics", "as-metrics", "dash-metrics"]
+    endpoints = {e["port"]: e for e in pm["spec"]["podMetricsEndpoints"]}
+    assert list(endpoints) == ["metrics", "as-metrics", "dash-metrics", "serve"]
+    # GET /metrics (router/metrics_api.py: vllm:*, mtpserve:*) on the HTTP port. Each response
+    # is aggregated over the whole cluster, so only the head (always running a proxy) is kept.
+    serve = endpoints["serve"]
+    assert serve["path"] == "/metrics"
+    assert {"sourceLabels": ["__meta_kubernetes_pod_label_ray_io_node_type"], "regex": "head",
+            "action": "keep"} in serve["relabelings"]
+    assert all("path" not in e for p, e in endpoints.items() if p != "serve")  # Ray's own
     pods = pod_templates(rayservice(multi))
     for role, pod in pods.items():
         ports = {p["name"]: p["containerPort"] for p in pod["spec"]["containers"][0]["ports"]}
@@ -315,6 +355,8 @@ def test_monitoring_is_gated() -> None:
         "ports"]}
     # Ray's autoscaler and dashboard metrics ports (AUTOSCALER_METRIC_PORT, DASHBOARD_METRIC_PORT).
     assert (head_ports["as-metrics"], head_ports["dash-metrics"]) == (44217, 44227)
+    http_port = serve_config(rayservice(multi))["http_options"]["port"]
+    assert head_ports["serve"] == http_port
 
 
 def test_dashboard_panels() -> None:

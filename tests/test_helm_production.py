@@ -115,24 +115,47 @@ def test_network_policy_denies_by_default() -> None:
     release = {"app.kubernetes.io/name": "mtpserve", "app.kubernetes.io/instance": RELEASE}
     assert np["spec"]["podSelector"] == {"matchLabels": release}
     assert np["spec"]["policyTypes"] == ["Ingress"]
+    by_port = _peers_by_port(np)
+    # The API from anywhere (key-protected), metrics from the monitoring namespace, the
+    # dashboard from the operator only; GCS (6379) and Ray client (10001) from no one else.
+    monitoring = [{"namespaceSelector": {"matchLabels": {
+        "kubernetes.io/metadata.name": "monitoring"}}}]
+    # The serve port: clients (None: any source) and Prometheus (GET /metrics, no key).
+    assert by_port[8000] == [None, monitoring]
+    assert by_port[8080] == by_port[44217] == by_port[44227] == [monitoring]
+    assert by_port[8265] == [[{"namespaceSelector": {}, "podSelector": {"matchLabels": {
+        "app.kubernetes.io/name": "kuberay-operator"}}}]]
+    assert set(by_port) == {8000, 8080, 44217, 44227, 8265}
+    for pod in pod_templates(rayservice(render_case(None))).values():
+        assert release.items() <= pod["metadata"]["labels"].items()
+
+
+def test_prometheus_reaches_metrics_on_the_serve_port_when_clients_are_limited() -> None:
+    """With `clients` set, the API port is closed to everyone else, but the PodMonitor's
+    /metrics endpoint on it must still be reachable from Prometheus."""
+    clients = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "web"}}}]
+    prometheus = [{"podSelector": {"matchLabels": {"app": "prometheus"}}}]
+    docs = render({"networkPolicy": {"clients": clients, "prometheus": prometheus},
+                   "serve": {"args": {"http": {"port": 9000}}},
+                   "monitoring": {"podMonitor": {"enabled": True}}})
+    (np,) = docs["networkpolicy.yaml"]
+    assert _peers_by_port(np)[9000] == [clients, prometheus]
+    (pm,) = docs["podmonitor.yaml"]
+    (serve,) = [e for e in pm["spec"]["podMetricsEndpoints"] if e["port"] == "serve"]
+    assert serve["path"] == "/metrics"
+
+
+def _peers_by_port(np: dict[str, Any]) -> dict[int, list[Any]]:
+    """Port -> the `from` of every ingress rule naming it (None: any source)."""
+    release = np["spec"]["podSelector"]["matchLabels"]
     by_port: dict[int, list[Any]] = {}
     for rule in np["spec"]["ingress"]:
         if "ports" not in rule:  # the only all-ports rule: this release's own pods
             assert rule["from"] == [{"podSelector": {"matchLabels": release}}]
             continue
         for p in rule["ports"]:
-            by_port[p["port"]] = rule.get("from")
-    # The API from anywhere (key-protected), metrics from the monitoring namespace, the
-    # dashboard from the operator only; GCS (6379) and Ray client (10001) from no one else.
-    assert by_port[8000] is None
-    monitoring = [{"namespaceSelector": {"matchLabels": {
-        "kubernetes.io/metadata.name": "monitoring"}}}]
-    assert by_port[8080] == by_port[44217] == by_port[44227] == monitoring
-    assert by_port[8265] == [{"namespaceSelector": {}, "podSelector": {"matchLabels": {
-        "app.kubernetes.io/name": "kuberay-operator"}}}]
-    assert set(by_port) == {8000, 8080, 44217, 44227, 8265}
-    for pod in pod_templates(rayservice(render_case(None))).values():
-        assert release.items() <= pod["metadata"]["labels"].items()
+            by_port.setdefault(p["port"], []).append(rule.get("from"))
+    return by_port
 
 
 def test_network_policy_egress_when_asked() -> None:

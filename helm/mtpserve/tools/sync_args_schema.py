@@ -4,11 +4,14 @@
 
 Fields already in the schema keep their hand-written entry; new fields get one derived from the
 pydantic JSON schema (types, bounds, enums; nested models closed with additionalProperties:
-false); fields gone from ClusterConfig are dropped. tests/test_helm_chart.py checks the result.
+false; an Optional model, which pydantic writes as anyOf [{$ref}, {type: null}], becomes one
+object schema with type ["object", "null"]); fields gone from ClusterConfig are dropped, also
+inside nested models. tests/test_helm_chart.py checks the result.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from typing import Any
@@ -40,9 +43,9 @@ def _plain(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
                     out["enum"] = [*out["enum"], None]
             return out
         return {"anyOf": subs}
-    if node.get("type") == "object" and "properties" in node:
+    if "properties" in node:  # a model; `type` may already be ["object", "null"] (Optional)
         return {
-            "type": "object",
+            "type": node.get("type", "object"),
             "additionalProperties": False,
             "properties": {k: _plain(v, defs) for k, v in node["properties"].items()},
         }
@@ -58,23 +61,34 @@ def _sync(model: type[BaseModel], node: dict[str, Any], fresh: dict[str, Any],
         if name not in model.model_fields:
             del props[name]
     for name, field in model.model_fields.items():
-        if name not in props:
-            props[name] = _plain(fresh["properties"][name], defs)
-            continue
+        want = fresh["properties"][name]  # already plain: closed, ref-free, Optional folded
         sub = getattr(field.annotation, "__args__", (field.annotation,))
         nested = [t for t in sub if isinstance(t, type) and issubclass(t, BaseModel)]
+        if name not in props or (nested and "properties" not in props[name]):
+            # New, or a nested model written in a shape we cannot merge into (e.g. an anyOf):
+            # take the derived entry whole, keeping a hand-written description.
+            old = props.get(name, {})
+            props[name] = dict(want)
+            if "description" in old:
+                props[name]["description"] = old["description"]
+            continue
         if nested:
-            ref = fresh["properties"][name]
-            _sync(nested[0], props[name], _plain(ref, defs), defs)
+            _sync(nested[0], props[name], want, defs)
     node["additionalProperties"] = False
 
 
-def main() -> None:
-    schema = json.loads(SCHEMA.read_text())
+def synced(schema: dict[str, Any]) -> dict[str, Any]:
+    """A copy of the chart's values schema with `serve.args` in step with ClusterConfig."""
+    schema = copy.deepcopy(schema)
     pyd = ClusterConfig.model_json_schema()
     defs = pyd.get("$defs", {})
     args = schema["properties"]["serve"]["properties"]["args"]
     _sync(ClusterConfig, args, _plain({k: v for k, v in pyd.items() if k != "$defs"}, defs), defs)
+    return schema
+
+
+def main() -> None:
+    schema = synced(json.loads(SCHEMA.read_text()))
     SCHEMA.write_text(json.dumps(schema, indent=2, ensure_ascii=False) + "\n")
 
 
