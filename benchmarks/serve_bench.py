@@ -96,6 +96,9 @@ def _summarise(results: list[dict], wall: float, before: dict, after: dict) -> d
     pulled = k1.get("bytes_received", 0) - k0.get("bytes_received", 0)
     pull_s = k1.get("pull_seconds", 0.0) - k0.get("pull_seconds", 0.0)
     pulls = k1.get("pulls", 0) - k0.get("pulls", 0)
+    # Receive + scatter into the cache on the transfer thread (absent before that thread).
+    e2e_s = d1.get("kv_puller", {}).get("seconds", 0.0) - d0.get("kv_puller", {}).get(
+        "seconds", 0.0)
     return {
         "ttft_ms_p50": _pct(ttft, 50), "ttft_ms_p99": _pct(ttft, 99),
         "tpot_ms_p50": _pct(tpot, 50), "tpot_ms_p99": _pct(tpot, 99),
@@ -103,6 +106,7 @@ def _summarise(results: list[dict], wall: float, before: dict, after: dict) -> d
         "acceptance_rate": accepted / drafted if drafted else None,
         "kv_pulls": pulls, "kv_pull_bytes_mean": pulled / pulls if pulls else None,
         "kv_achieved_gib_per_s": pulled / pull_s / 2**30 if pull_s else None,
+        "kv_e2e_gib_per_s": pulled / e2e_s / 2**30 if e2e_s > 0 else None,
         "wall_seconds": wall,
         "mean_tokens": statistics.mean(r["tokens"] for r in results),
     }
@@ -121,6 +125,84 @@ def format_table(r: dict) -> str:
         f"{f(r['acceptance_rate'], 3)} | {f(r['kv_achieved_gib_per_s'], 3)} | "
         f"{f(r.get('kv_raw_gib_per_s'), 3)} |",
     ])
+
+
+# TPOT of running streams while long prompts arrive -------------------------------------------
+
+async def _gaps(client: httpx.AsyncClient, prompt: str, max_tokens: int, out: list[float],
+                window: list[float]) -> None:
+    """Stream one request; append to `out` the per-token time of every chunk that arrived
+    inside `window` = [start, end] (perf_counter; end may be set later)."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True, "return_token_ids": True}
+    last = None
+    async with client.stream("POST", "/v1/completions", json=body) as resp:
+        resp.raise_for_status()
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            data = json.loads(line[6:])
+            if "error" in data:
+                raise RuntimeError(data["error"])
+            now = time.perf_counter()
+            n = len(data.get("choices", [{}])[0].get("token_ids") or []) or 1
+            if last is not None and window[0] <= now <= window[1]:
+                out.append((now - last) / n)
+            last = now
+
+
+async def run_interference(url: str, api_key: str | None = None, num_streams: int = 4,
+                           stream_tokens: int = 400, arrival_tokens: int = 1500,
+                           num_arrivals: int = 3, settle_s: float = 1.0) -> dict:
+    """TPOT p50/p99 of `num_streams` running streams in two phases of equal length: without
+    arrivals, then while `num_arrivals` prompts of ~`arrival_tokens` tokens arrive one after
+    another (each prefilled elsewhere and pulled into the decode replica that runs the
+    streams). Per-token time = gap between chunks / tokens in the chunk."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    prompts = held_out_prompts(num_streams + num_arrivals, num_chars=4 * 64)
+    longs = held_out_prompts(num_arrivals, num_chars=4 * arrival_tokens)
+    res: dict = {}
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=600) as client:
+        for phase, arrivals in (("without", 0), ("with", num_arrivals)):
+            before = (await client.get("/v1/mtpserve/stats")).json()
+            gaps: list[float] = []
+            window = [float("inf"), float("inf")]
+            tasks = [asyncio.create_task(_gaps(client, p, stream_tokens, gaps, window))
+                     for p in prompts[:num_streams]]
+            await asyncio.sleep(settle_s)  # every stream is decoding
+            window[0] = time.perf_counter()
+            if arrivals:
+                for p in longs[:arrivals]:
+                    await _one(client, p, 8)  # prefill + one pull + a few rounds
+            else:
+                await asyncio.sleep(settle_s * num_arrivals)
+            window[1] = time.perf_counter()
+            await asyncio.gather(*tasks)
+            after = (await client.get("/v1/mtpserve/stats")).json()
+            k0 = before["decode"].get("kv_puller", {})
+            k1 = after["decode"].get("kv_puller", {})
+            ms = [g * 1000 for g in gaps]
+            res[phase] = {"tpot_ms_p50": _pct(ms, 50), "tpot_ms_p99": _pct(ms, 99),
+                          "samples": len(ms), "window_s": window[1] - window[0],
+                          "pulls": k1.get("pulls", 0) - k0.get("pulls", 0)}
+    w, wo = res["with"]["tpot_ms_p99"], res["without"]["tpot_ms_p99"]
+    res["p99_ratio"] = w / wo if w and wo else None
+    res.update(num_streams=num_streams, arrival_tokens=arrival_tokens,
+               num_arrivals=num_arrivals)
+    return res
+
+
+def format_interference(r: dict) -> str:
+    f = lambda x, p=1: "-" if x is None else f"{x:.{p}f}"  # noqa: E731
+    rows = [f"{r['num_streams']} running streams; {r['num_arrivals']} arrivals of "
+            f"~{r['arrival_tokens']}-token prompts (KV pulled into the same decode replica)",
+            "| phase | TPOT p50 ms | TPOT p99 ms | samples | pulls |", "|---|---|---|---|---|"]
+    for phase in ("without", "with"):
+        x = r[phase]
+        rows.append(f"| {phase} arrivals | {f(x['tpot_ms_p50'])} | {f(x['tpot_ms_p99'])} | "
+                    f"{x['samples']} | {x['pulls']} |")
+    rows.append(f"p99 ratio (with / without): {f(r['p99_ratio'], 2)}")
+    return "\n".join(rows)
 
 
 def main(args: ServeBenchArgs, json_out: str | None) -> dict:

@@ -1,5 +1,11 @@
-"""Replica choice: least-loaded first, by what each replica reports in
-`record_routing_stats()` (decode: tokens still to generate; prefill: requests in flight).
+"""Replica choice: least-loaded first, by live queue lengths combined with what replicas report
+in `record_routing_stats()` (refreshed every `ROUTING_STATS_PERIOD_S`).
+
+Decode load is counted in expected tokens (what requests typically generate on that replica,
+capped by their max_tokens), not in the clamped context window a chat request carries. The
+routing stats lag by up to a period, so requests sent since the snapshot are added from
+Serve's live queue-length cache (incremented on every send, decremented when a request ends):
+a burst spreads over replicas instead of landing on the one that looked idle a second ago.
 
 A Ray Serve custom request router: the ranked list goes most- to least-preferred, so Serve
 falls back to the next replica when the first rejects (queue full).
@@ -7,19 +13,28 @@ falls back to the next replica when the first rejects (queue full).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
-
-def load_score(routing_stats: dict, queue_len: int) -> float:
-    """Lower is better: reported load when the replica has reported, else its queue."""
-    if "ongoing_tokens" in routing_stats:
-        return float(routing_stats["ongoing_tokens"])
-    if "inflight" in routing_stats:
-        return float(routing_stats["inflight"])
-    return float(queue_len)
+# How often Serve refreshes each replica's routing stats (RequestRouterConfig).
+ROUTING_STATS_PERIOD_S = 1.0
 
 
-def rank_by_load(replicas: list, queue_len) -> list[list]:
+def load_score(routing_stats: dict, queue_len: int | None) -> float:
+    """Lower is better. `queue_len`: the replica's live ongoing requests (None: unknown)."""
+    live = queue_len or 0
+    if "ongoing_tokens" in routing_stats:  # decode: expected tokens still to generate
+        reported = int(routing_stats.get("num_requests", 0))
+        per_request = float(routing_stats.get("tokens_per_request", 1))
+        unseen = max(live - reported, 0)  # sent after the stats snapshot
+        return float(routing_stats["ongoing_tokens"]) + unseen * per_request
+    if "inflight" in routing_stats:  # prefill: requests being prefilled
+        return float(max(int(routing_stats["inflight"]), live))
+    return float(live)
+
+
+def rank_by_load(replicas: list, queue_len: Callable[[object], int | None]) -> list[list]:
     """Most- to least-preferred, one replica per rank (Serve tries them in order)."""
     ranked = sorted(replicas, key=lambda r: load_score(r.routing_stats or {}, queue_len(r)))
     return [[r] for r in ranked]
@@ -33,7 +48,6 @@ class LeastLoadedRouter(FIFOMixin, RequestRouter):
     ) -> list[list[RunningReplica]]:
         return rank_by_load(candidate_replicas, self._queue_len)
 
-    def _queue_len(self, replica: RunningReplica) -> int:
+    def _queue_len(self, replica: RunningReplica) -> int | None:
         cache = getattr(self, "_replica_queue_len_cache", None)
-        value = cache.get(replica.replica_id) if cache is not None else None
-        return value or 0
+        return cache.get(replica.replica_id) if cache is not None else None

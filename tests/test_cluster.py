@@ -93,21 +93,29 @@ def wait_blocks_free(base: str, headers: dict | None = None, deadline_s: float =
         time.sleep(0.1)
 
 
-@pytest.mark.parametrize("prefill_tp,decode_tp", [(1, 1), (2, 2)])
+# 1 -> 2 runs in `resharded_app` below; 2 -> 1 pulls from two prefill ranks per decode rank.
+@pytest.mark.parametrize("prefill_tp,decode_tp", [(1, 1), (2, 2), (2, 1)])
 def test_disaggregated_equals_single_process(ray_cluster, default_model, prompts, offline,
                                              prefill_tp: int, decode_tp: int) -> None:
     deploy(default_model, prefill_tp, decode_tp)
     try:
         got = [complete(ray_cluster, p)["choices"][0]["text"] for p in prompts]
         assert got == offline
-        wait_blocks_free(ray_cluster)
+        s = wait_blocks_free(ray_cluster)
+        # Every request really went prefill -> KV pull -> decode (no silent recompute).
+        # Decode rank 0 pulls from every prefill rank that holds some of its KV heads.
+        pulls_per_request = max(prefill_tp // decode_tp, 1)
+        assert s["decode"]["kv_receiver"]["pulls"] == len(prompts) * pulls_per_request
+        assert s.get("orchestrator", {}).get("num_migrations", 0) == 0
+        assert s.get("orchestrator", {}).get("num_kv_recomputes", 0) == 0
     finally:
         serve.delete("mtpserve")
 
 
 @pytest.fixture(scope="module")
 def resharded_app(ray_cluster, default_model):
-    deploy(default_model, 1, 2, auth={"api_key": "sekret"})
+    deploy(default_model, 1, 2, auth={"api_key": "sekret", "admin_api_key": "admin-sekret"},
+           admin={"enable_kv_probe": True})
     yield ray_cluster
     serve.delete("mtpserve")
 
@@ -183,7 +191,27 @@ def test_client_disconnect_frees_decode_blocks(resharded_app, prompts) -> None:
 
 
 def test_kv_probe_measures_the_channel(resharded_app) -> None:
-    r = httpx.post(f"{resharded_app}/v1/mtpserve/kv_probe", headers=auth_headers(),
+    r = httpx.post(f"{resharded_app}/v1/mtpserve/kv_probe",
+                   headers={"Authorization": "Bearer admin-sekret"},  # an admin-only route
                    json={"num_bytes": 1 << 20}, timeout=60)
     assert r.status_code == 200, r.text
     assert r.json()["bytes"] == 1 << 20 and r.json()["gib_per_s"] > 0
+
+
+def test_resharded_seeded_sampling_equals_single_process(resharded_app, default_model,
+                                                         prompts) -> None:
+    """Randomness is keyed by (seed, position, slot): a seeded request gives the offline
+    engine's output through prefill TP=1 -> decode TP=2 as well."""
+    from workers import LLM, SamplingParams
+
+    llm = LLM(str(default_model), num_speculative_tokens=2)
+    want = [r.text for r in llm.generate(prompts[:2], SamplingParams(
+        max_tokens=MAX_TOKENS, temperature=0.8, top_p=0.95, seed=1234))]
+    got = []
+    for p in prompts[:2]:
+        r = httpx.post(f"{resharded_app}/v1/completions", headers=auth_headers(), timeout=120,
+                       json={"prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0.8,
+                             "top_p": 0.95, "seed": 1234})
+        assert r.status_code == 200, r.text
+        got.append(r.json()["choices"][0]["text"])
+    assert got == want

@@ -106,6 +106,9 @@ def _peer_main(conn: Any) -> None:
     def sender_stats() -> dict[str, int]:
         return state["sender"].stats()
 
+    def drop(request_id: str) -> bool:
+        return state["sender"].drop(request_id)
+
     def close_sender() -> list[str]:
         state["sender"].close()
         return [t.name for t in threading.enumerate() if t is not threading.main_thread()]
@@ -131,6 +134,7 @@ def _peer_main(conn: Any) -> None:
             hold,
             wait_release,
             sender_stats,
+            drop,
             close_sender,
             channel_connect,
             channel_reconnect,
@@ -497,3 +501,63 @@ def test_stats_grow_by_exactly_the_payload_of_a_pull(prefill, receiver):
     assert s2["pulls"] == 2 and s2["pull_seconds"] > s1["pull_seconds"]
     # Achieved KV bandwidth, as the serve benchmark computes it.
     assert s2["bytes_received"] / s2["pull_seconds"] > 0
+
+
+# -- the decode rank's transfer thread and the prefill side's explicit release ---------------------
+
+
+def test_puller_receives_resharded_kv_into_its_blocks_and_reuses_its_buffer(prefill, receiver):
+    from workers.kv_transfer.puller import KVPuller
+    from workers.tp_group import PullKV
+
+    addresses = [address for _, address in prefill]
+    own = [torch.zeros(2, 8, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM) for _ in range(
+        NUM_MAIN_LAYERS + NUM_MTP_LAYERS)]
+    done = threading.Event()
+    puller = KVPuller(receiver, own, tp_size=1, rank=0, on_done=done.set)
+    try:
+        for seed, blocks in ((41, [6, 0, 3]), (42, [1, 2, 4])):  # the 2nd reuses the buffer
+            rid = f"puller-{seed}"
+            for rank, (peer, _) in enumerate(prefill):  # prefill TP 2 -> decode TP 1
+                peer.call("hold", rid, seed, "float32", head_range(NUM_KV_HEADS, 2, rank))
+            done.clear()
+            puller.submit(PullKV(rid, addresses, blocks, NUM_KV_HEADS, 20.0))
+            assert done.wait(20)
+            res = puller.take(rid)
+            assert res.ok, res.error
+            want = expected_kv(seed, torch.float32, (0, NUM_KV_HEADS))
+            assert all(torch.equal(layer[:, blocks], w) for layer, w in zip(own, want,
+                                                                            strict=True))
+            assert torch.equal(res.extras["draft_probs"], seed_extras(seed)["draft_probs"])
+            assert res.extras["draft_probs"].device.type == "cpu"
+        assert puller.stats()["pulls"] == 2
+    finally:
+        puller.close()
+
+
+def test_puller_reports_a_failed_pull_without_dying(prefill, receiver):
+    from workers.kv_transfer.puller import KVPuller
+    from workers.tp_group import PullKV
+
+    own = [torch.zeros(2, 8, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM) for _ in range(
+        NUM_MAIN_LAYERS + NUM_MTP_LAYERS)]
+    done = threading.Event()
+    puller = KVPuller(receiver, own, tp_size=1, rank=0, on_done=done.set)
+    try:
+        puller.submit(PullKV("never-held", [prefill[0][1]], [0, 1, 2], NUM_KV_HEADS, 10.0))
+        assert done.wait(20)
+        res = puller.take("never-held")
+        assert not res.ok and "never-held" in res.error
+        assert puller.stats()["failures"] == 1
+    finally:
+        puller.close()
+
+
+def test_drop_releases_a_hold_at_once_and_refuses_later_pulls(prefill, receiver):
+    peer, address = prefill[0]
+    peer.call("hold", "dropped", 51, "float32", (0, NUM_KV_HEADS))
+    assert peer.call("drop", "dropped") is True
+    assert peer.call("wait_release", "dropped", 1.0) == "released"
+    assert peer.call("drop", "dropped") is False  # nothing held any more
+    with pytest.raises(KVTransferError, match="not held"):
+        receiver.pull(address, "dropped", 0, NUM_KV_HEADS, timeout_s=10)

@@ -59,3 +59,219 @@ def test_tp2_equals_tp1(tiny_qwen3) -> None:
     assert got[-1] == 1  # each rank holds 1 of the 2 KV heads
     for g, w in zip(got[:-1], want, strict=True):
         assert torch.allclose(torch.tensor(g), w, atol=1e-4), (torch.tensor(g) - w).abs().max()
+
+
+# The control/data split of a TP group (DESIGN.md decision 10) ----------------------------------
+
+_OBJECT_COLLECTIVES = ("broadcast_object_list", "all_gather_object", "gather_object",
+                       "scatter_object_list", "send_object_list", "recv_object_list")
+_TENSOR_COLLECTIVES = ("broadcast", "all_reduce", "all_gather", "all_gather_into_tensor",
+                       "reduce_scatter_tensor", "send", "recv", "reduce", "gather", "scatter")
+
+
+def install_plane_checker(device: str) -> dict:
+    """Wrap torch.distributed so that any control-plane traffic on the data group (an object
+    collective, a host tensor, an integer flag) or any data on the control group (a float
+    tensor, a device tensor) raises at once. Returns call counters per plane."""
+    import torch.distributed as dist
+
+    from workers.model import parallel
+
+    seen = {"control": 0, "data": 0}
+
+    def plane(group) -> str:
+        data = parallel.get_tp().group
+        return "data" if data is not None and group is data else "control"
+
+    def tensors(args, kwargs) -> list[torch.Tensor]:
+        out = []
+        for a in list(args) + list(kwargs.values()):
+            if isinstance(a, torch.Tensor):
+                out.append(a)
+            elif isinstance(a, list | tuple):
+                out += [x for x in a if isinstance(x, torch.Tensor)]
+        return out
+
+    def wrap(name: str, fn):
+        def checked(*args, **kwargs):
+            where = plane(kwargs.get("group"))
+            seen[where] += 1
+            if name in _OBJECT_COLLECTIVES and where == "data":
+                raise AssertionError(f"object collective {name} on the data group")
+            for t in tensors(args, kwargs):
+                if where == "data" and (t.device.type != device or not t.is_floating_point()):
+                    raise AssertionError(f"{name} of {t.dtype} on {t.device} on the data group")
+                if where == "control" and (t.device.type != "cpu" or t.is_floating_point()):
+                    raise AssertionError(f"{name} of {t.dtype} on {t.device} on the control "
+                                         "group")
+            return fn(*args, **kwargs)
+        return checked
+
+    for name in _OBJECT_COLLECTIVES + _TENSOR_COLLECTIVES:
+        if hasattr(dist, name):
+            setattr(dist, name, wrap(name, getattr(dist, name)))
+    return seen
+
+
+def _spec(path: str, port: int, role: str = "prefill"):
+    from workers.tp_group import RankSpec
+
+    return RankSpec(model=path, role=role, tp_size=2, num_kv_blocks=64, block_size=4,
+                    init_method=f"tcp://127.0.0.1:{port}", kv_host="127.0.0.1",
+                    kv_interface="lo", num_threads=1)
+
+
+def _split_rank(rank: int, port: int, path: str, prompts: list, out) -> None:
+    from workers.tp_group import RankCore, TPDriver, worker_loop
+
+    torch.set_num_threads(1)
+    seen = install_plane_checker("cpu")
+    core = RankCore(_spec(path, port), rank)
+    if rank:
+        worker_loop(core)
+        out.put(("worker", seen, core.failed))
+        return
+    from workers.engine import Engine, EngineConfig
+    from workers.sampling_params import SamplingParams
+
+    driver = TPDriver(core)
+    engine = Engine(EngineConfig(model=path, num_speculative_tokens=2, block_size=4,
+                                 num_kv_blocks=64), runner=driver)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, SamplingParams(max_tokens=10, temperature=0,
+                                                     ignore_eos=True))
+    got = {str(i): [] for i in range(len(prompts))}
+    while engine.has_unfinished():
+        for o in engine.step():
+            got[o.request_id] += o.new_token_ids
+    driver.ping()  # the health ping is control traffic too
+    driver.shutdown()
+    out.put(("driver", seen, [got[str(i)] for i in range(len(prompts))]))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_tp2_engine_keeps_control_and_data_planes_apart(tiny_qwen3) -> None:
+    from workers.engine import Engine, EngineConfig
+    from workers.sampling_params import SamplingParams
+
+    prompts = [PROMPT, [9, 8, 7, 6, 5, 4, 3]]
+    single = Engine(EngineConfig(model=str(tiny_qwen3), num_speculative_tokens=2, block_size=4,
+                                 num_kv_blocks=64))
+    for i, p in enumerate(prompts):
+        single.add_request(str(i), p, SamplingParams(max_tokens=10, temperature=0,
+                                                     ignore_eos=True))
+    want = {str(i): [] for i in range(len(prompts))}
+    while single.has_unfinished():
+        for o in single.step():
+            want[o.request_id] += o.new_token_ids
+    ctx = mp.get_context("spawn")
+    out, port = ctx.Queue(), _free_port()
+    procs = [ctx.Process(target=_split_rank, args=(r, port, str(tiny_qwen3), prompts, out))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    got = dict((kind, (seen, x)) for kind, seen, x in (out.get(timeout=180) for _ in procs))
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    seen0, tokens = got["driver"]
+    seen1, worker_failed = got["worker"]
+    assert tokens == [want[str(i)] for i in range(len(prompts))]  # TP=2 == TP=1, greedy
+    assert not worker_failed
+    for seen in (seen0, seen1):  # both planes carried traffic, and none of it crossed over
+        assert seen["control"] > 0 and seen["data"] > 0, seen
+
+
+def _health_rank(rank: int, port: int, path: str, events, deadline_s: float) -> None:
+    import asyncio
+    import os
+    import time
+
+    from workers.async_engine import AsyncEngine
+    from workers.engine import Engine, EngineConfig
+    from workers.tp_group import RankCore, TPDriver, worker_loop
+
+    torch.set_num_threads(1)
+    core = RankCore(_spec(path, port), rank)
+    if rank:
+        events.put(("pid", os.getpid()))
+        worker_loop(core)
+        return
+    driver = TPDriver(core)
+    engine = AsyncEngine(Engine(EngineConfig(model=path, num_speculative_tokens=2, block_size=4,
+                                             num_kv_blocks=64), runner=driver))
+
+    async def check() -> str:
+        await engine.ping(lambda e: driver.ping(), deadline_s)
+        return "ok"
+
+    events.put(("healthy", asyncio.run(check())))
+    assert events_get(events, "killed")
+    t0 = time.monotonic()
+    try:
+        result = asyncio.run(check())
+    except Exception as e:  # what Serve's health check would see
+        result = type(e).__name__
+    events.put(("after_kill", (result, time.monotonic() - t0)))
+
+
+def events_get(q, kind: str):
+    while True:
+        k, v = q.get(timeout=120)
+        if k == kind:
+            return v
+        q.put((k, v))  # someone else's message
+
+
+def test_killed_tp_worker_fails_check_health_within_its_deadline(tiny_qwen3) -> None:
+    import os
+    import signal
+
+    ctx = mp.get_context("spawn")
+    to_parent, to_rank0 = ctx.Queue(), ctx.Queue()
+    port, deadline = _free_port(), 5.0
+    rank0 = ctx.Process(target=_health_rank, args=(0, port, str(tiny_qwen3),
+                                                   _Duplex(to_parent, to_rank0), deadline))
+    rank1 = ctx.Process(target=_health_rank, args=(1, port, str(tiny_qwen3),
+                                                   _Duplex(to_parent, to_rank0), deadline))
+    rank0.start()
+    rank1.start()
+    try:
+        msgs = dict(to_parent.get(timeout=180) for _ in range(2))
+        assert msgs["healthy"] == "ok"
+        os.kill(msgs["pid"], signal.SIGKILL)
+        rank1.join(timeout=30)
+        to_rank0.put(("killed", True))
+        kind, (result, elapsed) = to_parent.get(timeout=60)
+        assert kind == "after_kill"
+        assert result != "ok" and elapsed < deadline + 1.0, (result, elapsed)
+    finally:
+        for p in (rank0, rank1):
+            if p.is_alive():
+                p.kill()
+
+
+class _Duplex:
+    """put() goes to the parent, get() reads what the parent sent (picklable for spawn)."""
+
+    def __init__(self, up, down) -> None:
+        self.up, self.down = up, down
+
+    def put(self, item) -> None:
+        self.up.put(item)
+
+    def get(self, timeout=None):
+        return self.down.get(timeout=timeout)
+
+
+def test_forward_batch_encoding_round_trips() -> None:
+    from workers.control_plane import decode_batch, encode_batch
+
+    for b in batches() + [ForwardBatch("main", [[1, 2, 3], [4]], [0, 7], [[0, 1], [2]],
+                                       logit_rows=[2, 3])]:
+        assert decode_batch(encode_batch(b)) == b

@@ -13,8 +13,9 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, Protocol
 
 from router.types import GenerateRequest, TokenChunk
 from workers.engine import Engine, EngineError, RequestOutput
@@ -29,6 +30,8 @@ def sampling_params(req: GenerateRequest) -> SamplingParams:
         max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
         top_k=req.top_k, seed=req.seed, stop_token_ids=tuple(req.stop_token_ids),
         ignore_eos=req.ignore_eos, num_speculative_tokens=req.num_speculative_tokens,
+        min_tokens=req.min_tokens, logprobs=req.logprobs,
+        user_seed=req.user_seed is not False,
     )
 
 
@@ -37,13 +40,32 @@ def to_chunk(out: RequestOutput) -> TokenChunk:
         token_ids=out.new_token_ids, finished=out.finished, finish_reason=out.finish_reason,
         num_prompt_tokens=out.num_prompt_tokens, num_output_tokens=out.num_output_tokens,
         num_drafted=out.num_drafted, num_accepted=out.num_accepted,
-        num_rounds=out.num_rounds,
+        num_rounds=out.num_rounds, logprobs=out.logprobs,
     )
 
 
+class Poller(Protocol):
+    """Engine-thread work besides steps: KV arrivals (decode) or hold releases (prefill)."""
+
+    def next_poll_in(self) -> float | None:
+        """0: poll now; > 0: poll again after that many seconds; None: nothing to poll."""
+
+    def poll(self) -> bool:
+        """Run on the engine thread; True if it changed something (blocks, requests)."""
+
+
+# Longest sleep of an idle engine thread: it wakes at once for any action, so this only
+# bounds how late it notices `shutdown`.
+_IDLE_WAIT_S = 0.5
+
+
 class AsyncEngine:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, poller: Poller | None = None) -> None:
         self.engine = engine
+        self.poller = poller
+        # Called on the engine thread after each step with (engine, outputs, seconds): metrics
+        # and autoscaling signals (cluster.metrics.EngineRecorder).
+        self.step_observers: list[Callable[[Engine, list[RequestOutput], float], None]] = []
         self._actions: queue.Queue[Callable[[], None]] = queue.Queue()
         self._listeners: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stop = threading.Event()
@@ -70,6 +92,27 @@ class AsyncEngine:
     async def acall(self, fn: Callable[[Engine], Any]) -> Any:
         return await asyncio.wrap_future(self.call(fn))
 
+    def wake(self) -> None:
+        """Make the engine thread look at its poller now (thread-safe, e.g. a transfer
+        thread that finished a pull)."""
+        self._actions.put(_noop)
+
+    async def ping(self, fn: Callable[[Engine], Any], deadline_s: float) -> Any:
+        """Run `fn` on the engine thread, failing (TimeoutError) if it has not returned
+        within `deadline_s`: the thread may be stuck in a collective with a dead peer."""
+        if not self._thread.is_alive():
+            raise RuntimeError("engine thread died")
+        fut = self.call(fn)
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(fut), deadline_s)
+        except asyncio.TimeoutError as e:
+            fut.cancel()
+            raise TimeoutError(f"engine thread did not answer within {deadline_s:.1f}s") from e
+
+    def fail(self, rid: str, message: str) -> None:
+        """Engine thread: end a request's stream with an error (its engine state is gone)."""
+        self._publish(rid, TokenChunk([], finished=True, finish_reason="error", error=message))
+
     def shutdown(self) -> None:
         self._stop.set()
         self._actions.put(lambda: None)
@@ -89,8 +132,8 @@ class AsyncEngine:
         rid = req.request_id
 
         def default_add(engine: Engine) -> Request:
-            return engine.add_request(rid, req.prompt_token_ids + req.resume_token_ids,
-                                      sampling_params(req))
+            return engine.add_resumed(rid, req.prompt_token_ids, sampling_params(req),
+                                      list(req.resume_token_ids))
 
         def register_and_add(engine: Engine) -> Request:
             self._listeners[rid] = (loop, q)
@@ -118,26 +161,60 @@ class AsyncEngine:
 
     # Engine thread -------------------------------------------------------------------------
     def _loop(self) -> None:
+        stalled = False  # the last step could schedule nothing: wait for a change
         while not self._stop.is_set():
-            block = not self.engine.has_unfinished()
-            try:
-                action = self._actions.get(block=block, timeout=0.5 if block else None)
-                action()
-                while True:  # drain the rest without blocking
-                    self._actions.get_nowait()()
-            except queue.Empty:
-                pass
-            if self._stop.is_set() or not self.engine.has_unfinished():
+            due = self.poller.next_poll_in() if self.poller is not None else None
+            runnable = self.engine.has_unfinished() and not stalled
+            if runnable or due == 0:
+                timeout = None  # do not block
+            else:
+                timeout = min(due, _IDLE_WAIT_S) if due is not None else _IDLE_WAIT_S
+            if self._run_actions(timeout):
+                stalled = False
+            if self.poller is not None:
+                due = self.poller.next_poll_in()
+                if due is not None and due <= 0:
+                    try:
+                        if self.poller.poll():
+                            stalled = False
+                    except Exception as e:  # the group's control plane broke
+                        logger.exception("engine poll failed")
+                        self.errors += 1
+                        self._fail_all(f"engine poll failed: {e}")
+            if self._stop.is_set() or not self.engine.has_unfinished() or stalled:
                 continue
             try:
+                t_step = time.perf_counter()
                 outputs = self.engine.step()
             except Exception as e:  # a broken step fails its requests, not the replica
                 logger.exception("engine step failed")
                 self.errors += 1
                 self._fail_all(f"engine step failed: {e}")
                 continue
+            self._observe(outputs, time.perf_counter() - t_step)
+            stalled = not outputs and self.engine.scheduler.idle
             for out in outputs:
                 self._publish(out.request_id, to_chunk(out))
+
+    def _observe(self, outputs: list[RequestOutput], seconds: float) -> None:
+        for fn in self.step_observers:
+            try:
+                fn(self.engine, outputs, seconds)
+            except Exception:  # monitoring must never stop the engine
+                logger.exception("step observer failed")
+
+    def _run_actions(self, timeout: float | None) -> bool:
+        """Run queued actions, waiting up to `timeout` for the first (None: no wait)."""
+        try:
+            action = self._actions.get(block=timeout is not None, timeout=timeout)
+        except queue.Empty:
+            return False
+        action()
+        while True:  # drain the rest without blocking
+            try:
+                self._actions.get_nowait()()
+            except queue.Empty:
+                return True
 
     def _publish(self, rid: str, chunk: TokenChunk) -> None:
         target = self._listeners.get(rid)
@@ -153,6 +230,10 @@ class AsyncEngine:
             self.engine.abort(rid)
             self._publish(rid, TokenChunk([], finished=True, finish_reason="error",
                                           error=message))
+
+
+def _noop() -> None:
+    pass
 
 
 __all__ = ["AsyncEngine", "EngineError", "sampling_params", "to_chunk"]

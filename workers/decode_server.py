@@ -3,23 +3,29 @@ batching. Requests arrive with `KVTransferParams`; every rank pulls its KV-head 
 
 from __future__ import annotations
 
-import time
+import asyncio
 from collections.abc import AsyncIterator
 
 from ray import serve
 
-from cluster.metrics import EMA, metrics
+from cluster.metrics import EMA, attach_replica_metrics, metrics  # noqa: F401 (tests stub it)
 from router.types import GenerateRequest, KVTransferParams, TokenChunk
 from workers.async_engine import sampling_params
+from workers.block_manager import blocks_for
 from workers.engine import Engine, EngineError
+from workers.kv_transfer.arrivals import KVArrivals
 from workers.replica import EngineReplica
 from workers.request import Request
 from workers.scheduler import decode_slots
-from workers.tp_group import ProbeKV, PullKV
+from workers.tp_group import ProbeKV
 
 
 class KVTransferFailed(RuntimeError):
     pass
+
+
+# A request's expected output before this replica has seen any finish (routing load only).
+DEFAULT_EXPECTED_TOKENS = 256
 
 
 @serve.deployment(name="DecodeServer")
@@ -28,79 +34,85 @@ class DecodeServer(EngineReplica):
 
     def __init__(self, cfg) -> None:
         super().__init__(cfg)
-        self.tpot_ms = EMA()
-        self.acceptance = EMA(alpha=0.1)
-        self.ongoing_tokens = 0  # tokens still to generate across running requests
+        # Metrics and windowed autoscaling signals (decode-only TPOT, acceptance per
+        # position, batch, k, the round-time model); profiles the engine once here.
+        self.recorder = attach_replica_metrics(self, "decode")
+        self.output_len = EMA(alpha=0.1)  # tokens a finished request generated here
+        self.expected: dict[str, list[int]] = {}  # live request -> [expected, produced]
+
+    def _make_poller(self) -> KVArrivals:
+        return KVArrivals(self.driver, self.cfg.kv_transfer.timeout_s,
+                          on_failed=lambda rid, msg: self.engine.fail(rid, msg))
 
     def _add_transferred(self, engine: Engine, req: GenerateRequest,
                          params: KVTransferParams) -> Request:
+        """Engine thread: validate and park the request as waiting-for-KV; its pull starts
+        when the scheduler admits it (a sequence slot and blocks are free)."""
         r = engine.make_request(req.request_id, req.prompt_token_ids + req.resume_token_ids,
                                 sampling_params(req))
         r.output_token_ids.append(params.first_token_id)
         r.num_computed_tokens = params.num_computed_tokens
-        if r.num_speculative_tokens != params.num_drafts:
+        # Prefill drafts at most k (fewer when max_tokens leaves no room); the first round
+        # verifies what it got, later rounds draft k again.
+        if params.num_drafts > r.num_speculative_tokens:
             raise EngineError(f"prefill drafted {params.num_drafts} tokens, this replica "
-                              f"expects k={r.num_speculative_tokens}")
-        if not engine.block_manager.ensure_capacity(r, max(params.num_tokens,
-                                                           decode_slots(r))):
-            raise EngineError("decode replica is out of KV blocks")
-        ok, err, extras = self.driver.run(PullKV(
-            req.request_id, params.sender_addresses, list(r.block_ids), params.num_kv_heads,
-            self.cfg.kv_transfer.timeout_s))
-        if not ok:
-            engine.block_manager.free(r)
-            raise KVTransferFailed(err)
-        r.draft_token_ids = extras["draft_token_ids"].tolist()
-        r.draft_probs = extras.get("draft_probs")
-        engine.add_transferred(r)
+                              f"drafts at most k={r.num_speculative_tokens}")
+        slots = max(params.num_tokens, decode_slots(r))
+        if blocks_for(slots, engine.block_manager.block_size) > engine.block_manager.num_blocks:
+            raise EngineError("the request's KV does not fit this decode replica's cache")
+        self.poller.park(engine, r, params, slots)
         return r
+
+    async def inject_fault(self, pull_delay_s: float = 0.0, count: int = 1) -> None:
+        """Tests only (MTPSERVE_ENABLE_FAULT_INJECTION=1): the next `count` KV pulls on every
+        rank's transfer thread sleep `pull_delay_s` first."""
+        await self._fault(pull_delay_s, count)
 
     async def generate(self, req: GenerateRequest, params: KVTransferParams | None = None
                        ) -> AsyncIterator[TokenChunk]:
         """Stream tokens after the first one (which the prefill side produced). Without
         `params` the request is recomputed here from its prompt and resumed tokens."""
         add = None if params is None else (lambda e: self._add_transferred(e, req, params))
-        remaining = req.max_tokens - len(req.resume_token_ids)
-        self.ongoing_tokens += remaining
-        t_first = time.perf_counter()
+        # Routing load in expected tokens: what requests typically generate here, capped by
+        # max_tokens (a chat request without max_tokens carries the whole window).
+        typical = self.output_len.value or DEFAULT_EXPECTED_TOKENS
+        load = self.expected[req.request_id] = [min(req.max_tokens, int(typical)), 0]
         last = None
         try:
             async for chunk in self.engine.generate(req, add=add):
                 last = chunk
-                metrics()["tokens"].inc(len(chunk.token_ids))
+                load[1] += len(chunk.token_ids)
                 yield chunk
         finally:
-            self.ongoing_tokens -= remaining
-        if last is not None and last.finished and last.num_output_tokens > 1:
-            self.tpot_ms.update((time.perf_counter() - t_first) * 1000
-                                / max(last.num_output_tokens - 1, 1))
-            metrics()["tpot_ms"].observe(self.tpot_ms.value)
-            if last.num_drafted:
-                self.acceptance.update(last.num_accepted / last.num_drafted)
-                metrics()["acceptance"].set(self.acceptance.value)
+            self.expected.pop(req.request_id, None)
+        if last is not None and last.finished and last.finish_reason != "error":
+            self.output_len.update(last.num_output_tokens)
 
     async def kv_probe(self, sender_address: str, num_bytes: int) -> dict:
-        # Rank 0 only, on the engine thread so it never interleaves with a KV pull.
-        return await self.engine.acall(
-            lambda e: self.driver.core.handle(ProbeKV(sender_address, num_bytes)))
+        # Rank 0's receiver, off the engine thread; the channel's lock orders it with pulls.
+        return await asyncio.to_thread(
+            self.driver.core.handle_object, ProbeKV(sender_address, num_bytes))
 
     async def stats(self) -> dict:
         s = await super().stats()
         s["kv_receiver"] = self.driver.core.receiver.stats()
-        s["tpot_ms"] = self.tpot_ms.value
-        metrics()["kv_used"].set(s["used_blocks"])
-        metrics()["k"].set(s["num_speculative_tokens"])
+        s["kv_puller"] = self.driver.core.puller.stats()  # receive + scatter, rank 0
+        s["num_waiting_for_kv"] = await self.engine.acall(
+            lambda e: len(e.scheduler.awaiting_kv) + len(e.scheduler.receiving))
+        s["autoscaling"] = self.recorder.autoscaling_stats(s)
         return s
 
+    @property
+    def ongoing_tokens(self) -> int:
+        """Tokens still expected across this replica's live requests."""
+        return sum(max(e - p, 1) for e, p in list(self.expected.values()))
+
     def record_routing_stats(self) -> dict:
-        return {"ongoing_tokens": self.ongoing_tokens}
+        # Read by the router together with Serve's live queue lengths (router/routing.py).
+        n = len(self.expected)
+        return {"ongoing_tokens": self.ongoing_tokens, "num_requests": n,
+                "tokens_per_request": int(self.output_len.value or DEFAULT_EXPECTED_TOKENS)}
 
     async def record_autoscaling_stats(self) -> dict:
-        s = await self.engine.acall(lambda e: e.stats())
-        out = {"kv_usage": s["used_blocks"] / s["num_blocks"],
-               "running": float(s["num_running"] + s["num_waiting"])}
-        if self.tpot_ms.value is not None:
-            out["tpot_ms"] = self.tpot_ms.value
-        if self.acceptance.value is not None:
-            out["acceptance_rate"] = self.acceptance.value
-        return out
+        # Window aggregates that empty when idle (cluster.signals) + the perf model.
+        return self.recorder.autoscaling_stats(await self.engine.acall(lambda e: e.stats()))

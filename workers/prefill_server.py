@@ -8,12 +8,13 @@ import time
 import torch
 from ray import serve
 
-from cluster.metrics import EMA, metrics
+from cluster.metrics import EMA, attach_replica_metrics, metrics  # noqa: F401 (tests stub it)
 from router.types import GenerateRequest, KVTransferParams
 from workers.engine import Engine
+from workers.kv_transfer.arrivals import PrefillHolds
 from workers.replica import EngineReplica
 from workers.scheduler import draft_slots
-from workers.tp_group import AwaitRelease, HoldKV
+from workers.tp_group import HoldKV
 
 
 @serve.deployment(name="PrefillServer")
@@ -22,19 +23,25 @@ class PrefillServer(EngineReplica):
 
     def __init__(self, cfg) -> None:
         super().__init__(cfg)
-        self.driver.core.release_callback = self._on_release
         self.latency_ms = EMA()
         self.inflight = 0
+        # Metrics (TTFT histogram) and windowed autoscaling signals (prompt compute, queue).
+        self.recorder = attach_replica_metrics(self, "prefill")
 
-    def _on_release(self, request_id: str, reason: str) -> None:
-        # Called on rank 0's sender thread; the engine and the other ranks act on the engine
-        # thread, in order with everything else.
-        def release(engine: Engine) -> None:
-            if self.driver.tp_size > 1:
-                self.driver.run(AwaitRelease(request_id, self.cfg.kv_transfer.timeout_s))
-            engine.release_prefilled(request_id)
+    def _make_poller(self) -> PrefillHolds:
+        # Frees held blocks once every rank's sender released them (acked, expired, failed).
+        return PrefillHolds(self.driver)
 
-        self.engine.call(release)
+    async def release(self, request_id: str) -> bool:
+        """Free a held request's KV at once (decode will not pull it: the first token ended
+        the request, the client left between stages, or decode refused). False if the
+        request is not held here (already pulled, released or unknown)."""
+        return await self.engine.acall(lambda e: self.poller.release(request_id))
+
+    async def inject_fault(self, send_delay_s: float = 0.0, count: int = 1) -> None:
+        """Tests only (MTPSERVE_ENABLE_FAULT_INJECTION=1): the next `count` KV sends on every
+        prefill rank sleep `send_delay_s` first."""
+        await self._fault(send_delay_s, count)
 
     async def prefill(self, req: GenerateRequest) -> KVTransferParams:
         """Run the prompt (plus any resumed tokens) and hold its KV for the decode side."""
@@ -49,17 +56,19 @@ class PrefillServer(EngineReplica):
             if first is None or first.finish_reason == "error":
                 raise RuntimeError(first.error if first else "prefill produced no token")
             self.latency_ms.update((time.perf_counter() - t0) * 1000)
-            metrics()["ttft_ms"].observe(self.latency_ms.value)
             n_prompt = len(req.prompt_token_ids) + len(req.resume_token_ids)
             if first.finished:
                 return KVTransferParams(rid, self.kv_addresses, self.driver.tp_size, 0, 0,
                                         n_prompt, first.token_ids[0], 0, True,
-                                        first.finish_reason)
-            return await self.engine.acall(lambda e: self._hold(e, rid, first.token_ids[0]))
+                                        first.finish_reason,
+                                        first_token_logprobs=_first_logprobs(first))
+            params = await self.engine.acall(lambda e: self._hold(e, rid, first.token_ids[0]))
+            params.first_token_logprobs = _first_logprobs(first)
+            return params
         except BaseException:
-            # Cancelled (client gone) or failed before the KV was handed to the sender: free
-            # the blocks now; a no-op if the request is already gone.
-            self.engine.call(lambda e: e.abort(rid))
+            # Cancelled (client gone) or failed: free the blocks now (a no-op if the request
+            # is already gone); a hold that was already handed to the senders is released.
+            self.engine.call(lambda e: self.poller.release(rid) or e.abort(rid))
             raise
         finally:
             self.inflight -= 1
@@ -90,9 +99,10 @@ class PrefillServer(EngineReplica):
         return {"inflight": self.inflight}
 
     async def record_autoscaling_stats(self) -> dict:
-        s = await self.engine.acall(lambda e: e.stats())
-        out = {"queue": float(s["num_waiting"] + s["num_prefilling"] + self.inflight),
-               "kv_usage": s["used_blocks"] / s["num_blocks"]}
-        if self.latency_ms.value is not None:
-            out["ttft_ms"] = self.latency_ms.value
-        return out
+        # Window aggregates that empty when idle (cluster.signals).
+        return self.recorder.autoscaling_stats(await self.engine.acall(lambda e: e.stats()))
+
+
+def _first_logprobs(chunk):
+    """The first token's log probabilities, when the request asked for them."""
+    return chunk.logprobs[0] if chunk.logprobs else None

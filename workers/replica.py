@@ -1,33 +1,44 @@
 """What the prefill and decode Serve deployments share: a TP group driving an engine on a
-background thread, plus stats for routing and autoscaling."""
+background thread, plus health and stats for routing and autoscaling."""
 
 from __future__ import annotations
 
 import logging
+import os
 
 from cluster.config import ClusterConfig
-from workers.async_engine import AsyncEngine
+from workers.async_engine import AsyncEngine, Poller
 from workers.engine import Engine, EngineConfig
+from workers.kv_transfer.addresses import resolve_kv_endpoint
 from workers.tp_group import RankSpec
 from workers.tp_workers import start_group
 
 logger = logging.getLogger(__name__)
+
+# check_health fails if the engine thread has not answered a ping of every TP rank within
+# this long (it waits behind the current step, so it must exceed the longest step).
+HEALTH_DEADLINE_S = float(os.environ.get("MTPSERVE_HEALTH_DEADLINE_S", "30"))
+
+
+def fault_injection_enabled() -> bool:
+    return os.environ.get("MTPSERVE_ENABLE_FAULT_INJECTION") == "1"
 
 
 class EngineReplica:
     role: str
 
     def __init__(self, cfg: ClusterConfig) -> None:
-        import os
-
         side = cfg.prefill if self.role == "prefill" else cfg.decode
         self.cfg = cfg
+        kv = cfg.kv_transfer
+        host, interface = resolve_kv_endpoint(
+            getattr(kv, "host", None) or os.environ.get("MTPSERVE_KV_HOST"),
+            getattr(kv, "interface", None))
         spec = RankSpec(
             model=cfg.model, role=self.role, tp_size=side.tp_size,
             num_kv_blocks=side.num_kv_blocks, block_size=cfg.block_size, dtype=cfg.dtype,
-            device=cfg.device, kv_backend=cfg.kv_transfer.backend,
-            kv_host=os.environ.get("MTPSERVE_KV_HOST", "127.0.0.1"),
-            kv_timeout_s=cfg.kv_transfer.timeout_s, kv_hold_ttl_s=cfg.kv_transfer.hold_ttl_s,
+            device=cfg.device, kv_backend=kv.backend, kv_host=host, kv_interface=interface,
+            kv_timeout_s=kv.timeout_s, kv_hold_ttl_s=kv.hold_ttl_s,
             num_threads=max(1, int(side.cpus_per_rank)),
         )
         self.driver, self.workers, self.kv_addresses = start_group(
@@ -41,17 +52,43 @@ class EngineReplica:
             max_num_batched_tokens=getattr(side, "max_num_batched_tokens", 512),
             max_model_len=cfg.max_model_len, role=self.role,
         ), runner=self.driver)
-        self.engine = AsyncEngine(engine)
+        self.poller = self._make_poller()
+        self.poller.engine = engine
+        self.engine = AsyncEngine(engine, self.poller)
+        self.driver.core.on_event = self.engine.wake  # transfer threads wake the engine
+
+    def _make_poller(self) -> Poller:
+        raise NotImplementedError
 
     async def stats(self) -> dict:
-        return await self.engine.acall(lambda e: e.stats())
+        s = await self.engine.acall(lambda e: e.stats())
+        s["replica"] = _replica_tag()  # which replica answered (Serve routes each call to one)
+        return s
 
-    def check_health(self) -> None:
-        if not self.engine._thread.is_alive():
-            raise RuntimeError("engine thread died")
+    async def check_health(self) -> None:
+        """Ping every TP rank over the control group (on the engine thread, with a deadline);
+        raises if a rank died, hangs or reported a failure, so Serve replaces the replica."""
+        await self.engine.ping(lambda e: self.driver.ping(), HEALTH_DEADLINE_S)
+
+    async def _fault(self, delay_s: float, count: int) -> None:
+        from workers.tp_group import InjectFault
+
+        if not fault_injection_enabled():
+            raise RuntimeError("fault injection is disabled (MTPSERVE_ENABLE_FAULT_INJECTION)")
+        await self.engine.acall(lambda e: self.driver.run(InjectFault(delay_s, count)))
 
     def __del__(self) -> None:
         try:
             self.engine.shutdown()
         except Exception:
             pass
+
+
+def _replica_tag() -> str | None:
+    """Serve's unique id of this replica (its actor is SERVE_REPLICA::<app>#<Deployment>#<id>)."""
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # outside Serve (tests that build the server class directly)
+        return None

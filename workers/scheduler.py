@@ -3,6 +3,11 @@
 Each engine step is either a prefill step (chunks of several requests within a token budget)
 or a decode step (one speculative round for every running request). Steps alternate while
 both kinds have work, so long prompts cannot starve decoding and vice versa.
+
+Transferred requests (disaggregated decode) pass the same admission: they queue for a
+sequence slot and KV blocks (`awaiting_kv`, FIFO), then receive their KV while parked in
+`receiving` (blocks allocated, not schedulable), then run. `max_num_seqs` bounds running +
+prefilling + receiving together.
 """
 
 from __future__ import annotations
@@ -57,36 +62,84 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []
         self.running: list[Request] = []
+        self.awaiting_kv: deque[tuple[Request, int]] = deque()  # (request, KV slots it needs)
+        self.receiving: list[Request] = []  # blocks allocated, KV arriving on other threads
+        self.cancelled: set[str] = set()  # receiving requests aborted: free once KV landed
+        self.idle = False  # the last schedule() found nothing it could run
         self._last_was_prefill = False
 
     # Queue management ----------------------------------------------------------------------
     def add(self, req: Request) -> None:
         req.status = RequestStatus.WAITING
-        req.prefill_target = req.num_tokens
+        req.prefill_target = req.recompute_target
         self.waiting.append(req)
 
-    def add_running(self, req: Request) -> None:
-        """A request whose KV arrived from elsewhere (disaggregated decode)."""
+    def add_transferred(self, req: Request, num_slots: int) -> None:
+        """Queue a request whose KV will arrive from a prefill replica (no blocks yet)."""
+        req.status = RequestStatus.WAITING
+        self.awaiting_kv.append((req, num_slots))
+
+    def can_admit_transferred(self) -> bool:
+        if not self.awaiting_kv or self.num_seqs >= self.max_num_seqs:
+            return False
+        req, slots = self.awaiting_kv[0]
+        return self.bm.can_allocate(self.bm.blocks_needed(req, slots))
+
+    def admit_transferred(self) -> list[Request]:
+        """FIFO: give queued transferred requests their blocks while slots and blocks last.
+        The caller starts their pulls; they stay in `receiving` until `finish_transfer`."""
+        admitted = []
+        while self.can_admit_transferred():
+            req, slots = self.awaiting_kv.popleft()
+            assert self.bm.ensure_capacity(req, slots)
+            self.receiving.append(req)
+            admitted.append(req)
+        return admitted
+
+    def finish_transfer(self, req: Request) -> None:
+        """Every rank has the request's KV: schedule it."""
+        self.receiving.remove(req)
         req.status = RequestStatus.RUNNING
         self.running.append(req)
 
+    def drop_transfer(self, req: Request) -> None:
+        """Forget a receiving request (failed or aborted) once no rank writes its blocks."""
+        self.receiving.remove(req)
+        self.cancelled.discard(req.request_id)
+        self.bm.free(req)
+
     def remove(self, req: Request) -> None:
+        if req in self.receiving:
+            # Transfer threads may still write its blocks: freed by drop_transfer later.
+            self.cancelled.add(req.request_id)
+            return
         for q in (self.prefilling, self.running):
             if req in q:
                 q.remove(req)
         if req in self.waiting:
             self.waiting.remove(req)
+        for i, (r, _) in enumerate(self.awaiting_kv):
+            if r is req:
+                del self.awaiting_kv[i]
+                break
         self.bm.free(req)
 
     @property
+    def num_seqs(self) -> int:
+        """Requests holding a sequence slot (bounded by max_num_seqs)."""
+        return len(self.running) + len(self.prefilling) + len(self.receiving)
+
+    @property
     def num_unfinished(self) -> int:
+        """Requests a step can work on (not those queued for or receiving KV)."""
         return len(self.waiting) + len(self.prefilling) + len(self.running)
 
     # Scheduling ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         want_prefill = bool(self.prefilling) or (
-            bool(self.waiting) and len(self.running) + len(self.prefilling) < self.max_num_seqs
+            bool(self.waiting) and self.num_seqs < self.max_num_seqs
         )
+        self.idle = False
         if want_prefill and (not self.running or not self._last_was_prefill):
             chunks = self._schedule_prefill()
             if chunks:
@@ -94,6 +147,9 @@ class Scheduler:
                 return SchedulerOutput(chunks, [], [])
         self._last_was_prefill = False
         decode, preempted = self._schedule_decode()
+        # Nothing runnable (e.g. waiting for blocks that held KV pins): the engine loop
+        # should sleep until something changes instead of spinning.
+        self.idle = not decode
         return SchedulerOutput([], decode, preempted)
 
     def _schedule_prefill(self) -> list[PrefillChunk]:
@@ -104,8 +160,7 @@ class Scheduler:
                 break
             chunks.append(self._chunk(req, budget))
             budget -= chunks[-1].end - chunks[-1].start
-        while (self.waiting and budget > 0
-               and len(self.running) + len(self.prefilling) < self.max_num_seqs):
+        while self.waiting and budget > 0 and self.num_seqs < self.max_num_seqs:
             req = self.waiting[0]
             # Admit only when the whole prompt plus one round fits, so a prefill never stalls
             # half way; decode growth beyond that is handled by preemption.
@@ -163,5 +218,5 @@ class Scheduler:
         req.draft_probs = None
         req.num_preemptions += 1
         req.status = RequestStatus.WAITING
-        req.prefill_target = req.num_tokens
+        req.prefill_target = req.recompute_target
         self.waiting.appendleft(req)

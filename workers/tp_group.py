@@ -1,15 +1,24 @@
 """One TP rank of a prefill or decode replica, and the rank-0 driver of the group.
 
-Rank 0 (in the Serve replica) schedules and samples; it broadcasts every command (a forward, a
-KV hold, a KV pull) to the other ranks, which execute the same command on their shard. Ranks
+Rank 0 (in the Serve replica) schedules and samples; it sends every command (a forward, a KV
+hold / release, a batch of KV pulls, a poll, a ping) to the other ranks over the gloo
+*control* group (workers/control_plane.py); the model's collectives run on the *data* group
+(NCCL on GPUs, gloo on CPU), which only ever carries tensors on the engine's device. Ranks
 >= 1 run `worker_loop`. Ray-free: the Ray actors that host ranks live in `tp_workers.py`.
+
+KV moves off the engine thread: a decode rank's `KVPuller` thread receives into blocks rank 0
+allocated, a prefill rank's `KVSender` threads serve held blocks. Rank 0 learns what finished
+on *every* rank by a poll (one MAX all-reduce of per-request flags on the control group, like
+vLLM's finished-receiving aggregation); all ranks keep their pending lists in the same order
+because the commands that append to them are broadcast in order.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import time
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Literal
@@ -17,13 +26,22 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+from workers.control_plane import (
+    OP_FORWARD,
+    OP_OBJECT,
+    OP_PING,
+    OP_POLL,
+    OP_SHUTDOWN,
+    ControlPlane,
+)
 from workers.model.parallel import set_tp
 from workers.model_runner import ForwardBatch, ModelRunner
 
 logger = logging.getLogger(__name__)
 
-# An idle decode replica may wait a long time for its next command; collectives that hang
-# because a peer died are ended by Serve's health check killing the replica (and its ranks).
+# Ranks >= 1 wait for their next command in a control-group broadcast, which may idle for
+# long. A dead peer closes its sockets (gloo raises at once); a hung one is caught by the
+# health check's deadline (`TPDriver.ping` under `AsyncEngine.ping`), which fails the replica.
 IDLE_TIMEOUT = timedelta(hours=24)
 
 
@@ -41,8 +59,10 @@ class RankSpec:
     init_method: str | None = None  # tcp://host:port of rank 0's rendezvous (tp_size > 1)
     kv_backend: str = "gloo"
     kv_host: str = "127.0.0.1"
+    kv_interface: str | None = None  # network interface of kv_host (gloo pairs bind it)
     kv_timeout_s: float = 30.0
     kv_hold_ttl_s: float = 60.0
+    data_timeout_s: float = 600.0  # one model collective on the data group
     num_threads: int | None = None
 
 
@@ -55,9 +75,10 @@ class HoldKV:
 
 
 @dataclass
-class AwaitRelease:
+class ReleaseKV:
+    """Drop a hold now (decode will not pull it)."""
+
     request_id: str
-    timeout_s: float
 
 
 @dataclass
@@ -70,6 +91,21 @@ class PullKV:
 
 
 @dataclass
+class StartPulls:
+    """Start these pulls on every rank's transfer thread (one command per engine step)."""
+
+    pulls: list[PullKV]
+
+
+@dataclass
+class InjectFault:
+    """Tests only: delay the next `count` KV sends (prefill) or pulls (decode) on every rank."""
+
+    delay_s: float
+    count: int = 1
+
+
+@dataclass
 class ProbeKV:
     """Raw send/recv of `num_bytes` on the same channel as KV pulls (bandwidth baseline)."""
 
@@ -77,117 +113,202 @@ class ProbeKV:
     num_bytes: int
 
 
-class Shutdown:
-    pass
+@dataclass
+class PullOutcome:
+    """A pull that every rank has finished: ok on all ranks, or failed on at least one."""
+
+    request_id: str
+    ok: bool
+    error: str | None
+    extras: dict[str, torch.Tensor]  # rank 0's copy (replicated), on the host
 
 
 class RankCore:
-    """Model shard + KV cache + this rank's KV sender (prefill) or receiver (decode)."""
+    """Model shard + KV cache + this rank's KV sender (prefill) or transfer thread (decode)."""
 
     def __init__(self, spec: RankSpec, rank: int) -> None:
         from workers.engine import DTYPES
         from workers.kv_transfer import KVReceiver, KVSender
+        from workers.kv_transfer.puller import KVPuller
 
         self.spec, self.rank = spec, rank
+        self.failed = False  # a command raised on this rank: the replica must be replaced
+        self.on_event: Callable[[], None] | None = None  # rank 0: wake the engine thread
         if spec.num_threads:
             torch.set_num_threads(spec.num_threads)
         if spec.device == "cuda":
             torch.cuda.set_device(0)  # Ray exposes this rank's GPU as device 0
+        self.control: ControlPlane | None = None
+        self.data_group = None
+        # A failed or timed-out NCCL op raises (and aborts that communicator) instead of the
+        # watchdog tearing the process down: KV pairs are rebuilt, a broken TP group fails
+        # the health check. Read when each NCCL group is built.
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
         if spec.tp_size > 1:
+            # The TP group never leaves its node (STRICT_PACK): loopback serves the control
+            # group. KV pairs get their interface explicitly (spec.kv_interface).
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-            backend = "nccl" if spec.device == "cuda" else "gloo"
-            dist.init_process_group(backend, init_method=spec.init_method, rank=rank,
+            dist.init_process_group("gloo", init_method=spec.init_method, rank=rank,
                                     world_size=spec.tp_size, timeout=IDLE_TIMEOUT)
-            set_tp(rank, spec.tp_size, dist.group.WORLD)
+            self.control = ControlPlane(dist.group.WORLD, rank)
+            self.data_group = dist.new_group(
+                backend="nccl" if spec.device == "cuda" else "gloo",
+                timeout=timedelta(seconds=spec.data_timeout_s))
+            set_tp(rank, spec.tp_size, self.data_group)
         self.runner = ModelRunner(spec.model, spec.num_kv_blocks, spec.block_size,
                                   DTYPES[spec.dtype], spec.device)
         cfg = self.runner.config
-        self.num_kv_heads = cfg.num_key_value_heads
         self.head_start = rank * cfg.num_key_value_heads // spec.tp_size
-        self.released: set[str] = set()
-        self.sender = self.receiver = None
+        self._lock = threading.Lock()
+        self.sender = self.receiver = self.puller = None
+        # Pending work, in the same order on every rank (appended by broadcast commands).
+        self.holds: list[str] = []  # prefill: held request ids
+        self._released: set[str] = set()  # prefill: released by this rank's sender (⊆ holds)
+        self.inflight: list[str] = []  # decode: pulls started
+        # Where KV bytes travel: device memory over NCCL; host memory over gloo (a CPU
+        # transport: on a GPU engine the payload is staged through the host).
+        kv_device = spec.device if spec.kv_backend == "nccl" else "cpu"
         if spec.role == "prefill":
             self.sender = KVSender(host=spec.kv_host, backend=spec.kv_backend,
-                                   device=spec.device, hold_ttl_s=spec.kv_hold_ttl_s,
+                                   device=kv_device, interface=spec.kv_interface,
+                                   hold_ttl_s=spec.kv_hold_ttl_s,
                                    transfer_timeout_s=spec.kv_timeout_s,
-                                   on_release=self._on_release, name=f"prefill-r{rank}")
+                                   on_release=self._on_release, name=f"prefill-r{rank}",
+                                   # Pack ahead in host memory; on NCCL the gather is a fast
+                                   # device kernel and device memory is precious.
+                                   prepack=spec.kv_backend != "nccl")
         else:
-            self.receiver = KVReceiver(backend=spec.kv_backend, device=spec.device,
-                                       name=f"decode-r{rank}")
-        self.release_callback = None  # rank 0: engine-side hook
+            self.receiver = KVReceiver(backend=spec.kv_backend, device=kv_device,
+                                       interface=spec.kv_interface, name=f"decode-r{rank}")
+            self.puller = KVPuller(self.receiver, self.runner.kv_cache.layers, spec.tp_size,
+                                   rank, on_done=self._wake, name=f"decode-r{rank}")
 
     @property
     def kv_address(self) -> str | None:
         return self.sender.address if self.sender else None
 
-    def _on_release(self, request_id: str, reason: str) -> None:
-        self.released.add(request_id)
-        if self.release_callback is not None:
-            self.release_callback(request_id, reason)
+    def _wake(self) -> None:
+        if self.on_event is not None:
+            self.on_event()
 
-    def handle(self, cmd: Any) -> Any:
-        if isinstance(cmd, ForwardBatch):
-            return self.runner.execute(cmd)
+    def _on_release(self, request_id: str, reason: str) -> None:
+        # Sender thread. The blocks are freed once every rank has released (see `poll`).
+        with self._lock:
+            self._released.add(request_id)
+        self._wake()
+
+    # Commands ----------------------------------------------------------------------------
+    def handle(self, op: int, arg: Any) -> Any:
+        if op == OP_FORWARD:
+            return self.runner.execute(arg)
+        if op == OP_OBJECT:
+            return self.handle_object(arg)
+        if op == OP_PING:
+            return self.ping_collective()
+        if op == OP_POLL:
+            return self.poll(arg)
+        raise ValueError(f"unknown opcode {op}")
+
+    def handle_object(self, cmd: Any) -> Any:
         if isinstance(cmd, HoldKV):
             self.sender.hold(cmd.request_id, self.runner.kv_cache.layers, cmd.block_ids,
                              cmd.num_tokens, self.head_start, cmd.extras)
+            self.holds.append(cmd.request_id)
             return None
-        if isinstance(cmd, AwaitRelease):
-            deadline = time.monotonic() + cmd.timeout_s
-            while cmd.request_id not in self.released and time.monotonic() < deadline:
-                if cmd.request_id not in self.sender.held_request_ids():
-                    break
-                time.sleep(0.005)
-            self.released.discard(cmd.request_id)
+        if isinstance(cmd, ReleaseKV):
+            return self.sender.drop(cmd.request_id)
+        if isinstance(cmd, StartPulls):
+            for p in cmd.pulls:
+                self.inflight.append(p.request_id)
+                self.puller.submit(p)
             return None
-        if isinstance(cmd, PullKV):
-            return self._pull(cmd)
-        if isinstance(cmd, ProbeKV):
+        if isinstance(cmd, InjectFault):
+            target = self.sender if self.sender is not None else self.puller
+            target.inject_fault(cmd.delay_s, cmd.count)
+            return None
+        if isinstance(cmd, ProbeKV):  # rank 0 only; never broadcast
             return self.receiver.probe(cmd.sender_address, cmd.num_bytes)
         raise TypeError(f"unknown command {type(cmd).__name__}")
 
-    def _pull(self, cmd: PullKV) -> tuple[bool, str | None, dict]:
-        from workers.kv_transfer import pull_resharded, scatter_blocks
+    def ping_collective(self) -> bool:
+        """True if any rank has failed (collective over the control group)."""
+        flags = [int(self.failed)]
+        if self.control is not None:
+            flags = self.control.all_reduce_max(flags)
+        return bool(flags[0])
 
-        ok, err, extras = True, None, {}
-        try:
-            kv, extras = pull_resharded(self.receiver, cmd.sender_addresses, cmd.request_id,
-                                        cmd.num_kv_heads, self.spec.tp_size, self.rank,
-                                        cmd.timeout_s)
-            scatter_blocks(self.runner.kv_cache.layers, cmd.block_ids[: kv.shape[2]], kv)
-        except Exception as e:  # this request fails; the replica goes on
-            ok, err = False, f"KV transfer of {cmd.request_id} failed on rank {self.rank}: {e}"
-            logger.warning(err)
-        if self.spec.tp_size > 1:  # every rank must take the same decision
-            flag = torch.tensor([1 if ok else 0])
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-            if not flag.item() and ok:
-                ok, err = False, f"KV transfer of {cmd.request_id} failed on another rank"
-        return ok, err, extras
+    # Polling -----------------------------------------------------------------------------
+    @property
+    def num_pending(self) -> int:
+        return len(self.holds) + len(self.inflight)
+
+    def has_local_progress(self) -> bool:
+        """Rank 0: something pending finished here; only then can it have finished on all."""
+        with self._lock:
+            if self._released:
+                return True
+        return self.puller is not None and self.puller.num_finished(self.inflight) > 0
+
+    def poll(self, n: int) -> list[str] | list[PullOutcome]:
+        """Collective: what finished on every rank. Prefill: released request ids; decode:
+        outcomes of pulls. `n` is rank 0's pending count (every rank must agree)."""
+        assert n == self.num_pending, f"rank {self.rank}: {self.num_pending} pending, rank 0 {n}"
+        if self.sender is not None:
+            with self._lock:
+                flags = [0 if r in self._released else 1 for r in self.holds]
+        else:
+            results = [self.puller.result(r) for r in self.inflight]
+            flags = ([0 if x is not None else 1 for x in results]
+                     + [1 if x is not None and not x.ok else 0 for x in results])
+        if self.control is not None:
+            flags = self.control.all_reduce_max(flags)
+        if self.sender is not None:
+            done = [r for r, f in zip(self.holds, flags, strict=True) if f == 0]
+            with self._lock:
+                self._released.difference_update(done)
+            self.holds = [r for r, f in zip(self.holds, flags, strict=True) if f]
+            return done
+        m = len(self.inflight)
+        outcomes, still = [], []
+        for i, rid in enumerate(self.inflight):
+            if flags[i]:
+                still.append(rid)
+                continue
+            local = self.puller.take(rid)
+            ok = not flags[m + i]
+            error = local.error if not local.ok else (
+                None if ok else f"KV transfer of {rid} failed on another rank")
+            outcomes.append(PullOutcome(rid, ok, error, local.extras if ok else {}))
+        self.inflight = still
+        return outcomes
 
     def close(self) -> None:
-        for x in (self.sender, self.receiver):
+        for x in (self.puller, self.sender, self.receiver):
             if x is not None:
                 x.close()
 
 
-def _broadcast(obj: Any) -> Any:
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def worker_loop(core: RankCore) -> None:
-    """Ranks >= 1: execute rank 0's commands until `Shutdown`."""
+    """Ranks >= 1: execute rank 0's commands until shutdown or until the group breaks."""
+    assert core.control is not None
     while True:
-        cmd = _broadcast(None)
-        if isinstance(cmd, Shutdown):
+        try:
+            op, arg = core.control.recv()
+        except Exception:  # rank 0 is gone or the group broke: nothing left to serve
+            logger.exception("rank %d: control group failed", core.rank)
+            core.failed = True
+            core.close()
+            return
+        if op == OP_SHUTDOWN:
             core.close()
             return
         try:
-            core.handle(cmd)
+            core.handle(op, arg)
         except Exception:
-            logger.exception("rank %d failed on %s", core.rank, type(cmd).__name__)
+            # Reported by the next ping; a forward that raised here leaves rank 0 waiting in a
+            # data collective, which the health check's deadline turns into a replacement.
+            logger.exception("rank %d failed on opcode %d", core.rank, op)
+            core.failed = True
 
 
 class TPDriver:
@@ -200,16 +321,59 @@ class TPDriver:
         self.config = core.runner.config
         self.kv_cache = core.runner.kv_cache
         self.tp_size = core.spec.tp_size
+        self.failed = False  # a control-group call raised: the group is broken
+
+    def _send(self, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except Exception:
+            self.failed = True
+            raise
 
     def run(self, cmd: Any) -> Any:
+        """A rare (pickled) command on every rank; returns rank 0's result."""
         if self.tp_size > 1:
-            _broadcast(cmd)
-        return self.core.handle(cmd)
+            self._send(lambda: self.core.control.send_object(cmd))
+        return self.core.handle_object(cmd)
 
     def execute(self, batch: ForwardBatch) -> torch.Tensor:
-        return self.run(batch)
+        if self.tp_size > 1:
+            self._send(lambda: self.core.control.send_forward(batch))
+        return self.core.runner.execute(batch)
+
+    def ping(self) -> None:
+        """Raise unless every rank answers and none has failed (collective)."""
+        if self.failed:
+            raise RuntimeError("the TP group's control plane failed earlier")
+        if self.tp_size > 1:
+            self._send(lambda: self.core.control.send_op(OP_PING))
+            try:
+                bad = self.core.ping_collective()
+            except Exception:
+                self.failed = True
+                raise
+        else:
+            bad = self.core.failed
+        if bad:
+            raise RuntimeError("a TP rank failed")
+
+    def poll(self) -> list:
+        """What finished on every rank (see `RankCore.poll`); [] when nothing is pending."""
+        n = self.core.num_pending
+        if n == 0:
+            return []
+        if self.tp_size > 1:
+            self._send(lambda: self.core.control.send_op(OP_POLL, n))
+        try:
+            return self.core.poll(n)
+        except Exception:
+            self.failed = self.tp_size > 1
+            raise
 
     def shutdown(self) -> None:
-        if self.tp_size > 1:
-            _broadcast(Shutdown())
+        if self.tp_size > 1 and not self.failed:
+            try:
+                self.core.control.send_op(OP_SHUTDOWN)
+            except Exception:
+                logger.warning("TP shutdown broadcast failed", exc_info=True)
         self.core.close()

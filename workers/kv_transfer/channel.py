@@ -21,6 +21,10 @@ RECEIVER_RANK = 1  # the decode side
 _TAG = 0  # NCCL ignores tags; order alone matches sends to receives
 # Largest bandwidth probe: bigger than any single KV pull, small enough to hold twice.
 MAX_PROBE_BYTES = 1 << 30
+# NCCL watchdog timeout of a pair; transfers time out (and abort the pair) well before it.
+NCCL_GROUP_TIMEOUT_S = 600.0
+# TORCH_NCCL_ASYNC_ERROR_HANDLING: 2 = abort the failed communicator, keep the process.
+NCCL_ASYNC_ERROR_HANDLING = "2"
 
 
 class KVTransferError(RuntimeError):
@@ -78,6 +82,8 @@ class PairChannel:
         self.generation = generation
         self.broken = False
         self._store = store
+        # Callers pass the node's interface (workers/kv_transfer/addresses.py); loopback only
+        # when nothing says otherwise (single-process tests).
         self._interface = interface or os.environ.get("GLOO_SOCKET_IFNAME") or "lo"
         self._group: Any = None
         self._inbox: QueueReader | None = None
@@ -204,12 +210,17 @@ def _make_group(
         opts._devices = [dist.ProcessGroupGloo.create_device(interface=interface)]
         opts._timeout = timeout  # also bounds the rendezvous: a missing peer fails in time
         return dist.ProcessGroupGloo(store, rank, 2, opts)
-    # NCCL: the same direct construction as distributed_c10d.py uses internally. Untested here
-    # (no GPU in CI); the communicator is created lazily on the first send/recv of the pair.
+    # NCCL: the same direct construction as distributed_c10d.py uses internally; the
+    # communicator is created lazily on the first send/recv of the pair. Failure containment
+    # (tested on GPUs only): each op waits at most the *transfer* timeout (`work.wait` in
+    # `_p2p`), after which the channel aborts and rebuilds only this pair's communicator. The
+    # group's own watchdog timeout is longer, so it never fires first, and async error
+    # handling 2 (clean up only) makes a failed op raise instead of tearing the process down.
     if not hasattr(dist, "ProcessGroupNCCL"):
         raise RuntimeError("this torch build has no NCCL; use backend='gloo'")
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", NCCL_ASYNC_ERROR_HANDLING)
     opts = dist.ProcessGroupNCCL.Options()
-    opts._timeout = timeout
+    opts._timeout = timedelta(seconds=max(timeout_s * 4, NCCL_GROUP_TIMEOUT_S))
     return dist.ProcessGroupNCCL(store, rank, 2, opts)
 
 

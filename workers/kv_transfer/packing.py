@@ -61,9 +61,11 @@ def pack_payload(
     heads: slice,
     extras: dict[str, torch.Tensor] | None,
     device: torch.device | str = "cpu",
+    buffer: torch.Tensor | None = None,  # [>= nbytes] uint8 on the cache device, reused
 ) -> tuple[torch.Tensor, torch.Tensor, list[list]]:  # (payload uint8, kv view, extras meta)
     """Gather the KV blocks and pack the extras (None: none sent) into one byte buffer laid
-    out as `payload_layout` says, with a single allocation; `kv` is a view of its head."""
+    out as `payload_layout` says, with a single allocation (none when `buffer` fits and the
+    payload stays on the cache device); `kv` is a view of its head."""
     first = kv_layers[0]
     shape = gathered_shape(kv_layers, len(block_ids), heads)
     meta: list[list] = []
@@ -74,7 +76,10 @@ def pack_payload(
         parts.append(as_bytes(t))
     kv_nbytes, offset = payload_layout(list(shape), first.dtype, meta)
     total = offset + sum(p.numel() for p in parts)
-    payload = torch.empty(total, dtype=torch.uint8, device=first.device)
+    if buffer is not None and buffer.numel() >= total and buffer.device == first.device:
+        payload = buffer[:total]
+    else:
+        payload = torch.empty(total, dtype=torch.uint8, device=first.device)
     kv = payload[:kv_nbytes].view(first.dtype).view(shape)
     gather_blocks(kv_layers, block_ids, heads, out=kv)
     if offset > kv_nbytes:

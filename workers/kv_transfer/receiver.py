@@ -100,11 +100,15 @@ class KVReceiver:
         timeout_s: float = 30.0,
         *,
         with_extras: bool = True,
+        buffer: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Fetch global KV heads [head_start, head_end) of a held request and ack it.
 
         Returns (kv [n_layers, 2, n_blocks, block_size, n_heads, head_dim] on this receiver's
-        device, extras). `timeout_s` bounds the whole pull, connection included.
+        device, extras). `timeout_s` bounds the whole pull, connection included. With `buffer`
+        (uint8 on this device) the bytes land in its prefix when they fit, so a caller that
+        pulls one request after another allocates nothing; the results are then views into
+        `buffer`, valid until the caller reuses it.
         """
         heads = (head_start, head_end)
         what = f"the pull of request {request_id!r} from {sender_address}"
@@ -112,7 +116,9 @@ class KVReceiver:
         def op(
             channel: PairChannel, link: _Link, deadline: float, abandoned: threading.Event
         ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-            return self._pull_on(channel, request_id, heads, with_extras, deadline, abandoned)
+            return self._pull_on(
+                channel, request_id, heads, with_extras, deadline, abandoned, buffer
+            )
 
         return self._exchange(sender_address, what, timeout_s, op, "failures")
 
@@ -284,6 +290,7 @@ class KVReceiver:
         with_extras: bool,
         deadline: float,
         abandoned: threading.Event,
+        buffer: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         head_start, head_end = heads
         what = f"request {request_id!r}"
@@ -308,9 +315,12 @@ class KVReceiver:
         dtype = parse_dtype(reply["kv_dtype"])
         kv_nbytes, extras_offset = payload_layout(reply["kv_shape"], dtype, reply["extras"])
         nbytes = kv_nbytes + extras_nbytes(reply["extras"])  # the payload, without padding
-        payload = torch.empty(
-            extras_offset + nbytes - kv_nbytes, dtype=torch.uint8, device=self._device
-        )
+        size = extras_offset + nbytes - kv_nbytes
+        fits = buffer is not None and buffer.numel() >= size
+        if fits and buffer.device.type == self._device.type:
+            payload = buffer[:size]  # a prefix: contiguous, received in place
+        else:
+            payload = torch.empty(size, dtype=torch.uint8, device=self._device)
         if payload.numel():
             channel.recv(payload, left(), f"KV of {what}")
         _sync(self._device)

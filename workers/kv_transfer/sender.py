@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -40,11 +41,13 @@ _STAT_KEYS = (
     "acked",
     "expired",
     "failed",
+    "released",
     "channel_builds",
     "channel_rebuilds",
     "channel_failures",
 )
-ReleaseCallback = Callable[[str, str], None]  # (request_id, "acked" | "expired" | "failed")
+# (request_id, "acked" | "expired" | "failed" | "released")
+ReleaseCallback = Callable[[str, str], None]
 
 
 @dataclass
@@ -59,6 +62,10 @@ class _Held:
     acked_heads: set[int] = field(default_factory=set)
     in_flight: int = 0
     failed: bool = False
+    # (payload, kv view, extras meta) of all held heads + extras, packed right after the hold,
+    # so a pull of the whole range only sends (the gather is off the pull's critical path).
+    packed: tuple[torch.Tensor, torch.Tensor, list[list]] | None = None
+    packing: threading.Event | None = None  # set once packing ahead has ended
 
 
 @dataclass
@@ -93,6 +100,7 @@ class KVSender:
         pair_idle_s: float = 600.0,
         on_release: ReleaseCallback | None = None,
         name: str = "prefill",
+        prepack: bool = True,
     ) -> None:
         self.name = name
         self.pair_idle_s = pair_idle_s  # a pair unused this long is closed (its peer may be gone)
@@ -112,10 +120,16 @@ class KVSender:
         self._closed = False
         self._stats = dict.fromkeys(_STAT_KEYS, 0)
         self._probe_buf: torch.Tensor | None = None  # grow-only, shared by all pairs (read-only)
+        self._fault_delay_s, self._fault_count = 0.0, 0  # test-only: see inject_fault
+        self._local = threading.local()  # per pair thread: its reusable pack buffer
+        self._prepack: queue.Queue[str | None] | None = queue.Queue() if prepack else None
         self._threads = [
             threading.Thread(target=self._accept_loop, name=f"{name}-kv-accept", daemon=True),
             threading.Thread(target=self._expire_loop, name=f"{name}-kv-expire", daemon=True),
         ]
+        if self._prepack is not None:
+            self._threads.append(threading.Thread(target=self._pack_loop,
+                                                  name=f"{name}-kv-pack", daemon=True))
         for t in self._threads:
             t.start()
 
@@ -154,6 +168,34 @@ class KVSender:
                 raise ValueError(f"request {request_id!r} is already held")
             self._holds[request_id] = held
             self._lock.notify_all()  # the expiry thread may need an earlier wake-up
+        if self._prepack is not None:
+            self._prepack.put(request_id)
+
+    def drop(self, request_id: str) -> bool:
+        """Release a hold now (decode will not pull it). A transfer of it in flight finishes
+        first and then releases it as failed; False if the request is not held."""
+        with self._lock:
+            held = self._holds.get(request_id)
+            if held is None:
+                return False
+            if held.in_flight:
+                held.failed = True  # _finish_pull releases it
+                return True
+            del self._holds[request_id]
+        self._release(request_id, "released")
+        return True
+
+    def inject_fault(self, send_delay_s: float, count: int = 1) -> None:
+        """Tests only: the next `count` KV sends sleep `send_delay_s` first."""
+        with self._lock:
+            self._fault_delay_s, self._fault_count = send_delay_s, count
+
+    def _fault_delay(self) -> float:
+        with self._lock:
+            if self._fault_count <= 0:
+                return 0.0
+            self._fault_count -= 1
+            return self._fault_delay_s
 
     def held_request_ids(self) -> list[str]:
         with self._lock:
@@ -172,6 +214,8 @@ class KVSender:
             servers = list(self._servers.values())
             self._lock.notify_all()
         post(self._store, MAILBOX, {"op": "stop"})
+        if self._prepack is not None:
+            self._prepack.put(None)
         for server in servers:
             self._interrupt(server)
         for t in [*self._threads, *(s.thread for s in servers)]:
@@ -298,10 +342,28 @@ class KVSender:
             try:
                 heads = slice(head_start - held.head_start, head_end - held.head_start)
                 extras = held.extras if msg.get("extras", True) else None
-                # KV + extras in one buffer, one allocation, one send: [L, 2, n, bs, h, D] + blob
-                payload, kv, meta = pack_payload(
-                    held.kv_layers, held.block_ids, heads, extras, self._device
-                )
+                whole = (head_start == held.head_start and extras is not None
+                         and head_end == held.head_start + held.num_heads)
+                with self._lock:
+                    packing = held.packing if whole else None
+                if packing is not None:  # packing ahead is done or under way: never pack twice
+                    packing.wait(self.transfer_timeout_s)
+                with self._lock:
+                    packed = held.packed if whole else None
+                if packed is not None:
+                    payload, kv, meta = packed
+                else:
+                    # KV + extras in one buffer, one send: [L, 2, n, bs, h, D] + blob. Each
+                    # pair thread packs into its own grow-only buffer: one pull at a time per
+                    # pair, and the send has completed before the next pack.
+                    payload, kv, meta = pack_payload(
+                        held.kv_layers, held.block_ids, heads, extras, self._device,
+                        getattr(self._local, "buffer", None),
+                    )
+                if packed is None and payload.device == held.kv_layers[0].device:
+                    storage = payload.untyped_storage()
+                    self._local.buffer = torch.empty(
+                        0, dtype=torch.uint8, device=payload.device).set_(storage)
             except Exception as e:  # e.g. a malformed hold: fail the request, not the channel
                 logger.exception("%s: packing request %r failed", self.name, request_id)
                 error = f"{self.name} could not pack request {request_id!r}: {e}"
@@ -317,6 +379,9 @@ class KVSender:
                     "extras": meta,
                 }
             )
+            delay = self._fault_delay()
+            if delay:
+                time.sleep(delay)
             if payload.numel():
                 channel.send(payload, self.transfer_timeout_s, f"KV of request {request_id!r}")
             nbytes = kv.numel() * kv.element_size() + extras_nbytes(meta)  # padding not counted
@@ -378,6 +443,22 @@ class KVSender:
                     reason = "failed" if held.failed else "acked"
         if reason is not None:
             self._release(request_id, reason)
+
+    def _pack_loop(self) -> None:
+        """Pack each new hold's whole head range ahead of its pull (see `_Held.packed`)."""
+        while (request_id := self._prepack.get()) is not None:
+            with self._lock:
+                held = self._holds.get(request_id)
+                if held is None or held.in_flight:  # released, or a pull already packs it
+                    continue
+                held.packing = threading.Event()
+            try:
+                held.packed = pack_payload(held.kv_layers, held.block_ids, slice(None),
+                                           held.extras, self._device)
+            except Exception:  # the pull packs on demand and reports the error itself
+                logger.exception("%s: packing request %r ahead failed", self.name, request_id)
+            finally:
+                held.packing.set()
 
     def _expire_loop(self) -> None:
         """Release holds whose TTL passed while no transfer of them is in flight."""

@@ -1,0 +1,337 @@
+"""The prefill -> decode data path in one process (TP 1 -> 1, gloo over loopback, no Ray):
+the real PrefillServer / DecodeServer classes (Serve's wrappers peeled off), their engines on
+background threads, KV moving on transfer threads.
+
+Covers: disaggregated greedy == offline engine; running streams keep decoding during a slow
+pull; decode admission through the scheduler (max_num_seqs, a queue for blocks); prefill
+admission by prompt only; held prefill KV freed at once on `release`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from cluster.config import ClusterConfig
+from router.types import GenerateRequest
+from workers.engine import Engine, EngineConfig
+from workers.sampling_params import SamplingParams
+
+
+class _NoMetric:
+    def __getattr__(self, name):
+        return lambda *a, **k: None
+
+
+@pytest.fixture(autouse=True)
+def no_ray_metrics(monkeypatch):
+    # Ray's metric objects need a Ray worker; the servers' data path does not.
+    import workers.decode_server as d
+    import workers.prefill_server as p
+
+    stub = {k: _NoMetric() for k in ("ttft_ms", "tpot_ms", "acceptance", "tokens", "kv_used",
+                                     "k")}
+    monkeypatch.setattr(d, "metrics", lambda: stub, raising=False)
+    monkeypatch.setattr(p, "metrics", lambda: stub, raising=False)
+    monkeypatch.setenv("MTPSERVE_ENABLE_FAULT_INJECTION", "1")
+
+
+def make_servers(model, decode_max_num_seqs: int = 8, prefill_blocks: int = 64,
+                 decode_blocks: int = 256, k: int = 2, **extra):
+    from workers.decode_server import DecodeServer
+    from workers.prefill_server import PrefillServer
+
+    cfg = ClusterConfig(
+        model=str(model),
+        prefill={"num_kv_blocks": prefill_blocks, "cpus_per_rank": 1},
+        decode={"num_kv_blocks": decode_blocks, "cpus_per_rank": 1,
+                "max_num_seqs": decode_max_num_seqs},
+        speculation={"num_speculative_tokens": k, "adaptive": False},
+        kv_transfer={"timeout_s": 20, "hold_ttl_s": 30, "host": "127.0.0.1"}, **extra,
+    )
+    return PrefillServer.func_or_class(cfg), DecodeServer.func_or_class(cfg)
+
+
+def shutdown(*servers) -> None:
+    for s in servers:
+        s.engine.shutdown()
+        s.driver.shutdown()
+
+
+def prompts(n: int, length: int = 20, seed: int = 0) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 250) for _ in range(length)] for _ in range(n)]
+
+
+async def run_one(p, d, req: GenerateRequest, on_chunk=None) -> list[int]:
+    """The orchestrator's flow: prefill, first token, decode stream."""
+    params = await p.prefill(req)
+    tokens = [params.first_token_id]
+    if params.finished:
+        return tokens
+    async for chunk in d.generate(req, params):
+        assert chunk.error is None, chunk.error
+        tokens += chunk.token_ids
+        if on_chunk:
+            on_chunk(req.request_id, chunk)
+    return tokens
+
+
+def offline(model, ps, max_tokens: int, k: int = 2) -> list[list[int]]:
+    e = Engine(EngineConfig(model=str(model), num_speculative_tokens=k, num_kv_blocks=256))
+    for i, p in enumerate(ps):
+        e.add_request(f"o{i}", p, SamplingParams(max_tokens=max_tokens, temperature=0,
+                                                 ignore_eos=True))
+    out = {f"o{i}": [] for i in range(len(ps))}
+    while e.has_unfinished():
+        for o in e.step():
+            out[o.request_id] += o.new_token_ids
+    return [out[f"o{i}"] for i in range(len(ps))]
+
+
+def greq(rid: str, prompt: list[int], max_tokens: int, **kw) -> GenerateRequest:
+    return GenerateRequest(rid, prompt, max_tokens, temperature=0.0, ignore_eos=True, **kw)
+
+
+def test_disaggregated_greedy_equals_offline_and_frees_everything(tiny_qwen3) -> None:
+    p, d = make_servers(tiny_qwen3)
+    try:
+        ps = prompts(3)
+        want = offline(tiny_qwen3, ps, 12)
+
+        async def main():
+            return await asyncio.gather(*(run_one(p, d, greq(f"r{i}", x, 12))
+                                          for i, x in enumerate(ps)))
+
+        assert asyncio.run(main()) == want
+        end = time.monotonic() + 5
+        while time.monotonic() < end:
+            ps_, ds_ = p.engine.engine.stats(), d.engine.engine.stats()
+            if ps_["used_blocks"] == 0 and ds_["used_blocks"] == 0:
+                break
+            time.sleep(0.01)
+        assert ps_["used_blocks"] == 0 and ds_["used_blocks"] == 0
+        assert p.driver.core.holds == [] and d.driver.core.inflight == []
+    finally:
+        shutdown(p, d)
+
+
+def test_running_streams_keep_decoding_during_a_slow_pull(tiny_qwen3) -> None:
+    p, d = make_servers(tiny_qwen3)
+    try:
+        a, b = prompts(2, seed=1)
+        stamps: dict[str, list[float]] = {"A": [], "B": []}
+
+        def on_chunk(rid, chunk):
+            stamps[rid].append(time.monotonic())
+
+        async def main():
+            task_a = asyncio.create_task(run_one(p, d, greq("A", a, 400), on_chunk))
+            while len(stamps["A"]) < 3:  # A is decoding
+                await asyncio.sleep(0.005)
+            await d.inject_fault(pull_delay_s=1.0, count=1)
+            t_b = time.monotonic()
+            out_b = await run_one(p, d, greq("B", b, 8), on_chunk)
+            return t_b, out_b, await task_a
+
+        t_b, out_b, out_a = asyncio.run(main())
+        first_b = stamps["B"][0]
+        assert first_b - t_b >= 1.0  # B's pull really was delayed
+        during = [t for t in stamps["A"] if t_b < t < first_b]
+        # A emitted many rounds while B's KV was on its way (the engine thread never waited).
+        assert len(during) >= 10, len(during)
+        assert len(out_a) == 400 and len(out_b) == 8
+    finally:
+        shutdown(p, d)
+
+
+def test_decode_admission_bounds_running_and_queues_for_blocks(tiny_qwen3) -> None:
+    max_seqs = 2
+    p, d = make_servers(tiny_qwen3, decode_max_num_seqs=max_seqs, decode_blocks=12)
+    try:
+        ps = prompts(max_seqs + 4, seed=2)
+        want = offline(tiny_qwen3, ps, 16)
+        eng = d.engine.engine
+        seen = {"running": 0, "seqs": 0}
+        step = eng.step
+
+        def observed_step():  # records what the real scheduler admitted
+            seen["running"] = max(seen["running"], len(eng.scheduler.running))
+            seen["seqs"] = max(seen["seqs"], eng.scheduler.num_seqs)
+            return step()
+
+        eng.step = observed_step
+
+        async def main():
+            return await asyncio.gather(*(run_one(p, d, greq(f"q{i}", x, 16))
+                                          for i, x in enumerate(ps)))
+
+        assert asyncio.run(main()) == want
+        assert 1 <= seen["running"] <= max_seqs and seen["seqs"] <= max_seqs
+    finally:
+        shutdown(p, d)
+
+
+def test_prefill_admits_by_prompt_when_the_window_exceeds_its_cache(tiny_qwen3) -> None:
+    # Window 512 tokens = 32 blocks; prefill has 8 blocks (128 tokens), decode 64.
+    p, d = make_servers(tiny_qwen3, prefill_blocks=8, decode_blocks=64)
+    try:
+        prompt = prompts(1, length=40, seed=3)[0]
+        window_rest = 512 - len(prompt)  # what the API sends for chat without max_tokens
+        req = GenerateRequest("w", prompt, window_rest, temperature=0.0, ignore_eos=False)
+
+        async def main():
+            params = await p.prefill(req)
+            # Decode only the first few tokens, then leave (the disconnect path).
+            n = 0
+            agen = d.generate(req, params)
+            async for chunk in agen:
+                n += len(chunk.token_ids)
+                if n >= 4 or chunk.finished:
+                    break
+            await agen.aclose()
+            return params, n
+
+        params, n = asyncio.run(main())
+        assert params.num_computed_tokens == len(prompt) and n >= 1
+    finally:
+        shutdown(p, d)
+
+
+def _wait_free(server, deadline_s: float) -> float:
+    t0 = time.monotonic()
+    while server.engine.engine.block_manager.num_used_blocks:
+        assert time.monotonic() - t0 < deadline_s, "prefill KV blocks still held"
+        time.sleep(0.005)
+    return time.monotonic() - t0
+
+
+def test_release_frees_held_prefill_kv_at_once(tiny_qwen3) -> None:
+    p, d = make_servers(tiny_qwen3)
+    try:
+        ps = prompts(2, seed=4)
+
+        async def main():
+            params = await p.prefill(greq("x", ps[0], 8))
+            assert p.engine.engine.block_manager.num_used_blocks > 0
+            t0 = time.monotonic()
+            assert await p.release("x") is True
+            freed_after = time.monotonic() - t0
+            again = await p.release("x")
+            return params, freed_after, again
+
+        params, freed_after, again = asyncio.run(main())
+        assert not params.finished and again is False
+        assert _wait_free(p, 1.0) < 1.0 and freed_after < 1.0
+        assert p.driver.core.holds == [] and not p.driver.core._released
+        # A pull of a released request is refused: decode reports an error, never hangs.
+
+        async def pull_released():
+            chunks = [c async for c in d.generate(greq("x", ps[0], 8), params)]
+            return chunks[-1]
+
+        last = asyncio.run(pull_released())
+        assert last.finish_reason == "error" and "KV transfer" in last.error
+        assert d.engine.engine.block_manager.num_used_blocks == 0
+    finally:
+        shutdown(p, d)
+
+
+# The orchestrator's release calls, over in-process stand-ins for Serve handles ------------------
+
+class _Stream:
+    def __init__(self, agen) -> None:
+        self.agen = agen
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        return await self.agen.__anext__()
+
+    def cancel(self) -> None:
+        asyncio.ensure_future(self.agen.aclose())
+
+
+class _Method:
+    def __init__(self, fn, stream: bool) -> None:
+        self.fn, self.stream = fn, stream
+
+    def remote(self, *args, **kwargs):
+        if self.stream:
+            return _Stream(self.fn(*args, **kwargs))
+        return asyncio.ensure_future(self.fn(*args, **kwargs))
+
+
+class LocalHandle:
+    """What the orchestrator uses of a DeploymentHandle, calling a server in this process."""
+
+    def __init__(self, server, stream: bool = False) -> None:
+        self.server, self.stream = server, stream
+
+    def options(self, stream: bool = False, **_):
+        return LocalHandle(self.server, stream)
+
+    def __getattr__(self, name: str):
+        return _Method(getattr(self.server, name), self.stream)
+
+
+@pytest.mark.parametrize("case", ["first_token_stop", "disconnect_between_stages"])
+def test_prefill_blocks_back_to_zero_within_1s_when_decode_never_pulls(tiny_qwen3, case) -> None:
+    from router.orchestrator import DisaggOrchestrator
+
+    p, d = make_servers(tiny_qwen3)
+    try:
+        orch = DisaggOrchestrator(LocalHandle(p), LocalHandle(d))
+        req = greq(f"s-{case}", prompts(1, seed=5)[0], 16)
+
+        async def main() -> float:
+            gen = orch.generate(req)
+            first = await gen.__anext__()  # the first token reached the client ...
+            assert first.token_ids and not first.finished
+            assert p.engine.engine.block_manager.num_used_blocks > 0  # ... its KV is held
+            # ... and the consumer stops reading: a stop string matched the first token, or
+            # the client disconnected before decode started. Both close the generator here.
+            t0 = time.monotonic()
+            await gen.aclose()
+            while p.engine.engine.block_manager.num_used_blocks:
+                assert time.monotonic() - t0 < 1.0, "prefill KV still held after 1 s"
+                await asyncio.sleep(0.005)
+            return time.monotonic() - t0
+
+        assert asyncio.run(main()) < 1.0
+        assert p.driver.core.sender.stats()["released"] == 1
+        assert d.engine.engine.block_manager.num_used_blocks == 0
+    finally:
+        shutdown(p, d)
+
+
+def test_prefill_waiting_for_held_blocks_sleeps_and_resumes_on_release(tiny_qwen3) -> None:
+    # 8 prefill blocks of 16 tokens: a held 100-token prompt (7 blocks) leaves too few for
+    # a second one, which must wait without spinning and start as soon as the hold goes.
+    p, d = make_servers(tiny_qwen3, prefill_blocks=8)
+    try:
+        a, b = prompts(2, length=100, seed=6)
+
+        async def main():
+            await p.prefill(greq("held", a, 8))
+            second = asyncio.create_task(p.prefill(greq("waits", b, 8)))
+            await asyncio.sleep(0.2)
+            assert not second.done()  # no blocks for it while "held" is held
+            cpu0, t0 = time.process_time(), time.monotonic()
+            await asyncio.sleep(1.0)
+            busy = (time.process_time() - cpu0) / (time.monotonic() - t0)
+            assert not second.done()
+            assert await p.release("held")
+            params = await asyncio.wait_for(second, 10)
+            return busy, params
+
+        busy, params = asyncio.run(main())
+        assert busy < 0.3, f"the waiting prefill engine burnt {busy:.0%} of a core"
+        assert params.request_id == "waits" and not params.finished
+    finally:
+        shutdown(p, d)
