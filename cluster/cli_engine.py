@@ -44,8 +44,11 @@ def add_commands(sub: argparse._SubParsersAction, bench: argparse._SubParsersAct
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--graphs", choices=["on", "off", "both"], default="on",
-                   help="decode path: compiled fixed-shape graphs, eager, or both side by side")
+    p.add_argument("--variants", type=lambda s: tuple(s.split(",")), default=("graphs",),
+                   help="runner variants measured side by side: eager, graphs, "
+                        "graphs-mtp-bf16, eager-mtp-bf16 (comma-separated)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="repeat each measurement (interleaved) and keep the fastest")
     p.add_argument("--context-sweep", type=_ints, default=(),
                    help="also measure k=0 batch-1 TPOT at these context lengths")
     p.add_argument("--json", dest="json_out", help="write results here")
@@ -107,8 +110,8 @@ def _bench_engine(args: argparse.Namespace) -> int:
     prompts = _read_prompts(args.prompts_file) if args.prompts_file else None
     main(BenchArgs(model=args.model, prompts=prompts, max_tokens=args.max_tokens, ks=args.ks,
                    batch_sizes=args.batch_sizes, dtype=args.dtype,
-                   num_prompts=args.num_prompts, device=args.device, graphs=args.graphs,
-                   context_sweep=args.context_sweep), args.json_out)
+                   num_prompts=args.num_prompts, device=args.device, variants=args.variants,
+                   context_sweep=args.context_sweep, repeats=args.repeats), args.json_out)
     return 0
 
 

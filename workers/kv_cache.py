@@ -10,7 +10,13 @@ from workers.model.parallel import get_tp
 
 class KVCache:
     """`layers[i]` is [2, num_blocks, block_size, kv_heads_local, head_dim] (K, V); zeroed so
-    masked-out padding never contributes NaNs."""
+    masked-out padding never contributes NaNs.
+
+    Each layer's storage `buffers[i]` holds one extra block after the `num_blocks` that the
+    block manager hands out: `scratch_block`, where the fixed-shape decode graphs write the K/V
+    of padding query slots and point padding block-table entries. It is never allocated to a
+    request, so padding never touches real KV. `layers[i]` is a view without it (KV transfer
+    and accounting see only real blocks)."""
 
     def __init__(
         self,
@@ -21,10 +27,12 @@ class KVCache:
         device: torch.device,
     ) -> None:
         kv_heads = cfg.num_key_value_heads // get_tp().size
-        shape = (2, num_blocks, block_size, kv_heads, cfg.head_dim)
-        self.layers = [
+        shape = (2, num_blocks + 1, block_size, kv_heads, cfg.head_dim)
+        self.buffers = [
             torch.zeros(shape, dtype=dtype, device=device)
             for _ in range(cfg.num_attention_layers)
         ]
+        self.layers = [b[:, :num_blocks] for b in self.buffers]
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.scratch_block = num_blocks

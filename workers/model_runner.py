@@ -8,6 +8,7 @@ rank and are selected by row indices, never shipped.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,7 +16,9 @@ import torch
 
 from workers.kv_cache import KVCache
 from workers.model.attention_metadata import AttentionMetadata
+from workers.model.decode_graph import DecodeGraphs
 from workers.model.loader import load_model
+from workers.model.parallel import get_tp
 
 
 @dataclass
@@ -67,19 +70,67 @@ class ModelRunner:
         block_size: int = 16,
         dtype: torch.dtype = torch.float32,
         device: str = "cpu",
+        decode_graphs: bool | None = None,
+        mtp_dtype: torch.dtype | None = None,
     ) -> None:
         self.device = torch.device(device)
         self.model = load_model(model_path, dtype=dtype, device=self.device)
         if self.device.type == "cpu":
             column_major_linears(self.model)
+        if mtp_dtype is not None and mtp_dtype != dtype:
+            self.model.lower_mtp_precision(mtp_dtype)
         self.config = self.model.config
         self.block_size = block_size
         self.kv_cache = KVCache(self.config, num_blocks, block_size, dtype, self.device)
-        self._hidden: dict[str, torch.Tensor] = {}
+        # Hidden states of the last forward of each kind: (flat [rows, hidden], S, Sp), rows
+        # laid out b * Sp + s (Sp = the graph bucket's query length, S the batch's).
+        self._hidden: dict[str, tuple[torch.Tensor, int, int]] = {}
+        if decode_graphs is None:
+            decode_graphs = os.environ.get("MTPSERVE_DECODE_GRAPHS", "0") == "1"
+        # Collectives inside a compiled graph are not supported here: TP > 1 stays eager.
+        self.graphs = (DecodeGraphs(self.model, self.kv_cache)
+                       if decode_graphs and get_tp().size == 1 else None)
+
+    @torch.inference_mode()
+    def warmup_graphs(self, batch_sizes: list[int], query_lens: list[int], max_context: int,
+                      mtp_modules: int | None = None) -> int:
+        """Compile the decode graphs these shapes can hit (no-op without graphs)."""
+        if self.graphs is None:
+            return 0
+        n = self.config.num_mtp_modules if mtp_modules is None else mtp_modules
+        return self.graphs.warmup(batch_sizes, query_lens, max_context, n)
+
+    def _prev_hidden(self, batch: ForwardBatch, Sp: int, Bp: int) -> torch.Tensor:
+        """[Bp, Sp, hidden] rows of the previous forward named by `hidden_rows` (0-padded)."""
+        src, S_prev, Sp_prev = self._hidden[batch.hidden_from or "main"]
+        rows = [[(r // S_prev) * Sp_prev + r % S_prev for r in row] for row in batch.hidden_rows]
+        rows += [[]] * (Bp - len(rows))
+        idx = torch.tensor(pad_rows(rows, Sp), dtype=torch.long)
+        return src[idx.to(self.device)]
 
     @torch.inference_mode()
     def execute(self, batch: ForwardBatch) -> torch.Tensor:
         """Run one forward; returns float32 logits [len(logit_rows), V]."""
+        key = None
+        if self.graphs is not None:
+            key = self.graphs.key_for(batch.kind, batch.module,
+                                      [len(x) for x in batch.input_ids], batch.block_tables)
+        if key is None:
+            logits = self._execute_eager(batch)
+        else:
+            inp = self.graphs.prepare(key, batch.input_ids, batch.start_positions,
+                                      batch.block_tables, batch.logit_rows)
+            prev = None
+            if batch.kind == "mtp":
+                prev = self._prev_hidden(batch, key.query_len, key.batch)
+            flat, logits = self.graphs.run(inp, prev)
+            S = max(len(x) for x in batch.input_ids)
+            self._hidden[batch.kind] = (flat, S, key.query_len)
+            logits = logits[: len(batch.logit_rows)]
+        # Sampling and verification run on the host (rank 0); only the few selected rows move.
+        return logits if logits.device.type == "cpu" else logits.cpu()
+
+    def _execute_eager(self, batch: ForwardBatch) -> torch.Tensor:
         lens = [len(x) for x in batch.input_ids]
         B, S = len(lens), max(lens)
         ids = torch.tensor(pad_rows(batch.input_ids, S), dtype=torch.long)  # [B, S]
@@ -89,20 +140,17 @@ class ModelRunner:
         attn = AttentionMetadata.build(positions, lens, batch.block_tables, self.block_size,
                                        self.device)
         ids, positions = ids.to(self.device), positions.to(self.device)
-        caches = self.kv_cache.layers
+        caches = self.kv_cache.buffers
         if batch.kind == "main":
             hidden = self.model(ids, positions, attn, caches)
         else:
-            src = self._hidden[batch.hidden_from or "main"]
-            rows = torch.tensor(pad_rows(batch.hidden_rows, S), dtype=torch.long)
-            prev = src[rows.to(self.device)]  # [B, S, hidden]
+            prev = self._prev_hidden(batch, S, B)  # [B, S, hidden]
             hidden = self.model.forward_mtp(batch.module, ids, prev, positions, attn, caches)
         flat = hidden.reshape(B * S, -1)
-        self._hidden[batch.kind] = flat
+        self._hidden[batch.kind] = (flat, S, S)
         sel = flat[torch.tensor(batch.logit_rows, dtype=torch.long, device=self.device)]
         if batch.kind == "main":
             logits = self.model.compute_logits(sel)
         else:
             logits = self.model.compute_mtp_logits(batch.module, sel)
-        # Sampling and verification run on the host (rank 0); only the few selected rows move.
-        return logits if logits.device.type == "cpu" else logits.cpu()
+        return logits

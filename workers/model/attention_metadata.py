@@ -40,7 +40,17 @@ class AttentionMetadata:
         pos = positions.cpu()
         flat_pos = pos.reshape(-1)
         rows = torch.arange(B).repeat_interleave(S)
-        block_idx = (flat_pos // block_size).clamp(max=max_blocks - 1)
+        block_idx = flat_pos // block_size
+        # A position past its row's block table is a scheduling bug: fail loudly instead of
+        # writing into (and attending to) another request's block.
+        table_lens = torch.tensor([len(t) for t in block_tables], dtype=torch.long)
+        outside = block_idx >= table_lens[rows]
+        if bool(outside.any()):
+            b = int(rows[outside][0])
+            raise IndexError(
+                f"row {b}: position {int(flat_pos[outside][0])} needs block "
+                f"{int(block_idx[outside][0])} but its table has {len(block_tables[b])} blocks"
+            )
         slots = tables[rows, block_idx] * block_size + flat_pos % block_size
         padded = not bool(write.all())
         rows = write.nonzero().squeeze(1) if padded else None

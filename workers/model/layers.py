@@ -120,14 +120,14 @@ class Attention(nn.Module):
             assert kv_cache is not None
             # One write and one gather for K and V together (fewer ops per token).
             flat = kv_cache.view(2, -1, Hk, D)
-            new_kv = torch.stack([k, v]).view(2, B * S, Hk, D)
+            new_kv = torch.stack([k, v]).view(2, B * S, Hk, D).to(kv_cache.dtype)
             if attn.write_rows is not None:  # padded query slots write nowhere
                 new_kv = new_kv[:, attn.write_rows]
             flat[:, attn.write_slots] = new_kv
             # index_select on the block dim is a plain copy of contiguous blocks (several
             # times faster than advanced indexing): [2, B, L, Hk, D].
             ctx = kv_cache.index_select(1, attn.block_index).view(
-                2, B, -1, Hk, D)[:, :, : attn.max_context_len]
+                2, B, -1, Hk, D)[:, :, : attn.max_context_len].to(q.dtype)
             out = F.scaled_dot_product_attention(
                 q.transpose(1, 2), ctx[0].transpose(1, 2), ctx[1].transpose(1, 2),
                 attn_mask=attn.mask, scale=self.scale, enable_gqa=True,

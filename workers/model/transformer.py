@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
@@ -69,8 +71,22 @@ class CausalLM(nn.Module):
         mtp = self.mtp[module]
         embed = mtp.embed_tokens if mtp.embed_tokens is not None else self.model.embed_tokens
         kv = None if kv_caches is None else kv_caches[self.config.num_hidden_layers + module]
-        return mtp(embed(input_ids), prev_hidden, self.rotary.cos_sin(positions), attn, kv)
+        # The MTP module may run in a cheaper dtype than the main model (`lower_mtp_precision`):
+        # its inputs follow its weights (no-ops when they match).
+        dt = mtp.eh_proj.weight.dtype
+        return mtp(embed(input_ids).to(dt), prev_hidden.to(dt), self.rotary.cos_sin(positions),
+                   attn, kv)
 
     def compute_mtp_logits(self, module: int, hidden: torch.Tensor) -> torch.Tensor:
         head = self.mtp[module].head
         return (head or self.lm_head).logits(hidden).float()
+
+    def lower_mtp_precision(self, dtype: torch.dtype) -> None:
+        """Run the MTP module(s) and their LM head in `dtype` (e.g. bf16: half the bytes per
+        draft step). Drafts come from this cheaper head; exactness is unaffected because the
+        main model verifies every draft and the rejection sampler uses the q these logits
+        give. A shared head gets its own low-precision copy; the main head is untouched."""
+        for mtp in self.mtp:
+            if mtp.head is None:
+                mtp.head = copy.deepcopy(self.lm_head)
+            mtp.to(dtype)

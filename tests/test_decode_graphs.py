@@ -1,0 +1,86 @@
+"""Fixed-shape compiled decode graphs give the eager forward's logits and KV, write nothing
+outside the batch's own slots, and a position outside a block table fails instead of being
+clamped into another block."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from workers.engine import Engine, EngineConfig
+from workers.model.attention_metadata import AttentionMetadata
+from workers.model.decode_graph import bucket, query_bucket
+from workers.model_runner import ForwardBatch, ModelRunner
+from workers.sampling_params import SamplingParams
+
+
+def test_buckets() -> None:
+    assert [bucket(n) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, 16]
+    assert bucket(3, 32) == 32
+    assert [query_bucket(n) for n in (1, 2, 4, 5)] == [1, 4, 4, 8]
+
+
+def test_position_outside_block_table_fails() -> None:
+    positions = torch.tensor([[0, 1], [4, 5]])  # row 1 position 5 needs block 1 of 1
+    with pytest.raises(IndexError, match="row 1"):
+        AttentionMetadata.build(positions, [2, 2], [[3], [7]], block_size=4)
+
+
+def test_graph_path_rejects_position_outside_block_table(tiny_qwen3) -> None:
+    runner = ModelRunner(tiny_qwen3, num_blocks=16, block_size=4, decode_graphs=True)
+    with pytest.raises(IndexError, match="row 0"):
+        runner.execute(ForwardBatch("main", [[5]], [4], [[1]], [0]))
+
+
+@pytest.mark.slow
+def test_graph_forwards_match_eager(tiny_qwen3) -> None:
+    """Ragged batch (B=3 -> bucket 4, S=1..3 -> bucket 4), then an MTP forward over its rows,
+    then single-token steps: same logits and the same KV in every real block; the padding's
+    KV lands only in the scratch block."""
+    runners = [ModelRunner(tiny_qwen3, num_blocks=32, block_size=4, decode_graphs=g)
+               for g in (False, True)]
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 9, 2)]
+    tables = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]]
+    outs: list[list[torch.Tensor]] = [[], []]
+    for runner, out in zip(runners, outs, strict=True):
+        S = max(map(len, prompts))
+        out.append(runner.execute(ForwardBatch(
+            "main", prompts, [0, 0, 0], tables, [b * S + len(p) - 1 for b, p in
+                                                 enumerate(prompts)])))
+        news = [[7], [8, 9], [10, 11, 12]]
+        starts = [len(p) for p in prompts]
+        out.append(runner.execute(ForwardBatch("main", news, starts, tables, [0, 3, 4, 6, 7, 8])))
+        out.append(runner.execute(ForwardBatch(
+            "mtp", news, starts, tables, [0, 4, 8], hidden_from="main",
+            hidden_rows=[[0], [3, 4], [6, 7, 8]])))
+        out.append(runner.execute(ForwardBatch(
+            "mtp", [[1], [2]], [6, 11], tables[:2], [0, 1], hidden_from="mtp",
+            hidden_rows=[[0], [4]])))
+    assert runners[1].graphs is not None and len(runners[1].graphs.compiled) == 4
+    for eager, graph in zip(*outs, strict=True):
+        assert eager.shape == graph.shape
+        assert (eager - graph).abs().max().item() <= 1e-4
+    for a, b in zip(runners[0].kv_cache.layers, runners[1].kv_cache.layers, strict=True):
+        assert (a - b).abs().max().item() <= 1e-4
+        used = {blk for t in tables for blk in t}
+        for blk in range(32):
+            if blk not in used:
+                assert b[:, blk].abs().sum() == 0, f"block {blk} written by padding"
+
+
+@pytest.mark.slow
+def test_engine_greedy_same_with_graphs(tiny_qwen3) -> None:
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (6, 13, 20)]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    got = []
+    for graphs in (False, True):
+        runner = ModelRunner(tiny_qwen3, num_blocks=64, block_size=4, decode_graphs=graphs)
+        eng = Engine(EngineConfig(model=str(tiny_qwen3), num_speculative_tokens=2,
+                                  num_kv_blocks=64, block_size=4), runner=runner)
+        reqs = [eng.add_request(str(i), p, params) for i, p in enumerate(prompts)]
+        while eng.has_unfinished():
+            eng.step()
+        got.append([r.output_token_ids for r in reqs])
+    assert got[0] == got[1]

@@ -1,0 +1,255 @@
+"""Fixed-shape decode forwards: one compiled graph per (kind, module, batch, query, blocks) bucket.
+
+A decode step is dominated by fixed per-op cost (~360 small eager ops per forward), not by
+arithmetic. Compiling the forward with inductor fuses the norms, RoPE, residuals and the
+attention bookkeeping into a few kernels (on CPU with freezing, which also pre-packs the linear
+weights). Shapes are static per bucket, never dynamic (a dynamic-shape attempt recompiled and ran
+7x slower): batch B and query length S are rounded up to powers of two, the block table to a
+power of two of at least `min_blocks` blocks. Nothing in the graph branches on data: padding
+query slots write their K/V into the cache's scratch block, padding table entries point at it,
+and the causal mask is always a tensor built in the graph from the positions.
+
+Prefill (long S) and TP > 1 (collectives inside a graph are not supported here) stay eager.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from unittest import mock
+
+import torch
+
+from workers.kv_cache import KVCache
+from workers.model.attention_metadata import AttentionMetadata
+from workers.model.transformer import CausalLM
+
+
+def bucket(n: int, minimum: int = 1) -> int:
+    """Smallest power of two >= max(n, minimum)."""
+    return max(minimum, 1 << max(n - 1, 0).bit_length())
+
+
+def query_bucket(n: int) -> int:
+    """1 for plain decode; otherwise a power of two >= 4, so k = 1..3 (verify S = 2..4, MTP
+    catch-up S = 1..4) share one graph per kind: padding a few query rows costs far less than
+    compiling and holding another graph."""
+    return 1 if n == 1 else bucket(n, 4)
+
+
+@dataclass(frozen=True)
+class GraphKey:
+    kind: str  # "main" | "mtp"
+    module: int
+    batch: int  # B bucket
+    query_len: int  # S bucket
+    num_blocks: int  # block-table width bucket
+
+
+@dataclass
+class GraphInputs:
+    """Bucket-padded int inputs of one forward, built from the batch's Python lists."""
+
+    key: GraphKey
+    ids: torch.Tensor  # [Bp, Sp]
+    positions: torch.Tensor  # [Bp, Sp]
+    slots: torch.Tensor  # [Bp * Sp] flat KV slot written by each query slot
+    tables: torch.Tensor  # [Bp, NBp]
+    logit_rows: torch.Tensor  # [Bp * Sp] padded-layout rows whose logits are returned
+
+
+def _mask(positions: torch.Tensor, context_len: int) -> torch.Tensor:
+    """[B, 1, S, L] bool: query at position p sees context positions <= p."""
+    ctx = torch.arange(context_len, device=positions.device)
+    return (ctx.view(1, 1, -1) <= positions.unsqueeze(-1)).unsqueeze(1)
+
+
+def _main_graph(model: CausalLM, block_size: int, ids: torch.Tensor, positions: torch.Tensor,
+                slots: torch.Tensor, tables: torch.Tensor, logit_rows: torch.Tensor,
+                caches: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    B, S = ids.shape
+    L = tables.shape[1] * block_size
+    attn = AttentionMetadata(slots, None, tables.reshape(-1), _mask(positions, L), L)
+    flat = model(ids, positions, attn, caches).reshape(B * S, -1)  # [B*S, hidden]
+    return flat, model.compute_logits(flat[logit_rows])
+
+
+def _mtp_graph(model: CausalLM, block_size: int, module: int, ids: torch.Tensor,
+               prev: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+               tables: torch.Tensor, logit_rows: torch.Tensor,
+               caches: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    B, S = ids.shape
+    L = tables.shape[1] * block_size
+    attn = AttentionMetadata(slots, None, tables.reshape(-1), _mask(positions, L), L)
+    flat = model.forward_mtp(module, ids, prev, positions, attn, caches).reshape(B * S, -1)
+    return flat, model.compute_mtp_logits(module, flat[logit_rows])
+
+
+def _raise_recompile_limit(n: int) -> None:
+    # Every bucket is one specialisation of the same two functions; dynamo's default limit (8)
+    # would silently fall back to eager after the eighth.
+    import torch._dynamo.config as dcfg
+
+    for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit",
+                 "accumulated_cache_size_limit"):
+        if hasattr(dcfg, name):
+            setattr(dcfg, name, max(getattr(dcfg, name), n))
+
+
+@contextlib.contextmanager
+def _cpu_compile_settings(freeze: bool) -> Iterator[None]:
+    """Freezing folds the weights into the graph as constants and pre-packs every linear
+    (it only takes effect through the global inductor config, not `torch.compile(options=)`).
+    Inductor packs fp32 linears for MKL when the batch is static; on this AMD CPU MKL's small-M
+    GEMM costs ~3x a GEMV at M = 4 while oneDNN's costs about the same as one, so the packing
+    is steered to oneDNN (`mkldnn._linear_pointwise`, the path inductor itself takes for
+    dynamic batch sizes)."""
+    if not freeze:
+        yield
+        return
+    import torch._inductor.config as icfg
+    from torch._inductor.fx_passes import mkldnn_fusion
+
+    with icfg.patch(freezing=True), \
+            mock.patch.object(mkldnn_fusion, "has_free_symbols", lambda _: True):
+        yield
+
+
+class DecodeGraphs:
+    """Compiled decode forwards over one model and KV cache, created lazily per bucket (call
+    `warmup` at start so no compile lands on the serving path)."""
+
+    def __init__(self, model: CausalLM, kv_cache: KVCache, max_query_len: int = 16,
+                 min_blocks: int = 32, freeze: bool = True) -> None:
+        self.model = model
+        self.kv = kv_cache
+        self.block_size = kv_cache.block_size
+        self.scratch_slot = kv_cache.scratch_block * kv_cache.block_size
+        self.max_query_len = max_query_len
+        self.min_blocks = min_blocks
+        cfg = model.config
+        self.max_positions = cfg.max_position_embeddings
+        self.max_blocks = bucket(-(-cfg.max_position_embeddings // self.block_size), min_blocks)
+        device = next(model.parameters()).device
+        self.device = device
+        _raise_recompile_limit(512)
+        import torch._inductor.config as icfg
+
+        # Compile in this process: a pool of compile workers each imports torch, which on a
+        # small shared CPU competes with the first timed decode steps for tens of seconds.
+        icfg.compile_threads = 1
+        self.freeze = freeze and device.type == "cpu"
+        self._main = torch.compile(_main_graph, dynamic=False, fullgraph=True)
+        self._mtp = torch.compile(_mtp_graph, dynamic=False, fullgraph=True)
+        self.compiled: set[GraphKey] = set()
+        # After `warmup`, a bucket it did not compile (e.g. a short prefill chunk) runs eagerly
+        # instead of compiling on the serving path.
+        self.warmed = False
+
+    def key_for(self, kind: str, module: int, lens: list[int],
+                tables: list[list[int]]) -> GraphKey | None:
+        """The bucket for this batch, or None when it must run eagerly."""
+        S = max(lens)
+        if S > self.max_query_len:
+            return None
+        nb = bucket(max(len(t) for t in tables), self.min_blocks)
+        if nb > self.max_blocks:
+            return None
+        key = GraphKey(kind, module, bucket(len(lens)), query_bucket(S), nb)
+        return None if self.warmed and key not in self.compiled else key
+
+    def prepare(self, key: GraphKey, input_ids: list[list[int]], starts: list[int],
+                tables: list[list[int]], logit_rows: list[int]) -> GraphInputs:
+        Bp, Sp, NBp = key.batch, key.query_len, key.num_blocks
+        bs, scratch = self.block_size, self.kv.scratch_block
+        S = max(len(x) for x in input_ids)
+        ids, pos, slots, tab = [], [], [], []
+        for b in range(Bp):
+            if b < len(input_ids):
+                row, start, table = input_ids[b], starts[b], tables[b]
+                n = len(row)
+                ids += row + [0] * (Sp - n)
+                # Padding slots repeat the last real position (valid RoPE index, never a
+                # fully masked row) and write to the scratch block.
+                p = [start + s for s in range(n)]
+                if p[-1] >= self.max_positions:  # compiled kernels do not bounds-check RoPE
+                    raise IndexError(f"row {b}: position {p[-1]} is past the model's "
+                                     f"{self.max_positions} positions")
+                pos += p + [p[-1]] * (Sp - n)
+                for q in p:
+                    if q // bs >= len(table):
+                        raise IndexError(f"row {b}: position {q} needs block {q // bs} but "
+                                         f"its table has {len(table)} blocks")
+                    slots.append(table[q // bs] * bs + q % bs)
+                slots += [self.scratch_slot] * (Sp - n)
+                tab += table + [scratch] * (NBp - len(table))
+            else:  # padding row: attends only to the scratch block's position 0
+                ids += [0] * Sp
+                pos += [0] * Sp
+                slots += [self.scratch_slot] * Sp
+                tab += [scratch] * NBp
+        rows = [(r // S) * Sp + r % S for r in logit_rows]
+        rows += [0] * (Bp * Sp - len(rows))
+
+        def t(x: list[int]) -> torch.Tensor:
+            return torch.tensor(x, dtype=torch.long, device=self.device)
+
+        return GraphInputs(key, t(ids).view(Bp, Sp), t(pos).view(Bp, Sp), t(slots),
+                           t(tab).view(Bp, NBp), t(rows))
+
+    def run(self, inp: GraphInputs,
+            prev: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden [Bp*Sp, hidden] in padded layout, logits [Bp*Sp, V])."""
+        k = inp.key
+        if k not in self.compiled:  # this call compiles the bucket's graph
+            self.compiled.add(k)
+            with _cpu_compile_settings(self.freeze):
+                return self._call(inp, prev)
+        return self._call(inp, prev)
+
+    def _call(self, inp: GraphInputs,
+              prev: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        k = inp.key
+        if k.kind == "main":
+            return self._main(self.model, self.block_size, inp.ids, inp.positions, inp.slots,
+                              inp.tables, inp.logit_rows, self.kv.buffers)
+        assert prev is not None
+        # One input dtype per graph: the previous hidden comes from the main model (model
+        # dtype) or from a draft step (the MTP's dtype, maybe bf16); a second dtype would make
+        # dynamo recompile the bucket on the serving path.
+        prev = prev.to(self.model.mtp[k.module].eh_proj.weight.dtype)
+        return self._mtp(self.model, self.block_size, k.module, inp.ids, prev, inp.positions,
+                         inp.slots, inp.tables, inp.logit_rows, self.kv.buffers)
+
+    def warmup(self, batch_sizes: list[int], query_lens: list[int], max_context: int,
+               mtp_modules: int, log: Callable[[str], None] | None = None) -> int:
+        """Compile every bucket these batch sizes / query lengths / contexts can hit; writes
+        only the scratch block. Returns the number of graphs compiled now."""
+        bs = self.block_size
+        nbs, nb = [], self.min_blocks
+        while nb <= min(bucket(-(-max_context // bs), self.min_blocks), self.max_blocks):
+            nbs.append(nb)
+            nb *= 2
+        hidden = self.model.config.hidden_size
+        dtype = next(self.model.parameters()).dtype
+        done = 0
+        kinds = [("main", 0)] + [("mtp", m) for m in range(mtp_modules)]
+        for kind, module in kinds:
+            for B in sorted({bucket(b) for b in batch_sizes}):
+                for S in sorted({query_bucket(s) for s in query_lens
+                                 if s <= self.max_query_len}):
+                    for nb in nbs:
+                        key = GraphKey(kind, module, B, S, nb)
+                        if key in self.compiled:
+                            continue
+                        table = [self.kv.scratch_block] * nb
+                        inp = self.prepare(key, [[0] * S] * B, [0] * B, [table] * B,
+                                           list(range(B * S)))
+                        prev = torch.zeros(B, S, hidden, dtype=dtype, device=self.device)
+                        self.run(inp, prev)
+                        done += 1
+                        if log:
+                            log(f"compiled {key}")
+        self.warmed = True
+        return done
