@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
-from benchmarks.serve_bench import _pct
+from benchmarks.serve_bench import _pct, stream_completion
 from workers.training.prompts import held_out_prompts
 
 
@@ -70,30 +70,6 @@ def random_text_prompts(n: int, num_chars: int, seed: int = 0) -> list[str]:
     """Random printable characters (off the training distribution of the drafts)."""
     rng = random.Random(seed)
     return ["".join(rng.choice(string.printable) for _ in range(num_chars)) for _ in range(n)]
-
-
-async def _one(client: httpx.AsyncClient, prompt: str, max_tokens: int, temperature: float
-               ) -> dict:
-    """One streaming completion: TTFT and the client-side TPOT after the first token."""
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
-            "stream": True, "stream_options": {"include_usage": True}}
-    t0 = time.perf_counter()
-    first, tokens = None, 0
-    async with client.stream("POST", "/v1/completions", json=body) as resp:
-        resp.raise_for_status()
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            data = json.loads(line[6:])
-            if "error" in data:
-                raise RuntimeError(data["error"])
-            if first is None and data.get("choices") and data["choices"][0].get("text"):
-                first = time.perf_counter()
-            if data.get("usage"):
-                tokens = data["usage"]["completion_tokens"]
-    end = time.perf_counter()
-    tpot = (end - first) / (tokens - 1) if first is not None and tokens > 1 else None
-    return {"ttft": (first or end) - t0, "tpot": tpot, "tokens": tokens}
 
 
 def _metric_values(text: str) -> dict[tuple[str, tuple], float]:
@@ -142,7 +118,8 @@ async def run_profile(a: AutoscaleBenchArgs, use_ray: bool) -> dict:
                 prompt = (noise if rand else code)[(i + n) % 16]
                 n += 1
                 try:
-                    r = await _one(client, prompt, a.max_tokens, 1.0 if rand else 0.0)
+                    r = await stream_completion(client, prompt, a.max_tokens,
+                                                1.0 if rand else 0.0)
                     done.append(r | {"t": time.monotonic() - t0, "phase": phase})
                 except Exception as e:  # counted, the profile goes on
                     done.append({"t": time.monotonic() - t0, "phase": phase, "error": str(e)})

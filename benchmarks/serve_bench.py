@@ -35,9 +35,11 @@ def _pct(values: list[float], q: float) -> float | None:
     return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
 
 
-async def _one(client: httpx.AsyncClient, prompt: str, max_tokens: int) -> dict:
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+async def stream_completion(client: httpx.AsyncClient, prompt: str, max_tokens: int,
+                            temperature: float = 0.0) -> dict:
+    """One streaming completion: TTFT, client-side TPOT after the first token, tokens."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
+            "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     stamps: list[float] = []
     tokens = 0
@@ -68,7 +70,7 @@ async def run(args: ServeBenchArgs) -> dict:
 
         async def guarded(p: str) -> dict:
             async with sem:
-                return await _one(client, p, args.max_tokens)
+                return await stream_completion(client, p, args.max_tokens)
 
         t0 = time.perf_counter()
         results = await asyncio.gather(*(guarded(p) for p in prompts))
@@ -173,7 +175,7 @@ async def run_interference(url: str, api_key: str | None = None, num_streams: in
             window[0] = time.perf_counter()
             if arrivals:
                 for p in longs[:arrivals]:
-                    await _one(client, p, 8)  # prefill + one pull + a few rounds
+                    await stream_completion(client, p, 8)  # prefill + one pull + a few rounds
             else:
                 await asyncio.sleep(settle_s * num_arrivals)
             window[1] = time.perf_counter()

@@ -21,6 +21,9 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 CHART = REPO / "helm" / "mtpserve"
+MULTI = CHART / "ci" / "multi-gpu-values.yaml"
+CPU = CHART / "ci" / "cpu-values.yaml"
+GPU_NODE = CHART / "ci" / "gpu-node-values.yaml"
 DATA = Path(__file__).resolve().parent / "data"
 CI_VALUES = sorted((CHART / "ci").glob("*-values.yaml"))
 CASES: list[Path | None] = [None, *CI_VALUES]

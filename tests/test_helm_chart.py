@@ -22,7 +22,10 @@ from helm_render import (
     CASE_IDS,
     CASES,
     CHART,
+    CPU,
+    GPU_NODE,
     KUBE_VERSION,
+    MULTI,
     RELEASE,
     REPO,
     load_values,
@@ -38,9 +41,6 @@ from serve_config_checks import check_serve_config
 
 from cluster.config import ClusterConfig
 
-MULTI = CHART / "ci" / "multi-gpu-values.yaml"
-CPU = CHART / "ci" / "cpu-values.yaml"
-GPU_NODE = CHART / "ci" / "gpu-node-values.yaml"
 SEVERITY_WARNING = 2
 K8S_VALUES = {"resources", "podSecurityContext", "containerSecurityContext", "prometheus",
               "operator"}  # values passed through as Kubernetes objects

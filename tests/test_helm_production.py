@@ -12,7 +12,9 @@ import pytest
 from helm_render import (
     CASE_IDS,
     CASES,
-    CHART,
+    CPU,
+    GPU_NODE,
+    MULTI,
     RELEASE,
     pod_templates,
     rayservice,
@@ -25,10 +27,6 @@ from serve_config_checks import check_serve_config
 
 from cluster.app import deployment_options
 from cluster.config import ClusterConfig
-
-MULTI = CHART / "ci" / "multi-gpu-values.yaml"
-CPU = CHART / "ci" / "cpu-values.yaml"
-GPU_NODE = CHART / "ci" / "gpu-node-values.yaml"
 
 
 def _containers(pod: dict[str, Any]) -> list[dict[str, Any]]:
