@@ -16,7 +16,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from functools import lru_cache
 
 from cluster.signals import DecodeWindows, PrefillWindows
 from workers.perf_model import PerfModel, profile_rounds
@@ -303,7 +302,7 @@ def attach_replica_metrics(replica, role: str) -> EngineRecorder:
     return recorder
 
 
-# Legacy (kept while the servers still use them) -----------------------------------------------
+# Routing hints -----------------------------------------------------------------------------------
 class EMA:
     """Exponential moving average that knows whether it has seen anything (routing hints;
     never an autoscaling signal: it does not decay when idle)."""
@@ -313,20 +312,3 @@ class EMA:
 
     def update(self, x: float) -> None:
         self.value = x if self.value is None else (1 - self.alpha) * self.value + self.alpha * x
-
-
-@lru_cache(maxsize=1)
-def metrics() -> dict:
-    """Ray metrics the servers used to export (`ray_mtpserve_*`); /metrics replaces them."""
-    from ray.serve.metrics import Counter, Gauge, Histogram
-
-    ms = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000]
-    return {
-        "ttft_ms": Histogram("mtpserve_ttft_ms", "Prefill latency (ms).", boundaries=ms),
-        "tpot_ms": Histogram("mtpserve_tpot_ms", "Decode time per output token (ms).",
-                             boundaries=ms),
-        "acceptance": Gauge("mtpserve_spec_acceptance_rate", "Accepted / drafted tokens."),
-        "tokens": Counter("mtpserve_generated_tokens", "Output tokens emitted."),
-        "kv_used": Gauge("mtpserve_kv_blocks_used", "KV blocks in use on this replica."),
-        "k": Gauge("mtpserve_num_speculative_tokens", "Current speculation depth k."),
-    }

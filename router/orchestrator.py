@@ -31,7 +31,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from router.errors import APIError, overloaded
-from router.types import GenerateRequest, KVTransferParams, TokenChunk
+from router.types import (
+    ERROR_KV_TRANSFER,
+    TARGET_REPLICA,
+    GenerateRequest,
+    KVTransferParams,
+    TokenChunk,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +78,12 @@ class _Stalled(Exception):
 
 
 class _StreamFailed(Exception):
-    """A decode stream ended with an error chunk, or without a finished one."""
+    """A decode stream ended with an error chunk (`kind`: its `error_kind`), or without a
+    finished one."""
+
+    def __init__(self, message: str, kind: str | None = None) -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 @dataclass
@@ -106,9 +117,8 @@ def resumed(request: GenerateRequest, sent: list[int], attempt: int) -> Generate
         "request_id": f"{request.request_id}#m{attempt}",
         "resume_token_ids": list(request.resume_token_ids) + list(sent),
         "max_tokens": request.max_tokens - len(sent),
+        "min_tokens": max(0, request.min_tokens - len(sent)),  # counted from the resume point
     }
-    if hasattr(request, "min_tokens"):  # the engine counts min_tokens from the resume point too
-        changes["min_tokens"] = max(0, (request.min_tokens or 0) - len(sent))
     return dataclasses.replace(request, **changes)
 
 
@@ -118,9 +128,9 @@ def _names(e: BaseException) -> set[str]:
 
 def _is_kv_failure(e: BaseException, names: set[str]) -> bool:
     """A failed KV pull: raised when decode admits the request (`KVTransferFailed`) or sent
-    as the stream's error chunk when it fails later (decode pulls asynchronously); the decode
-    side words those "KV transfer ... failed"."""
-    return bool(names & _KV_ERRORS) or "KV transfer" in str(e)
+    as the stream's error chunk when it fails later (decode pulls asynchronously), typed
+    `error_kind="kv_transfer"` there."""
+    return bool(names & _KV_ERRORS) or getattr(e, "kind", None) == ERROR_KV_TRANSFER
 
 
 def _short(e: BaseException) -> str:
@@ -170,7 +180,7 @@ class DisaggOrchestrator:
                 # The client left between prefill and decode, or decode never pulled: free the
                 # prefill replica's blocks now rather than at hold_ttl_s. A no-op otherwise.
                 if held or params.finished:
-                    self._release(params.request_id)
+                    self._release(params)
 
     async def stats(self) -> dict:
         # One sample per call; with several replicas Serve routes each call to one of them.
@@ -250,7 +260,8 @@ class DisaggOrchestrator:
                         failure = e
                         break
                     if chunk.finish_reason in ("error", "abort"):
-                        failure = _StreamFailed(chunk.error or f"decode {chunk.finish_reason}")
+                        failure = _StreamFailed(chunk.error or f"decode {chunk.finish_reason}",
+                                                chunk.error_kind)
                         break
                     got_chunk = True
                     finished = chunk.finished
@@ -263,7 +274,7 @@ class DisaggOrchestrator:
             # The attempt failed: decide whether and how to go on.
             assert failure is not None
             if use_params and not got_chunk:
-                await self._release_now(params.request_id)  # decode failed before pulling
+                await self._release_now(params)  # decode failed before pulling
             names = _names(failure)
             detail = _short(failure)
             if names & _CLIENT_ERRORS and not use_params and not progress.sent:
@@ -323,19 +334,22 @@ class DisaggOrchestrator:
             raise self._timeout()
         await asyncio.sleep(seconds)
 
-    async def _release_now(self, request_id: str) -> None:
-        """Tell the prefill side to free a held KV now (best effort: hold_ttl_s frees it
-        anyway). `PrefillServer.release` answers False when nothing was held."""
+    async def _release_now(self, params: KVTransferParams) -> None:
+        """Tell the prefill replica holding the KV to free it now (best effort: hold_ttl_s
+        frees it anyway). The call carries that replica's id, which the request router
+        (router.routing) sends it to; if that replica is gone, another answers False."""
+        rid = params.request_id
         try:
-            await asyncio.wait_for(_await(self.prefill.release.remote(request_id)),
-                                   self.config.stall_timeout_s)
+            response = self.prefill.release.remote(
+                rid, **{TARGET_REPLICA: params.prefill_replica})
+            await asyncio.wait_for(_await(response), self.config.stall_timeout_s)
         except Exception as e:
-            logger.debug("release of %s failed: %s", request_id, _short(e))
+            logger.debug("release of %s failed: %s", rid, _short(e))
 
-    def _release(self, request_id: str) -> None:
+    def _release(self, params: KVTransferParams) -> None:
         """`_release_now` in the background (from a closing generator, which cannot wait)."""
         try:
-            task = asyncio.get_running_loop().create_task(self._release_now(request_id))
+            task = asyncio.get_running_loop().create_task(self._release_now(params))
         except RuntimeError:  # no loop (interpreter shutdown)
             return
         self._background.add(task)

@@ -76,6 +76,20 @@ class KVTransferParams:
     finished: bool = False  # the first token already ended the request (EOS / max_tokens=1)
     finish_reason: str | None = None
     first_token_logprobs: TokenLogprobs | None = None  # when the request asked for logprobs
+    # Serve's unique id of the prefill replica holding the KV: `PrefillServer.release` is
+    # routed to exactly that replica (TARGET_REPLICA). None outside Serve.
+    prefill_replica: str | None = None
+
+
+# A keyword argument naming the replica (Serve's unique id) a handle call must reach; the
+# request router (router.routing) honours it. The called method accepts and ignores it.
+TARGET_REPLICA = "target_replica"
+
+
+# TokenChunk.error_kind: what failed. The orchestrator applies kv_transfer.failure_policy to
+# "kv_transfer" (the request's KV never arrived); anything else is a decode failure (migration).
+ERROR_KV_TRANSFER = "kv_transfer"
+ERROR_ENGINE = "engine"
 
 
 @dataclass
@@ -91,6 +105,7 @@ class TokenChunk:
     num_accepted: int = 0
     num_rounds: int = 0
     error: str | None = None  # set with finish_reason "error"
+    error_kind: str | None = None  # with "error": ERROR_KV_TRANSFER | ERROR_ENGINE
     logprobs: list[TokenLogprobs] | None = None  # one per token id, if requested
 
 

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 
 from router.errors import APIError
-from router.orchestrator import DisaggOrchestrator, OrchestratorConfig
+from router.orchestrator import DisaggOrchestrator, OrchestratorConfig, resumed
 from router.types import GenerateRequest, KVTransferParams, TokenChunk
 from workers.async_engine import AsyncEngine
 from workers.engine import Engine, EngineConfig
@@ -75,10 +75,10 @@ class Handle:
         return self
 
     def __getattr__(self, name: str) -> SimpleNamespace:
-        def remote(*args):
+        def remote(*args, **kwargs):
             replica = self.replicas[self.next % len(self.replicas)]
             self.next += 1
-            out = getattr(replica, name)(*args)
+            out = getattr(replica, name)(*args, **kwargs)
             return _Stream(out) if inspect.isasyncgen(out) else _Response(out)
 
         return SimpleNamespace(remote=remote)
@@ -104,7 +104,7 @@ class Prefill:
                                 len(req.prompt_token_ids), first.token_ids[0], 2,
                                 first.finished, first.finish_reason)
 
-    async def release(self, request_id: str) -> bool:
+    async def release(self, request_id: str, target_replica: str | None = None) -> bool:
         found = request_id in self.held
         self.held.discard(request_id)
         return found
@@ -119,6 +119,7 @@ class Decode:
         self.freeze_after: int | None = None  # chunks; then silent forever
         self.kv_fail = 0
         self.kv_fail_async = False  # fail as the pull does after admission: an error chunk
+        self.kv_fail_kind = "kv_transfer"  # that chunk's error_kind
         self.dead = False
         self.streams = 0
 
@@ -132,7 +133,8 @@ class Decode:
                 message = "KV transfer of r0 failed on rank 0: timed out after 1.0s"
                 if not self.kv_fail_async:
                     raise KVTransferFailed(message)
-                yield TokenChunk([], finished=True, finish_reason="error", error=message)
+                yield TokenChunk([], finished=True, finish_reason="error", error=message,
+                                 error_kind=self.kv_fail_kind)
                 return
             self.prefill.held.discard(params.request_id)  # the pull acknowledges the hold
         skip = params is not None  # the prefill side already sent the first token
@@ -266,6 +268,24 @@ def test_kv_failure_policy_fail(engine, prompts, when) -> None:
         run(collect(orch, request(0, prompts[0])))
     assert err.value.code == "kv_transfer_failed" and "timed out after 1.0s" in err.value.message
     assert prefill.held == set()
+
+
+def test_error_kind_not_wording_marks_a_kv_failure(engine, prompts, offline) -> None:
+    # An engine error that merely mentions a KV transfer is a decode failure: it migrates,
+    # although the KV policy is "fail".
+    orch, prefill, (a, b) = build(engine, kv_failure_policy="fail")
+    a.kv_fail = b.kv_fail = 1
+    a.kv_fail_async = b.kv_fail_async = True
+    a.kv_fail_kind = b.kv_fail_kind = "engine"
+    assert run(collect(orch, request(0, prompts[0]))) == offline[0]
+    assert orch.num_kv_recomputes == 0 and orch.num_migrations == 1
+    assert prefill.held == set()
+
+
+def test_resumed_counts_min_tokens_from_the_resume_point() -> None:
+    req = GenerateRequest("r", [1, 2], max_tokens=10, min_tokens=4)
+    assert (resumed(req, [7, 8, 9], 1).min_tokens, resumed(req, [7] * 6, 2).min_tokens) == (1, 0)
+    assert resumed(req, [7, 8, 9], 1).max_tokens == 7
 
 
 def test_prefill_retried_then_recomputed_on_decode(engine, prompts, offline) -> None:

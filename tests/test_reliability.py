@@ -180,9 +180,17 @@ def running_replicas(deployment: str) -> int:
 
 
 def wait_healthy(timeout_s: float = 180.0) -> None:
+    """Both deployments at 2 RUNNING replicas, and every named replica actor answers `stats`
+    (a replacement replica is named before its constructor has finished)."""
     end = time.monotonic() + timeout_s
-    while not (running_replicas("DecodeServer") == 2 and running_replicas("PrefillServer") == 2):
+    while True:
         assert time.monotonic() < end, serve.status()
+        if running_replicas("DecodeServer") == 2 and running_replicas("PrefillServer") == 2:
+            try:
+                if all(len(per_replica(role)) == 2 for role in ("prefill", "decode")):
+                    return
+            except Exception:  # a replica still initialising; poll again
+                pass
         time.sleep(0.5)
 
 

@@ -36,3 +36,65 @@ def test_rank_by_load_orders_least_loaded_first() -> None:
     ranked = rank_by_load([a, b, c], lambda r: queues[r.name])
     assert [group[0].name for group in ranked] == ["b", "c", "a"]
     assert all(len(group) == 1 for group in ranked)
+
+
+# Calls pinned to one replica (the orchestrator's prefill release) ------------------------------
+
+def _replica(uid: str, load: int) -> SimpleNamespace:
+    from collections import namedtuple
+
+    replica_id = namedtuple("ReplicaID", "unique_id")  # hashable, like Serve's
+    return SimpleNamespace(replica_id=replica_id(uid),
+                           routing_stats={"inflight": load})
+
+
+def _pending(target: str | None = None) -> SimpleNamespace:
+    import asyncio
+
+    from router.types import TARGET_REPLICA
+
+    loop = asyncio.new_event_loop()  # a future only needs a loop to exist
+    return SimpleNamespace(args=["rid"], kwargs={TARGET_REPLICA: target} if target else {},
+                           future=loop.create_future())
+
+
+def _router(replicas: list) -> object:
+    from collections import deque
+
+    from router.routing import LeastLoadedRouter
+
+    router = LeastLoadedRouter.__new__(LeastLoadedRouter)  # Serve's constructor needs a cluster
+    router._replicas = {r.replica_id.unique_id: r for r in replicas}
+    router._replica_queue_len_cache = {}
+    router._pending_requests_to_fulfill = deque()
+    # Serve's bookkeeping around a hand-out (not what is tested here).
+    router._cancel_routing_task_for_pending_request = lambda pr: None
+    router._record_queue_wait_time = lambda pr: None
+    router._remove_pending_request_from_indices = lambda pr: None
+    return router
+
+
+def test_a_pinned_call_goes_to_its_replica_or_anywhere_when_it_is_gone() -> None:
+    import asyncio
+
+    a, b = _replica("a", 0), _replica("b", 5)
+    router = _router([a, b])
+    choose = router.choose_replicas
+    assert asyncio.run(choose([a, b], _pending("b"))) == [[b]]  # though a is less loaded
+    assert asyncio.run(choose([a, b], _pending())) == [[a], [b]]
+    assert asyncio.run(choose([a], _pending("b"))) == [[a]]  # b gone: a answers (no-op)
+
+
+def test_fifo_hand_out_never_gives_a_pinned_call_another_replica() -> None:
+    a, b = _replica("a", 0), _replica("b", 0)
+    router = _router([a, b])
+    pinned_b, free = _pending("b"), _pending()
+    router._pending_requests_to_fulfill.extend([pinned_b, free])
+    router._fulfill_next_pending_request(a)  # chosen for some call: the oldest eligible gets it
+    assert not pinned_b.future.done() and free.future.result() is a
+    router._fulfill_next_pending_request(b)
+    assert pinned_b.future.result() is b
+    gone = _pending("c")  # pinned to a replica that no longer exists: any replica will do
+    router._pending_requests_to_fulfill.append(gone)
+    router._fulfill_next_pending_request(a)
+    assert gone.future.result() is a and not router._pending_requests_to_fulfill

@@ -17,7 +17,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
-from router.types import GenerateRequest, TokenChunk
+from router.types import ERROR_ENGINE, GenerateRequest, TokenChunk
 from workers.engine import Engine, EngineError, RequestOutput
 from workers.request import Request
 from workers.sampling_params import SamplingParams
@@ -109,9 +109,11 @@ class AsyncEngine:
             fut.cancel()
             raise TimeoutError(f"engine thread did not answer within {deadline_s:.1f}s") from e
 
-    def fail(self, rid: str, message: str) -> None:
-        """Engine thread: end a request's stream with an error (its engine state is gone)."""
-        self._publish(rid, TokenChunk([], finished=True, finish_reason="error", error=message))
+    def fail(self, rid: str, message: str, kind: str = ERROR_ENGINE) -> None:
+        """Engine thread: end a request's stream with an error (its engine state is gone);
+        `kind` tells the orchestrator what failed (router.types.ERROR_*)."""
+        self._publish(rid, TokenChunk([], finished=True, finish_reason="error", error=message,
+                                      error_kind=kind))
 
     def shutdown(self) -> None:
         self._stop.set()
@@ -229,7 +231,7 @@ class AsyncEngine:
         for rid in list(self._listeners):
             self.engine.abort(rid)
             self._publish(rid, TokenChunk([], finished=True, finish_reason="error",
-                                          error=message))
+                                          error=message, error_kind=ERROR_ENGINE))
 
 
 def _noop() -> None:

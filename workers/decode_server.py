@@ -8,8 +8,8 @@ from collections.abc import AsyncIterator
 
 from ray import serve
 
-from cluster.metrics import EMA, attach_replica_metrics, metrics  # noqa: F401 (tests stub it)
-from router.types import GenerateRequest, KVTransferParams, TokenChunk
+from cluster.metrics import EMA, attach_replica_metrics
+from router.types import ERROR_KV_TRANSFER, GenerateRequest, KVTransferParams, TokenChunk
 from workers.async_engine import sampling_params
 from workers.block_manager import blocks_for
 from workers.engine import Engine, EngineError
@@ -41,8 +41,11 @@ class DecodeServer(EngineReplica):
         self.expected: dict[str, list[int]] = {}  # live request -> [expected, produced]
 
     def _make_poller(self) -> KVArrivals:
+        # A failed pull ends the stream with a typed error: the orchestrator then applies
+        # kv_transfer.failure_policy (recompute or fail) instead of migrating.
         return KVArrivals(self.driver, self.cfg.kv_transfer.timeout_s,
-                          on_failed=lambda rid, msg: self.engine.fail(rid, msg))
+                          on_failed=lambda rid, msg: self.engine.fail(rid, msg,
+                                                                      ERROR_KV_TRANSFER))
 
     def _add_transferred(self, engine: Engine, req: GenerateRequest,
                          params: KVTransferParams) -> Request:

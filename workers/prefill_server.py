@@ -8,11 +8,11 @@ import time
 import torch
 from ray import serve
 
-from cluster.metrics import EMA, attach_replica_metrics, metrics  # noqa: F401 (tests stub it)
+from cluster.metrics import EMA, attach_replica_metrics
 from router.types import GenerateRequest, KVTransferParams
 from workers.engine import Engine
 from workers.kv_transfer.arrivals import PrefillHolds
-from workers.replica import EngineReplica
+from workers.replica import EngineReplica, replica_tag
 from workers.scheduler import draft_slots
 from workers.tp_group import HoldKV
 
@@ -27,15 +27,18 @@ class PrefillServer(EngineReplica):
         self.inflight = 0
         # Metrics (TTFT histogram) and windowed autoscaling signals (prompt compute, queue).
         self.recorder = attach_replica_metrics(self, "prefill")
+        # Put in every KVTransferParams: the orchestrator's `release` is routed back here.
+        self.replica_id = replica_tag()
 
     def _make_poller(self) -> PrefillHolds:
         # Frees held blocks once every rank's sender released them (acked, expired, failed).
         return PrefillHolds(self.driver)
 
-    async def release(self, request_id: str) -> bool:
+    async def release(self, request_id: str, target_replica: str | None = None) -> bool:
         """Free a held request's KV at once (decode will not pull it: the first token ended
         the request, the client left between stages, or decode refused). False if the
-        request is not held here (already pulled, released or unknown)."""
+        request is not held here (already pulled, released or unknown). `target_replica`
+        (router.types.TARGET_REPLICA) is the routing hint that brought the call here."""
         return await self.engine.acall(lambda e: self.poller.release(request_id))
 
     async def inject_fault(self, send_delay_s: float = 0.0, count: int = 1) -> None:
@@ -61,7 +64,8 @@ class PrefillServer(EngineReplica):
                 return KVTransferParams(rid, self.kv_addresses, self.driver.tp_size, 0, 0,
                                         n_prompt, first.token_ids[0], 0, True,
                                         first.finish_reason,
-                                        first_token_logprobs=_first_logprobs(first))
+                                        first_token_logprobs=_first_logprobs(first),
+                                        prefill_replica=self.replica_id)
             params = await self.engine.acall(lambda e: self._hold(e, rid, first.token_ids[0]))
             params.first_token_logprobs = _first_logprobs(first)
             return params
@@ -85,7 +89,7 @@ class PrefillServer(EngineReplica):
             prefill_tp_size=self.driver.tp_size,
             num_kv_heads=engine.model_config.num_key_value_heads, num_tokens=slots,
             num_computed_tokens=r.num_computed_tokens, first_token_id=first_token,
-            num_drafts=len(r.draft_token_ids),
+            num_drafts=len(r.draft_token_ids), prefill_replica=self.replica_id,
         )
 
     async def stats(self) -> dict:

@@ -62,7 +62,7 @@ class EngineReplica:
 
     async def stats(self) -> dict:
         s = await self.engine.acall(lambda e: e.stats())
-        s["replica"] = _replica_tag()  # which replica answered (Serve routes each call to one)
+        s["replica"] = replica_tag()  # which replica answered (Serve routes each call to one)
         return s
 
     async def check_health(self) -> None:
@@ -84,7 +84,7 @@ class EngineReplica:
             pass
 
 
-def _replica_tag() -> str | None:
+def replica_tag() -> str | None:
     """Serve's unique id of this replica (its actor is SERVE_REPLICA::<app>#<Deployment>#<id>)."""
     try:
         from ray import serve

@@ -1,0 +1,117 @@
+"""The orchestrator's prefill release reaches the replica that holds the KV (a real local Ray
+cluster, two prefill replicas, the custom request router).
+
+Requests are prefilled concurrently (spread over both replicas), the client stops after the
+first token (a stop string matched it), and the orchestrator releases the holds: every prefill
+replica's KV blocks are back to zero within 1 s, released (not expired at hold_ttl_s=30), so
+each release landed on its holder and not on whichever replica Serve would pick.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+import pytest
+
+pytestmark = pytest.mark.ray
+
+ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+
+APP = "mtpserve-release"
+NUM_REQUESTS = 8
+
+
+@pytest.fixture(scope="module")
+def app(default_model):
+    from cluster.app import build_app
+    from cluster.config import ClusterConfig
+
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    with socket.socket() as sock:  # a free port: other modules' clusters may have run
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    cfg = ClusterConfig(
+        model=str(default_model),
+        prefill={"replicas": 2, "cpus_per_rank": 0.5, "num_kv_blocks": 256},
+        decode={"replicas": 1, "cpus_per_rank": 0.5, "num_kv_blocks": 256},
+        speculation={"num_speculative_tokens": 2, "adaptive": False},
+        kv_transfer={"timeout_s": 10, "hold_ttl_s": 30},  # a release, never the TTL, in 1 s
+    )
+    serve.run(build_app(cfg), name=APP, route_prefix="/release")
+    yield cfg
+    serve.shutdown()
+    ray.shutdown()
+
+
+def prefill_replicas() -> dict[str, object]:
+    """Replica id -> actor handle of the live prefill replicas."""
+    prefix = f"SERVE_REPLICA::{APP}#PrefillServer#"
+    return {a["name"][len(prefix):]: ray.get_actor(a["name"], namespace=a["namespace"])
+            for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith(prefix)}
+
+
+def replica_stats(actor) -> dict:
+    """`stats` of one given replica (a handle would choose the replica itself). Serve's
+    replica entry point with its request metadata: a private API, tests only."""
+    import pickle
+    import uuid
+
+    from ray.serve._private.common import RequestMetadata
+
+    rid = uuid.uuid4().hex
+    meta = RequestMetadata(request_id=rid, internal_request_id=rid, call_method="stats",
+                           app_name=APP)
+    return ray.get(actor.handle_request.remote(pickle.dumps(meta)), timeout=60)
+
+
+def test_release_after_a_first_token_stop_reaches_the_holding_replica(app, default_model
+                                                                       ) -> None:
+    from router.orchestrator import DisaggOrchestrator, OrchestratorConfig
+    from router.types import GenerateRequest
+    from workers.tokenizer import load_tokenizer
+    from workers.training.prompts import held_out_prompts
+
+    actors = prefill_replicas()
+    assert len(actors) == 2
+    tok = load_tokenizer(str(default_model))
+    prompts = [list(tok.encode(p)) for p in held_out_prompts(NUM_REQUESTS, num_chars=200)]
+    # The ingress's orchestrator, here in the driver: same handles, same request router.
+    orch = DisaggOrchestrator(serve.get_deployment_handle("PrefillServer", APP),
+                              serve.get_deployment_handle("DecodeServer", APP),
+                              OrchestratorConfig(stall_timeout_s=60))
+
+    async def first_token(gen) -> None:
+        chunk = await gen.__anext__()
+        assert chunk.token_ids and not chunk.finished
+
+    async def main() -> tuple[dict, float]:
+        gens = [orch.generate(GenerateRequest(f"rel-{i}", p, max_tokens=32, temperature=0.0,
+                                              ignore_eos=True))
+                for i, p in enumerate(prompts)]
+        await asyncio.gather(*(first_token(g) for g in gens))
+        # Every request's KV is held now, on both replicas (concurrent prefills spread).
+        held = {tag: replica_stats(a)["used_blocks"] for tag, a in actors.items()}
+        t0 = time.monotonic()
+        for g in gens:  # the first token matched a stop string: the consumer stops reading
+            await g.aclose()
+        while True:
+            used = {tag: replica_stats(a)["used_blocks"] for tag, a in actors.items()}
+            if not any(used.values()):
+                return held, time.monotonic() - t0
+            assert time.monotonic() - t0 < 1.0, f"prefill KV still held after 1 s: {used}"
+            await asyncio.sleep(0.02)
+
+    before = {tag: replica_stats(a)["kv_sender"] for tag, a in actors.items()}
+    held, seconds = asyncio.run(main())
+    assert all(n > 0 for n in held.values()), f"requests not spread over replicas: {held}"
+    assert seconds < 1.0
+    after = {tag: replica_stats(a)["kv_sender"] for tag, a in actors.items()}
+    released = sum(after[t]["released"] - before[t]["released"] for t in actors)
+    expired = sum(after[t]["expired"] - before[t]["expired"] for t in actors)
+    assert (released, expired) == (NUM_REQUESTS, 0)
+    print(f"held blocks {held}; all released in {seconds * 1000:.0f} ms")
