@@ -107,7 +107,8 @@ def test_exception_classification():
 
     assert from_exception(EngineError("too long")).status == 400
     assert from_exception(TimeoutError()).status == 503
-    assert from_exception(BackPressureError("full")).status == 503
+    busy = from_exception(BackPressureError("full"))  # Serve's queue is full: retry later
+    assert busy.status == 429 and busy.headers.get("Retry-After")
     err = from_exception(RuntimeError("x" * 2000))
     assert err.status == 500 and len(err.message) < 600  # truncated detail
 
