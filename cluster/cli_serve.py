@@ -8,6 +8,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from workers.paths import REPO_ROOT
@@ -126,13 +127,35 @@ def _up(args: argparse.Namespace) -> int:
         print(f"mtpserve is serving {Path(cfg.model).name} at {url}/v1 (Ctrl-C to stop)",
               flush=True)
         stop.wait()
-        _drain(cfg.graceful_shutdown_timeout_s)
+        grace = cfg.graceful_shutdown_timeout_s
+        _bounded(lambda: _drain(grace), grace + 15, "drain")
         return 0
     finally:
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
+        if not _bounded(_shutdown_ray, 60, "shutdown"):
+            os._exit(1)
+
+
+def _shutdown_ray() -> None:
+    import ray
+    from ray import serve
+
+    try:
+        serve.shutdown()
+    finally:
+        ray.shutdown()
+
+
+def _bounded(fn: Callable[[], None], timeout_s: float, what: str) -> bool:
+    """Run `fn` on a daemon thread for at most `timeout_s`. A signal sent to the whole process
+    group (a terminal's Ctrl-C, `timeout`, some supervisors) also stops Ray's GCS and raylet, and
+    Ray's client calls then block without a deadline: stopping must never hang on them."""
+    t = threading.Thread(target=fn, name=what, daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        print(f"mtpserve: {what} did not finish within {timeout_s:g}s (is the Ray cluster "
+              "gone?); exiting", file=sys.stderr, flush=True)
+    return not t.is_alive()
 
 
 def _drain(timeout_s: float) -> None:
