@@ -2,7 +2,10 @@
 
 Each engine step is either a prefill step (chunks of several requests within a token budget)
 or a decode step (one speculative round for every running request). Steps alternate while
-both kinds have work, so long prompts cannot starve decoding and vice versa.
+both kinds have work, so long prompts cannot starve decoding and vice versa. With
+`mixed_prefill_tokens` > 0 they do not alternate: while requests are running, every step is a
+decode round with up to that many prefill tokens riding along in the same forward, so running
+requests emit tokens every step during a prefill burst.
 
 Transferred requests (disaggregated decode) pass the same admission: they queue for a
 sequence slot and KV blocks (`awaiting_kv`, FIFO), then receive their KV while parked in
@@ -55,10 +58,12 @@ class Scheduler:
         block_manager: BlockManager,
         max_num_seqs: int,
         max_num_batched_tokens: int,
+        mixed_prefill_tokens: int = 0,
     ) -> None:
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.mixed_prefill_tokens = mixed_prefill_tokens  # 0: prefill and decode alternate
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []
         self.running: list[Request] = []
@@ -140,6 +145,14 @@ class Scheduler:
             bool(self.waiting) and self.num_seqs < self.max_num_seqs
         )
         self.idle = False
+        if want_prefill and self.running and self.mixed_prefill_tokens > 0:
+            # Decode claims its blocks first, so a prefill admitted alongside cannot cause a
+            # preemption this step; under block pressure (something was preempted) the round
+            # runs alone and the preempted request is re-admitted by a later step.
+            decode, preempted = self._schedule_decode()
+            chunks = [] if preempted else self._schedule_prefill(self.mixed_prefill_tokens)
+            self.idle = not decode and not chunks and not preempted
+            return SchedulerOutput(chunks, decode, preempted)
         if want_prefill and (not self.running or not self._last_was_prefill):
             chunks = self._schedule_prefill()
             if chunks:
@@ -152,8 +165,8 @@ class Scheduler:
         self.idle = not decode
         return SchedulerOutput([], decode, preempted)
 
-    def _schedule_prefill(self) -> list[PrefillChunk]:
-        budget = self.max_num_batched_tokens
+    def _schedule_prefill(self, budget: int | None = None) -> list[PrefillChunk]:
+        budget = self.max_num_batched_tokens if budget is None else budget
         chunks: list[PrefillChunk] = []
         for req in self.prefilling:
             if budget <= 0:
