@@ -142,22 +142,18 @@ def render(data: dict, model_name: str, now: float | None = None) -> str:
             lines.append(f"mtpserve:autoscaling_desired_replicas"
                          f"{_labels(model_name=model_name, deployment=dep)} "
                          f"{_num(d['desired_replicas'])}")
-        pred = {dep: d for dep, d in policy.items() if d.get("predicted_tpot_s")}
-        if pred:
-            family("mtpserve:autoscaling_predicted_tpot_seconds", "gauge",
-                   "TPOT the decode policy predicts at the current replica count.")
-            for dep, d in sorted(pred.items()):
-                lines.append(f"mtpserve:autoscaling_predicted_tpot_seconds"
-                             f"{_labels(model_name=model_name, deployment=dep)} "
-                             f"{_num(d['predicted_tpot_s'])}")
-        slo = {dep: d for dep, d in policy.items() if d.get("target_tpot_s")}
-        if slo:
-            family("mtpserve:autoscaling_target_tpot_seconds", "gauge",
-                   "The decode TPOT SLO the policy sizes for.")
-            for dep, d in sorted(slo.items()):
-                lines.append(f"mtpserve:autoscaling_target_tpot_seconds"
-                             f"{_labels(model_name=model_name, deployment=dep)} "
-                             f"{_num(d['target_tpot_s'])}")
+        for name, key, help_text in (
+            ("predicted_tpot_seconds", "predicted_tpot_s",
+             "TPOT the decode policy predicts at the current replica count."),
+            ("target_tpot_seconds", "target_tpot_s", "The decode TPOT SLO the policy sizes for."),
+        ):
+            have = {dep: d for dep, d in policy.items() if d.get(key)}
+            if not have:
+                continue
+            family(f"mtpserve:autoscaling_{name}", "gauge", help_text)
+            for dep, d in sorted(have.items()):
+                lines.append(f"mtpserve:autoscaling_{name}"
+                             f"{_labels(model_name=model_name, deployment=dep)} {_num(d[key])}")
     return "\n".join(lines) + "\n"
 
 
