@@ -292,9 +292,9 @@ def test_huge_body_is_refused_fast_through_serve(app_url) -> None:
     reply, sent, took = upload_until_answered(port, 50 << 20, b"Authorization: Bearer "
                                               + ADMIN.encode() + b"\r\n")
     assert reply.startswith("HTTP/1.1 413"), reply[:300]
-    # Serve's proxy reads part of the body ahead of the replica (26-33 MB measured here), so
-    # the bound is on time: refused before the upload ends, within seconds.
-    assert sent < 50 << 20 and took < 10
+    # Serve's proxy reads the body ahead of the replica (26 MB to all of it, depending on the
+    # machine's load), so the bound is on time: refused within seconds, not after a minute.
+    assert took < 10, (sent, took)
     with socket.create_connection(("127.0.0.1", port), timeout=30) as s:  # declared size
         t0 = time.monotonic()
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "

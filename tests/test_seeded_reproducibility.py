@@ -127,6 +127,8 @@ def test_prefill_then_decode_equals_alone(tiny_qwen3) -> None:
 
 
 def _tp_rank(rank: int, port: int, path: str, out) -> None:
+    import torch.distributed as dist
+
     from workers.tp_group import RankCore, RankSpec, TPDriver, worker_loop
 
     torch.set_num_threads(1)
@@ -135,6 +137,7 @@ def _tp_rank(rank: int, port: int, path: str, out) -> None:
     core = RankCore(spec, rank)
     if rank:
         worker_loop(core)
+        dist.barrier()  # neither rank leaves while the other still talks to it
         return
     driver = TPDriver(core)
     eng = Engine(EngineConfig(model=path, num_speculative_tokens=4, num_kv_blocks=256,
@@ -144,6 +147,7 @@ def _tp_rank(rank: int, port: int, path: str, out) -> None:
         eng.step()
     out.put(req.output_token_ids)
     driver.shutdown()
+    dist.barrier()
 
 
 def test_tp2_equals_tp1(tiny_qwen3) -> None:

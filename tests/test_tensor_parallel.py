@@ -130,6 +130,7 @@ def _split_rank(rank: int, port: int, path: str, prompts: list, out) -> None:
     if rank:
         worker_loop(core)
         out.put(("worker", seen, core.failed))
+        torch.distributed.barrier()  # neither rank leaves while the other still talks to it
         return
     from workers.engine import Engine, EngineConfig
     from workers.sampling_params import SamplingParams
@@ -147,6 +148,7 @@ def _split_rank(rank: int, port: int, path: str, prompts: list, out) -> None:
     driver.ping()  # the health ping is control traffic too
     driver.shutdown()
     out.put(("driver", seen, [got[str(i)] for i in range(len(prompts))]))
+    torch.distributed.barrier()
 
 
 def _free_port() -> int:
