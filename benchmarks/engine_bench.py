@@ -4,7 +4,8 @@ batch size, measured side by side in one run on the same prompts and weights (gr
 `variants` picks the runner configurations, each measured on every row with the variants
 interleaved (so a lever's effect is measured side by side): "eager", "graphs" (fixed-shape
 compiled decode graphs, compiled before timing), "graphs-mtp-bf16" (graphs, and the MTP
-module and its head in bfloat16). `context_sweep` adds k=0 batch-1 TPOT at each
+module and its head in bfloat16), "graphs-dv1024" (graphs, drafting over the 1024 most
+frequent tokens; see `parse_variant`). `context_sweep` adds k=0 batch-1 TPOT at each
 context length (time per decode token after the first)."""
 
 from __future__ import annotations
@@ -21,13 +22,31 @@ from workers.sampling_params import SamplingParams
 from workers.tokenizer import load_tokenizer
 from workers.training.prompts import held_out_prompts
 
-# name -> (decode graphs, MTP dtype or None for the model dtype)
-VARIANTS: dict[str, tuple[bool, str | None]] = {
-    "eager": (False, None),
-    "graphs": (True, None),
-    "graphs-mtp-bf16": (True, "bfloat16"),
-    "eager-mtp-bf16": (False, "bfloat16"),
-}
+
+@dataclass(frozen=True)
+class Variant:
+    graphs: bool
+    mtp_dtype: str | None = None  # None: the model's dtype
+    draft_vocab_size: int | None = None  # None: the full vocabulary
+
+
+def parse_variant(name: str) -> Variant:
+    """"eager" | "graphs", then optional "-mtp-bf16" and/or "-dv<N>" (a draft vocabulary of
+    the N most frequent tokens), e.g. "graphs-dv1024"."""
+    base, *rest = name.split("-", 1)
+    if base not in ("eager", "graphs"):
+        raise ValueError(f"variant {name!r}: starts with eager or graphs")
+    v = Variant(graphs=base == "graphs")
+    tail = rest[0] if rest else ""
+    if tail.startswith("mtp-bf16"):
+        v = Variant(v.graphs, "bfloat16")
+        tail = tail[len("mtp-bf16"):].lstrip("-")
+    if tail.startswith("dv") and tail[2:].isdigit():
+        v = Variant(v.graphs, v.mtp_dtype, int(tail[2:]))
+        tail = ""
+    if tail:
+        raise ValueError(f"variant {name!r}: unknown suffix {tail!r}")
+    return v
 
 
 @dataclass
@@ -41,7 +60,7 @@ class BenchArgs:
     num_prompts: int = 8
     prompt_tokens: int = 256
     device: str = "cpu"
-    variants: tuple[str, ...] = ("graphs",)  # of VARIANTS
+    variants: tuple[str, ...] = ("graphs",)  # see parse_variant
     context_sweep: tuple[int, ...] = ()
     sweep_tokens: int = 32
     num_kv_blocks: int = 4096
@@ -106,10 +125,11 @@ def _engine_run(eng: Engine, prompts: list[list[int]], batch: int, max_tokens: i
 def _runner(args: BenchArgs, variant: str, max_context: int) -> tuple[ModelRunner, dict]:
     """One runner per variant, shared by every k (compiled graphs are per runner); graphs are
     compiled here, before anything is timed."""
-    graphs, mtp_dtype = VARIANTS[variant]
+    v = parse_variant(variant)
     runner = ModelRunner(args.model, args.num_kv_blocks, args.block_size, DTYPES[args.dtype],
-                         args.device, decode_graphs=graphs,
-                         mtp_dtype=DTYPES[mtp_dtype] if mtp_dtype else None)
+                         args.device, decode_graphs=v.graphs,
+                         mtp_dtype=DTYPES[v.mtp_dtype] if v.mtp_dtype else None,
+                         draft_vocab_size=v.draft_vocab_size)
     t0 = time.perf_counter()
     batches = [1 << i for i in range(max(args.batch_sizes).bit_length())]
     queries = list(range(1, max(args.ks) + 2))

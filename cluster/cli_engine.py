@@ -46,13 +46,22 @@ def add_commands(sub: argparse._SubParsersAction, bench: argparse._SubParsersAct
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--variants", type=lambda s: tuple(s.split(",")), default=("graphs",),
                    help="runner variants measured side by side: eager, graphs, "
-                        "graphs-mtp-bf16, eager-mtp-bf16 (comma-separated)")
+                        "graphs-mtp-bf16, graphs-dv1024 (draft vocabulary of 1024), "
+                        "... (comma-separated)")
     p.add_argument("--repeats", type=int, default=1,
                    help="repeat each measurement (interleaved) and keep the fastest")
     p.add_argument("--context-sweep", type=_ints, default=(),
                    help="also measure k=0 batch-1 TPOT at these context lengths")
     p.add_argument("--json", dest="json_out", help="write results here")
     p.set_defaults(func=_bench_engine)
+
+    p = sub.add_parser("draft-vocab", help="rank a checkpoint's tokens by corpus frequency "
+                       "(draft_vocab.json, for speculation.draft_vocab_size)")
+    p.add_argument("--model", default=default_model)
+    p.add_argument("--corpus", help="folder of text files (default: the training split of "
+                   "this interpreter's standard library, the default model's data)")
+    p.add_argument("--glob", default="**/*.py", help="files of --corpus to read")
+    p.set_defaults(func=_draft_vocab)
 
     p = sub.add_parser("eval-mtp", help="held-out MTP acceptance and losses")
     p.add_argument("--model", default=default_model)
@@ -112,6 +121,29 @@ def _bench_engine(args: argparse.Namespace) -> int:
                    batch_sizes=args.batch_sizes, dtype=args.dtype,
                    num_prompts=args.num_prompts, device=args.device, variants=args.variants,
                    context_sweep=args.context_sweep, repeats=args.repeats), args.json_out)
+    return 0
+
+
+def _draft_vocab(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from workers.model.config import ModelConfig
+    from workers.spec.draft_vocab import corpus_token_streams, rank_tokens, write_ranking
+    from workers.tokenizer import load_tokenizer
+    from workers.training.data import split_files
+
+    if args.corpus:
+        files = sorted(p for p in Path(args.corpus).glob(args.glob) if p.is_file())
+        source = f"{args.corpus}/{args.glob}"
+    else:
+        files, source = split_files()[0], "training split of the standard library"
+    if not files:
+        print(f"no files match {args.glob} under {args.corpus}", file=sys.stderr)
+        return 2
+    vocab = ModelConfig.from_pretrained(args.model).vocab_size
+    ranking = rank_tokens(corpus_token_streams(load_tokenizer(args.model), files), vocab)
+    path = write_ranking(args.model, ranking, f"{source} ({len(files)} files)")
+    print(f"wrote {path}: {vocab} tokens ranked over {len(files)} files")
     return 0
 
 

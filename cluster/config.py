@@ -105,6 +105,11 @@ class SpeculationSettings(_Strict):
     adaptive: bool = Field(
         True, description="Adapt k per replica to the measured acceptance rate (never above k)."
     )
+    draft_vocab_size: int | None = Field(
+        None, ge=1, description="Draft over the N most frequent tokens only (the model "
+        "folder's draft_vocab.json, from `mtpserve draft-vocab`): cheaper draft steps, same "
+        "outputs; null drafts over the whole vocabulary."
+    )
 
 
 class KVTransferSettings(_Strict):
@@ -303,6 +308,11 @@ class ClusterConfig(_Strict):
                     raise ValueError(
                         f"{role}.tp_size={tp} must divide the model's {heads} attention heads"
                     )
+            dv = self.speculation.draft_vocab_size
+            if dv is not None:
+                from workers.spec.draft_vocab import draft_token_ids
+
+                draft_token_ids(self.model, dv, hf.get("vocab_size", dv))  # raises with the fix
             n_mtp = hf.get("num_nextn_predict_layers", 0) or 0
             if n_mtp == 0 and self.speculation.num_speculative_tokens > 0:
                 raise ValueError(

@@ -3,12 +3,15 @@ linears, vocab-parallel embedding and head) over their paged KV shards."""
 
 from __future__ import annotations
 
+import shutil
 import socket
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
 from workers.model_runner import ForwardBatch, ModelRunner
+from workers.spec.draft_vocab import write_ranking
 
 PROMPT = [5, 17, 99, 3, 250, 7, 42, 8, 1, 77, 31]
 
@@ -22,7 +25,7 @@ def batches() -> list[ForwardBatch]:
     ]
 
 
-def _rank(rank: int, port: int, path: str, out) -> None:
+def _rank(rank: int, port: int, path: str, out, draft_vocab: int | None = None) -> None:
     import os
 
     import torch.distributed as dist
@@ -34,22 +37,32 @@ def _rank(rank: int, port: int, path: str, out) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2)
     set_tp(rank, 2, dist.group.WORLD)
-    runner = ModelRunner(path, num_blocks=8, block_size=4)
+    runner = ModelRunner(path, num_blocks=8, block_size=4, draft_vocab_size=draft_vocab)
     results = [runner.execute(b) for b in batches()]
     if rank == 0:
         out.put([r.tolist() for r in results] + [runner.kv_cache.layers[0].shape[3]])
     dist.barrier()  # neither rank leaves while the other still talks to it
 
 
-def test_tp2_equals_tp1(tiny_qwen3) -> None:
-    single = ModelRunner(tiny_qwen3, num_blocks=8, block_size=4)
+@pytest.mark.parametrize("draft_vocab", [None, 64], ids=["full-vocab", "draft-vocab"])
+def test_tp2_equals_tp1(tiny_qwen3, tmp_path, draft_vocab: int | None) -> None:
+    """With a draft vocabulary each rank gathers the vocab-parallel head once and keeps a
+    replicated subset head: the MTP logits still equal TP=1's."""
+    path = tiny_qwen3
+    if draft_vocab:
+        path = tmp_path / "m"
+        shutil.copytree(tiny_qwen3, path)
+        vocab = ModelRunner(path, num_blocks=8, block_size=4).config.vocab_size
+        write_ranking(path, list(range(vocab))[::-1], "test")
+    single = ModelRunner(path, num_blocks=8, block_size=4, draft_vocab_size=draft_vocab)
     want = [single.execute(b) for b in batches()]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, port, str(tiny_qwen3), out)) for r in range(2)]
+    procs = [ctx.Process(target=_rank, args=(r, port, str(path), out, draft_vocab))
+             for r in range(2)]
     for p in procs:
         p.start()
     got = out.get(timeout=120)
@@ -59,6 +72,8 @@ def test_tp2_equals_tp1(tiny_qwen3) -> None:
     assert got[-1] == 1  # each rank holds 1 of the 2 KV heads
     for g, w in zip(got[:-1], want, strict=True):
         assert torch.allclose(torch.tensor(g), w, atol=1e-4), (torch.tensor(g) - w).abs().max()
+    if draft_vocab:  # the MTP row drafts only from the subset (the highest ids)
+        assert want[1].argmax(-1).item() >= vocab - draft_vocab
 
 
 # The control/data split of a TP group (DESIGN.md decision 10) ----------------------------------

@@ -17,15 +17,14 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
-from router.types import TokenLogprobs
 from workers.adaptive_k import AdaptiveK
 from workers.block_manager import BlockManager, blocks_for
+from workers.engine_config import DTYPES, EngineConfig, EngineError
 from workers.model_runner import ForwardBatch, ModelRunner
+from workers.outputs import RequestOutput, append_tokens, request_output, token_logprobs
 from workers.request import Request, RequestStatus
 from workers.sampling_params import SamplingParams
 from workers.scheduler import PrefillChunk, Scheduler, draft_slots
@@ -34,48 +33,7 @@ from workers.spec.mtp_proposer import MTPExtend, MTPProposer
 from workers.spec.rejection_sampler import RejectionSampler
 from workers.spec.sampling import processed_probs, sample_with_uniforms, suppress_tokens
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    model: str
-    dtype: str = "float32"
-    device: str = "cpu"
-    num_speculative_tokens: int = 2
-    adaptive_k: bool = False
-    block_size: int = 16
-    num_kv_blocks: int = 1024
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 512
-    max_model_len: int | None = None
-    role: Literal["both", "prefill", "decode"] = "both"
-    # Mixed batches: while requests are running, prefill chunks of up to
-    # `mixed_prefill_tokens` tokens per step ride along their decode rounds in the same
-    # forward instead of taking turns with them (running requests keep emitting every step).
-    # Measured (benchmarks/prefill_burst.py): running requests' TPOT during a 2x1024-token
-    # burst 30.9 -> 14.2 ms, steady TPOT unchanged; the burst's own TTFT 271 -> 678 ms.
-    mixed_batches: bool = True
-    mixed_prefill_tokens: int = 128
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    new_token_ids: list[int]
-    finished: bool
-    finish_reason: str | None
-    num_prompt_tokens: int
-    num_output_tokens: int
-    num_drafted: int
-    num_accepted: int
-    num_rounds: int = 0
-    # One entry per new token when the request asked for logprobs (SamplingParams.logprobs).
-    logprobs: list[TokenLogprobs] | None = None
-
-
-class EngineError(ValueError):
-    """A request the engine cannot take (too long, bad parameters)."""
+__all__ = ["DTYPES", "Engine", "EngineConfig", "EngineError", "RequestOutput"]
 
 
 class Engine:
@@ -83,7 +41,7 @@ class Engine:
         self.config = config
         self.runner = runner or ModelRunner(
             config.model, config.num_kv_blocks, config.block_size,
-            DTYPES[config.dtype], config.device,
+            DTYPES[config.dtype], config.device, draft_vocab_size=config.draft_vocab_size,
         )
         mcfg = self.runner.config
         self.model_config = mcfg
@@ -298,8 +256,8 @@ class Engine:
                 i = last.index(j)
                 emitted = self._append(req, [first[i]])
                 self.totals["emitted"] += len(emitted)
-                lp = self._logprobs(logits[i : i + 1], emitted, req.params.logprobs)
-                outputs.append(self._output(req, emitted, lp))
+                lp = token_logprobs(logits[i : i + 1], emitted, req.params.logprobs)
+                outputs.append(request_output(req, emitted, lp))
             if req.num_speculative_tokens == 0 or req.finished:
                 continue
             tokens = req.all_token_ids[c.start + 1 : c.end + 1]
@@ -362,9 +320,9 @@ class Engine:
                                          self._num_drafts(r)))
         for b, r in enumerate(reqs):
             # Row (b, s) of the verify forward is the plain forward's row for emitted token s.
-            lp = self._logprobs(raw[b * S : b * S + len(emitted_rows[b])], emitted_rows[b],
+            lp = token_logprobs(raw[b * S : b * S + len(emitted_rows[b])], emitted_rows[b],
                                 r.params.logprobs)
-            outputs.append(self._output(r, emitted_rows[b], lp))
+            outputs.append(request_output(r, emitted_rows[b], lp))
         return outputs, extends, [r for r in reqs if r.finished]
 
     # Helpers -----------------------------------------------------------------------------
@@ -405,56 +363,13 @@ class Engine:
             tokens[torch.tensor(rows, device=tokens.device)] = sample_with_uniforms(p, u)
         return tokens.tolist()
 
-    @staticmethod
-    def _logprobs(raw: torch.Tensor, token_ids: list[int], num_top: int | None
-                  ) -> list[TokenLogprobs] | None:
-        """log_softmax of the raw target logits (raw [N, V], row i decided token_ids[i]): each
-        emitted token's log probability and the `num_top` most likely alternatives. Under
-        speculation the rows come from the verify forward, i.e. they are the plain forward's.
-        None when the request did not ask for logprobs."""
-        if num_top is None or not token_ids:
-            return None
-        lp = torch.log_softmax(raw.float(), dim=-1)  # [N, V]
-        ids = torch.tensor(token_ids, device=lp.device)
-        chosen = lp.gather(1, ids.unsqueeze(1)).squeeze(1).tolist()
-        top_v, top_i = lp.topk(num_top, dim=-1)  # [N, num_top]; num_top may be 0
-        top_v, top_i = top_v.tolist(), top_i.tolist()
-        return [TokenLogprobs(t, chosen[j], list(zip(top_i[j], top_v[j], strict=True)))
-                for j, t in enumerate(token_ids)]
-
     def _append(self, req: Request, tokens: list[int]) -> list[int]:
-        """Append emitted tokens up to a stop condition; returns those kept."""
-        p = req.params
-        kept = []
-        if not req.output_token_ids:
-            req.first_token_time = time.monotonic()
-        for t in tokens:
-            req.output_token_ids.append(t)
-            kept.append(t)
-            if t in p.stop_token_ids or (not p.ignore_eos and t in self.eos_ids):
-                req.status = RequestStatus.FINISHED_STOPPED
-                break
-            if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:
-                req.status = RequestStatus.FINISHED_LENGTH
-                break
-        return kept
+        return append_tokens(req, tokens, self.eos_ids, self.max_model_len)
 
     def _finish(self, req: Request) -> None:
         req.finish_time = time.monotonic()
         self.scheduler.remove(req)
         self.requests.pop(req.request_id, None)
-
-    @staticmethod
-    def _output(req: Request, emitted: list[int],
-                logprobs: list[TokenLogprobs] | None = None) -> RequestOutput:
-        return RequestOutput(
-            request_id=req.request_id, new_token_ids=emitted, finished=req.finished,
-            finish_reason=req.status.value if req.finished else None,
-            num_prompt_tokens=len(req.prompt_token_ids),
-            num_output_tokens=req.num_output_tokens,
-            num_drafted=req.num_drafted, num_accepted=req.num_accepted,
-            num_rounds=req.num_rounds, logprobs=logprobs,
-        )
 
     def stats(self) -> dict:
         t = self.totals

@@ -19,6 +19,7 @@ from workers.model.attention_metadata import AttentionMetadata
 from workers.model.decode_graph import DecodeGraphs
 from workers.model.loader import load_model
 from workers.model.parallel import get_tp
+from workers.spec.draft_vocab import draft_token_ids
 
 
 @dataclass
@@ -72,14 +73,19 @@ class ModelRunner:
         device: str = "cpu",
         decode_graphs: bool | None = None,
         mtp_dtype: torch.dtype | None = None,
+        draft_vocab_size: int | None = None,
     ) -> None:
         self.device = torch.device(device)
         self.model = load_model(model_path, dtype=dtype, device=self.device)
         if self.device.type == "cpu":
             column_major_linears(self.model)
+        self.config = self.model.config
+        if draft_vocab_size is not None and self.config.num_mtp_modules:
+            self.model.restrict_draft_vocab(draft_token_ids(
+                model_path, draft_vocab_size, self.config.vocab_size,
+                always=self.config.eos_token_ids))
         if mtp_dtype is not None and mtp_dtype != dtype:
             self.model.lower_mtp_precision(mtp_dtype)
-        self.config = self.model.config
         self.block_size = block_size
         self.kv_cache = KVCache(self.config, num_blocks, block_size, dtype, self.device)
         # Hidden states of the last forward of each kind: (flat [rows, hidden], S, Sp), rows

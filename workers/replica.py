@@ -40,6 +40,7 @@ class EngineReplica:
             device=cfg.device, kv_backend=kv.backend, kv_host=host, kv_interface=interface,
             kv_timeout_s=kv.timeout_s, kv_hold_ttl_s=kv.hold_ttl_s,
             num_threads=max(1, int(side.cpus_per_rank)),
+            draft_vocab_size=cfg.speculation.draft_vocab_size,
         )
         self.driver, self.workers, self.kv_addresses = start_group(
             spec, side.cpus_per_rank, side.gpus_per_rank)

@@ -64,6 +64,7 @@ class RankSpec:
     kv_hold_ttl_s: float = 60.0
     data_timeout_s: float = 600.0  # one model collective on the data group
     num_threads: int | None = None
+    draft_vocab_size: int | None = None
 
 
 @dataclass
@@ -156,7 +157,8 @@ class RankCore:
                 timeout=timedelta(seconds=spec.data_timeout_s))
             set_tp(rank, spec.tp_size, self.data_group)
         self.runner = ModelRunner(spec.model, spec.num_kv_blocks, spec.block_size,
-                                  DTYPES[spec.dtype], spec.device)
+                                  DTYPES[spec.dtype], spec.device,
+                                  draft_vocab_size=spec.draft_vocab_size)
         cfg = self.runner.config
         self.head_start = rank * cfg.num_key_value_heads // spec.tp_size
         self._lock = threading.Lock()

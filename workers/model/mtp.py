@@ -18,7 +18,12 @@ from torch import nn
 from workers.model.attention_metadata import AttentionMetadata
 from workers.model.config import ModelConfig
 from workers.model.layers import DecoderLayer, RMSNorm
-from workers.model.parallel import ParallelLMHead, ReplicatedLinear, VocabParallelEmbedding
+from workers.model.parallel import (
+    ParallelLMHead,
+    ReplicatedLinear,
+    SubsetLMHead,
+    VocabParallelEmbedding,
+)
 
 
 class MTPModule(nn.Module):
@@ -32,7 +37,8 @@ class MTPModule(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # DeepSeek-V3 checkpoints repeat the embedding and head per module; when a checkpoint
         # omits them the main model's are shared (the loader attaches them on demand).
-        self.head: ParallelLMHead | None = (
+        # A draft vocabulary replaces it with a SubsetLMHead (restrict_draft_vocab).
+        self.head: ParallelLMHead | SubsetLMHead | None = (
             ParallelLMHead(cfg.vocab_size, cfg.hidden_size) if own_head else None
         )
         self.embed_tokens: VocabParallelEmbedding | None = (

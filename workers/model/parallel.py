@@ -176,3 +176,38 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return _all_gather_last(F.linear(hidden, self.weight))
+
+
+# Logit of a token outside a draft vocabulary: exp() of it is 0 next to any real logit, so
+# q is the subset's softmax; but it is finite, so if a min_tokens mask (-inf) covers the whole
+# subset, q falls back to the other tokens instead of becoming NaN (any q is exact).
+OUTSIDE_SUBSET = -1e20
+
+
+class SubsetLMHead(nn.Module):
+    """An LM head over a subset of the vocabulary (a draft vocabulary): the other tokens get
+    OUTSIDE_SUBSET, so softmax, top-k/top-p and argmax over the full [.., V] row see only the
+    subset. The rows are a replicated copy (they are few), so no collective runs."""
+
+    def __init__(self, full_weight: torch.Tensor, token_ids: list[int]) -> None:
+        super().__init__()
+        self.vocab_size = full_weight.shape[0]
+        idx = torch.tensor(token_ids, dtype=torch.long, device=full_weight.device)
+        self.register_buffer("token_ids", idx, persistent=False)
+        self.weight = nn.Parameter(full_weight.index_select(0, idx).clone(),
+                                   requires_grad=False)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        sub = F.linear(hidden, self.weight).float()  # OUTSIDE_SUBSET is -inf in fp16
+        full = sub.new_full((*sub.shape[:-1], self.vocab_size), OUTSIDE_SUBSET)
+        return full.index_copy(-1, self.token_ids, sub)
+
+
+def full_head_weight(head: ParallelLMHead) -> torch.Tensor:
+    """[V, hidden] of a vocab-parallel head (gathered from every TP rank: a collective)."""
+    tp = get_tp()
+    if tp.size == 1:
+        return head.weight.data
+    parts = [torch.empty_like(head.weight.data) for _ in range(tp.size)]
+    dist.all_gather(parts, head.weight.data.contiguous(), group=tp.group)
+    return torch.cat(parts, dim=0)

@@ -11,7 +11,12 @@ from workers.model.attention_metadata import AttentionMetadata
 from workers.model.config import ModelConfig
 from workers.model.layers import DecoderLayer, RMSNorm, RotaryEmbedding
 from workers.model.mtp import MTPModule
-from workers.model.parallel import ParallelLMHead, VocabParallelEmbedding
+from workers.model.parallel import (
+    ParallelLMHead,
+    SubsetLMHead,
+    VocabParallelEmbedding,
+    full_head_weight,
+)
 
 
 class DecoderBody(nn.Module):
@@ -90,3 +95,10 @@ class CausalLM(nn.Module):
             if mtp.head is None:
                 mtp.head = copy.deepcopy(self.lm_head)
             mtp.to(dtype)
+
+    def restrict_draft_vocab(self, token_ids: list[int]) -> None:
+        """Draft over `token_ids` only (workers.spec.draft_vocab): each MTP module gets a
+        head holding just those rows. Call before `lower_mtp_precision`. Under TP every rank
+        calls it (the full head is gathered once)."""
+        for mtp in self.mtp:
+            mtp.head = SubsetLMHead(full_head_weight(mtp.head or self.lm_head), token_ids)

@@ -1,0 +1,75 @@
+"""What a step emits per request: stop conditions, logprobs and the RequestOutput."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from router.types import TokenLogprobs
+from workers.request import Request, RequestStatus
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_drafted: int
+    num_accepted: int
+    num_rounds: int = 0
+    # One entry per new token when the request asked for logprobs (SamplingParams.logprobs).
+    logprobs: list[TokenLogprobs] | None = None
+
+
+def append_tokens(req: Request, tokens: list[int], eos_ids: set[int], max_model_len: int
+                  ) -> list[int]:
+    """Append emitted tokens up to a stop condition (EOS, a stop id, max_tokens, the
+    context window); returns those kept and marks the request finished if one hit."""
+    p = req.params
+    kept = []
+    if not req.output_token_ids:
+        req.first_token_time = time.monotonic()
+    for t in tokens:
+        req.output_token_ids.append(t)
+        kept.append(t)
+        if t in p.stop_token_ids or (not p.ignore_eos and t in eos_ids):
+            req.status = RequestStatus.FINISHED_STOPPED
+            break
+        if req.num_output_tokens >= p.max_tokens or req.num_tokens >= max_model_len:
+            req.status = RequestStatus.FINISHED_LENGTH
+            break
+    return kept
+
+
+def token_logprobs(raw: torch.Tensor, token_ids: list[int], num_top: int | None
+                   ) -> list[TokenLogprobs] | None:
+    """log_softmax of the raw target logits (raw [N, V], row i decided token_ids[i]): each
+    emitted token's log probability and the `num_top` most likely alternatives. Under
+    speculation the rows come from the verify forward, i.e. they are the plain forward's.
+    None when the request did not ask for logprobs."""
+    if num_top is None or not token_ids:
+        return None
+    lp = torch.log_softmax(raw.float(), dim=-1)  # [N, V]
+    ids = torch.tensor(token_ids, device=lp.device)
+    chosen = lp.gather(1, ids.unsqueeze(1)).squeeze(1).tolist()
+    top_v, top_i = lp.topk(num_top, dim=-1)  # [N, num_top]; num_top may be 0
+    top_v, top_i = top_v.tolist(), top_i.tolist()
+    return [TokenLogprobs(t, chosen[j], list(zip(top_i[j], top_v[j], strict=True)))
+            for j, t in enumerate(token_ids)]
+
+
+def request_output(req: Request, emitted: list[int],
+                   logprobs: list[TokenLogprobs] | None = None) -> RequestOutput:
+    return RequestOutput(
+        request_id=req.request_id, new_token_ids=emitted, finished=req.finished,
+        finish_reason=req.status.value if req.finished else None,
+        num_prompt_tokens=len(req.prompt_token_ids),
+        num_output_tokens=req.num_output_tokens,
+        num_drafted=req.num_drafted, num_accepted=req.num_accepted,
+        num_rounds=req.num_rounds, logprobs=logprobs,
+    )
