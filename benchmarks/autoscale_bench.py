@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 import httpx
 
 from benchmarks.serve_bench import _pct, stream_completion
+from router.metrics_api import parse_samples
 from workers.training.prompts import held_out_prompts
 
 
@@ -43,6 +44,7 @@ class AutoscaleBenchArgs:
     deploy: str | None = None  # "model" | "default"
     ray_address: str | None = None
     baseline_target_ongoing: float = 2.0  # Serve default policy: requests per replica
+    max_decode_replicas: int = 3  # --deploy: decode autoscaling 1..N
     config: dict = field(default_factory=dict)  # ClusterConfig args for --deploy
 
 
@@ -70,16 +72,6 @@ def random_text_prompts(n: int, num_chars: int, seed: int = 0) -> list[str]:
     """Random printable characters (off the training distribution of the drafts)."""
     rng = random.Random(seed)
     return ["".join(rng.choice(string.printable) for _ in range(num_chars)) for _ in range(n)]
-
-
-def _metric_values(text: str) -> dict[tuple[str, tuple], float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
 
 
 def _sum(m: dict, name: str, **labels: str) -> float:
@@ -129,7 +121,7 @@ async def run_profile(a: AutoscaleBenchArgs, use_ray: bool) -> dict:
             while True:
                 t = time.monotonic() - t0
                 phase, clients, _ = target_clients(a, t)
-                m = _metric_values((await client.get("/metrics")).text)
+                m = parse_samples((await client.get("/metrics")).text)
                 new, seen = done[seen:], len(done)
                 tpot = [r["tpot"] * 1000 for r in new if r.get("tpot") is not None]
                 row = {"t": round(t, 2), "phase": phase, "clients": clients,
@@ -250,11 +242,13 @@ def phases_from(tl: list[dict]) -> list[tuple[str, float]]:
 
 def local_config(a: AutoscaleBenchArgs) -> dict:
     """ClusterConfig args for --deploy on a CPU machine: one prefill replica, decode
-    autoscaling 1..3 at the TPOT target (the embedded tiny model)."""
+    autoscaling 1..max_decode_replicas at the TPOT target (the embedded tiny model). Every
+    rank runs one torch thread, so on a 2-core machine a second decode replica can add
+    compute and a third cannot."""
     return {
         "prefill": {"cpus_per_rank": 0.5, "num_kv_blocks": 512},
         "decode": {"cpus_per_rank": 0.5, "num_kv_blocks": 512, "max_num_seqs": 16,
-                   "autoscaling": {"min_replicas": 1, "max_replicas": 3,
+                   "autoscaling": {"min_replicas": 1, "max_replicas": a.max_decode_replicas,
                                    "target_tpot_ms": a.target_tpot_ms, "upscale_delay_s": 1.0,
                                    "downscale_delay_s": 15.0, "window_s": 10.0,
                                    "metrics_interval_s": 0.5}},

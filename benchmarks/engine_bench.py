@@ -10,6 +10,7 @@ context length (time per decode token after the first)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass
@@ -28,21 +29,26 @@ class Variant:
     graphs: bool
     mtp_dtype: str | None = None  # None: the model's dtype
     draft_vocab_size: int | None = None  # None: the full vocabulary
+    cpp_wrapper: bool = True  # graphs' kernel-calling code in C++ (False: Python)
 
 
 def parse_variant(name: str) -> Variant:
-    """"eager" | "graphs", then optional "-mtp-bf16" and/or "-dv<N>" (a draft vocabulary of
-    the N most frequent tokens), e.g. "graphs-dv1024"."""
+    """"eager" | "graphs" | "graphs-pywrap" (graphs called through inductor's Python
+    wrapper), then optional "-mtp-bf16" and/or "-dv<N>" (a draft vocabulary of the N most
+    frequent tokens), e.g. "graphs-dv1024"."""
     base, *rest = name.split("-", 1)
     if base not in ("eager", "graphs"):
         raise ValueError(f"variant {name!r}: starts with eager or graphs")
-    v = Variant(graphs=base == "graphs")
     tail = rest[0] if rest else ""
+    pywrap = tail.startswith("pywrap")
+    if pywrap:
+        tail = tail[len("pywrap"):].lstrip("-")
+    v = Variant(graphs=base == "graphs", cpp_wrapper=not pywrap)
     if tail.startswith("mtp-bf16"):
-        v = Variant(v.graphs, "bfloat16")
+        v = dataclasses.replace(v, mtp_dtype="bfloat16")
         tail = tail[len("mtp-bf16"):].lstrip("-")
     if tail.startswith("dv") and tail[2:].isdigit():
-        v = Variant(v.graphs, v.mtp_dtype, int(tail[2:]))
+        v = dataclasses.replace(v, draft_vocab_size=int(tail[2:]))
         tail = ""
     if tail:
         raise ValueError(f"variant {name!r}: unknown suffix {tail!r}")
@@ -129,7 +135,7 @@ def _runner(args: BenchArgs, variant: str, max_context: int) -> tuple[ModelRunne
     runner = ModelRunner(args.model, args.num_kv_blocks, args.block_size, DTYPES[args.dtype],
                          args.device, decode_graphs=v.graphs,
                          mtp_dtype=DTYPES[v.mtp_dtype] if v.mtp_dtype else None,
-                         draft_vocab_size=v.draft_vocab_size)
+                         draft_vocab_size=v.draft_vocab_size, cpp_wrapper=v.cpp_wrapper)
     t0 = time.perf_counter()
     batches = [1 << i for i in range(max(args.batch_sizes).bit_length())]
     queries = list(range(1, max(args.ks) + 2))

@@ -48,6 +48,8 @@ def add_commands(sub: argparse._SubParsersAction, bench: argparse._SubParsersAct
     p.add_argument("--target-tpot-ms", type=float, default=50.0)
     p.add_argument("--deploy", choices=["model", "default"], help="start a local Ray cluster "
                    "and deploy with our model-based policy or Serve's default policy")
+    p.add_argument("--max-decode-replicas", type=int, default=3,
+                   help="--deploy without --config: decode autoscaling 1..N")
     p.add_argument("--config", help="Serve config (YAML) whose args --deploy uses")
     p.add_argument("--ray-address", help="read replica counts from this Ray cluster")
     p.add_argument("--json", dest="json_out")
@@ -194,7 +196,8 @@ def _bench_autoscale(args: argparse.Namespace) -> int:
     a = AutoscaleBenchArgs(
         url=args.url, api_key=args.api_key, concurrency=args.concurrency,
         max_tokens=args.max_tokens, time_scale=args.time_scale, idle_s=args.idle_s,
-        target_tpot_ms=args.target_tpot_ms, deploy=args.deploy, ray_address=args.ray_address)
+        target_tpot_ms=args.target_tpot_ms, deploy=args.deploy, ray_address=args.ray_address,
+        max_decode_replicas=args.max_decode_replicas)
     if args.deploy:
         a.config = load_app_config(args.config)[1] if args.config else local_config(a)
     main(a, args.json_out, args.png_out)

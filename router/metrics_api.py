@@ -157,6 +157,15 @@ def render(data: dict, model_name: str, now: float | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
+def parse_samples(text: str) -> dict[tuple[str, tuple], float]:
+    """Prometheus text -> {(sample name, sorted label items): value}, for clients of /metrics
+    (benchmarks, tests); needs `prometheus_client` (the `bench` / `test` extras)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
 def metrics_router() -> APIRouter:
     """`GET /metrics` over `app.state.metrics_source` (empty families when unset)."""
     router = APIRouter()

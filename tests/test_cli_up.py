@@ -4,18 +4,17 @@ stops Ray and every process it started."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
+from sse_stream import StreamingCompletion
 
 pytestmark = pytest.mark.ray
 
@@ -33,36 +32,6 @@ def _session_members(sid: int) -> list[int]:
 
 
 DRAIN_TOKENS = 160
-
-
-class _Stream(threading.Thread):
-    """A long streaming completion, counting its events."""
-
-    def __init__(self, base: str) -> None:
-        super().__init__(daemon=True)
-        self.base = base
-        self.num_events = self.num_tokens = 0
-        self.done = False
-        self.error: str | None = None
-
-    def run(self) -> None:
-        body = {"prompt": "import os\n", "max_tokens": DRAIN_TOKENS, "temperature": 0,
-                "ignore_eos": True, "stream": True, "return_token_ids": True}
-        try:
-            with httpx.stream("POST", f"{self.base}/v1/completions", json=body,
-                              timeout=120) as resp:
-                for line in resp.iter_lines():
-                    if line == "data: [DONE]":
-                        self.done = True
-                    elif line.startswith("data: "):
-                        event = json.loads(line[6:])
-                        if "error" in event:
-                            self.error = event["error"]["message"]
-                        else:
-                            self.num_events += 1
-                            self.num_tokens += len(event["choices"][0].get("token_ids") or [])
-        except Exception as e:
-            self.error = f"{type(e).__name__}: {e}"
 
 
 def test_up_serves_and_stops_cleanly(default_model) -> None:
@@ -89,7 +58,7 @@ def test_up_serves_and_stops_cleanly(default_model) -> None:
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
         assert len(_session_members(proc.pid)) > 3  # raylet, GCS, replicas, ...
         # SIGTERM drains: a stream running at the signal finishes, new requests are refused.
-        stream = _Stream(f"http://127.0.0.1:{port}")
+        stream = StreamingCompletion(f"http://127.0.0.1:{port}", "import os\n", DRAIN_TOKENS)
         stream.start()
         deadline = time.monotonic() + 120
         while stream.num_events < 3 and stream.error is None:
@@ -108,7 +77,7 @@ def test_up_serves_and_stops_cleanly(default_model) -> None:
             time.sleep(0.05)
         stream.join(timeout=120)
         assert stream.error is None and stream.done, stream.error
-        assert stream.num_tokens == DRAIN_TOKENS
+        assert len(stream.token_ids) == DRAIN_TOKENS
         assert refused is not None and refused.json()["error"]["code"] == "service_unavailable"
         assert proc.wait(timeout=120) == 0
         end = time.monotonic() + 60

@@ -9,8 +9,7 @@ import shutil
 
 import pytest
 import torch
-from test_rejection_sampler import chi2
-from test_sampling_distribution import NUM_POS, PROMPT, exact_marginals
+from test_sampling_distribution import NUM_POS, assert_matches, exact_marginals, sample_many
 
 from workers.engine import Engine, EngineConfig
 from workers.model_runner import ModelRunner
@@ -97,22 +96,9 @@ def test_sampled_output_keeps_the_target_distribution(tiny_factory, tmp_path, pa
     assert eos == (2,) and draft_token_ids(path, 2, 6, eos) == [2, 3]
     n = 2400
     exact = exact_marginals(path, params, NUM_POS, banned)
-    eng = Engine(EngineConfig(model=str(path), num_speculative_tokens=3, num_kv_blocks=8192,
-                              block_size=4, max_num_seqs=n, max_num_batched_tokens=4096,
-                              draft_vocab_size=2))
-    reqs = []
-    for i in range(n):
-        kw = dict(params.__dict__, max_tokens=NUM_POS, seed=20_000 + i,
-                  num_speculative_tokens=1 + i % 3)
-        reqs.append(eng.add_request(f"s{i}", PROMPT, SamplingParams(**kw)))
-    while eng.has_unfinished():
-        eng.step()
-    assert eng.block_manager.num_free_blocks == 8192
+    reqs = sample_many(path, params, n, seed0=20_000, draft_vocab_size=2)
     assert sum(r.num_accepted for r in reqs) > 100  # drafts from the subset get accepted
-    for pos in range(NUM_POS):
-        stat, limit = chi2(torch.tensor([r.output_token_ids[pos] for r in reqs]),
-                           exact[pos].float())
-        assert stat < limit, (pos, stat, limit)
+    assert_matches(reqs, exact)
 
 
 def test_cluster_config_names_the_missing_ranking(tiny_qwen3) -> None:

@@ -7,25 +7,16 @@ from __future__ import annotations
 import asyncio
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.metrics import EngineRecorder
 from router.api import IngressState, create_app
 from router.local_orchestrator import LocalOrchestrator
-from router.metrics_api import local_source, render
+from router.metrics_api import local_source, parse_samples, render
 from workers.async_engine import AsyncEngine
 from workers.engine import Engine, EngineConfig
 from workers.tokenizer import load_tokenizer
 
 MODEL = "tiny"
-
-
-def samples(text: str) -> dict[tuple[str, tuple], float]:
-    out = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
 
 
 def value(m: dict, name: str, **labels: str) -> float:
@@ -49,7 +40,7 @@ def test_metrics_counters_move_by_a_known_request(default_model) -> None:
 async def _exercise(app) -> None:
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=60) as c:
-        before = samples((await c.get("/metrics")).text)
+        before = parse_samples((await c.get("/metrics")).text)
         r = await c.post("/v1/completions", json={
             "model": MODEL, "prompt": "def fibonacci(n):", "max_tokens": 40,
             "temperature": 0, "ignore_eos": True})
@@ -57,7 +48,7 @@ async def _exercise(app) -> None:
         stats = r.json()["choices"][0]["mtp_stats"]
         resp = await c.get("/metrics")
         assert resp.headers["content-type"].startswith("text/plain")
-        after = samples(resp.text)
+        after = parse_samples(resp.text)
 
     def delta(name: str, **labels: str) -> float:
         return value(after, name, **labels) - value(before, name, **labels)
@@ -90,7 +81,7 @@ def test_render_aggregates_replicas_and_keeps_departed_counters() -> None:
     text = render({"snapshots": [snap("a", 100.0, 10), snap("b", 50.0, 5)],
                    "policy": {"DecodeServer": {"desired_replicas": 2, "predicted_tpot_s": 0.01}}},
                   MODEL, now=100.0)
-    m = samples(text)
+    m = parse_samples(text)
     assert value(m, "vllm:spec_decode_num_draft_tokens_total") == 15  # b went away: kept
     assert value(m, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position="0") == 15
     assert value(m, "vllm:num_requests_running") == 3  # gauges: fresh replicas only

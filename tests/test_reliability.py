@@ -12,14 +12,13 @@ After each, the KV blocks of every replica go back to zero.
 
 from __future__ import annotations
 
-import json
 import os
 import socket
-import threading
 import time
 
 import httpx
 import pytest
+from sse_stream import StreamingCompletion
 
 pytestmark = pytest.mark.ray
 
@@ -83,46 +82,13 @@ def offline(default_model, prompts) -> list[list[int]]:
 
 
 # Helpers --------------------------------------------------------------------------------------
-class Stream(threading.Thread):
-    """One streaming completion with token ids; records every SSE event."""
-
-    def __init__(self, url: str, prompt: str, max_tokens: int = MAX_TOKENS) -> None:
-        super().__init__(daemon=True)
-        self.url, self.prompt, self.max_tokens = url, prompt, max_tokens
-        self.token_ids: list[int] = []
-        self.text = ""
-        self.finish_reason: str | None = None
-        self.error: str | None = None
-        self.done = False
-
-    def run(self) -> None:
-        body = {"prompt": self.prompt, "max_tokens": self.max_tokens, "temperature": 0,
-                "ignore_eos": True, "stream": True, "return_token_ids": True}
-        try:
-            with httpx.stream("POST", f"{self.url}/v1/completions", json=body,
-                              headers=HEADERS, timeout=120) as resp:
-                if resp.status_code != 200:
-                    self.error = f"{resp.status_code}: {resp.read()[:300]!r}"
-                    return
-                for line in resp.iter_lines():
-                    if line == "data: [DONE]":
-                        self.done = True
-                    elif line.startswith("data: "):
-                        event = json.loads(line[6:])
-                        if "error" in event:
-                            self.error = event["error"]["message"]
-                            continue
-                        choice = event["choices"][0]
-                        self.token_ids += choice.get("token_ids") or []
-                        self.text += choice["text"]
-                        self.finish_reason = choice.get("finish_reason") or self.finish_reason
-        except Exception as e:  # reported by the test, never swallowed
-            self.error = f"{type(e).__name__}: {e}"
+def admin_stream(url: str, prompt: str, max_tokens: int = MAX_TOKENS) -> StreamingCompletion:
+    return StreamingCompletion(url, prompt, max_tokens, headers=HEADERS)
 
 
 def run_streams(url: str, prompts: list[str], during=None, max_tokens: int = MAX_TOKENS
-                ) -> list[Stream]:
-    streams = [Stream(url, p, max_tokens) for p in prompts]
+                ) -> list[StreamingCompletion]:
+    streams = [admin_stream(url, p, max_tokens) for p in prompts]
     for s in streams:
         s.start()
     if during is not None:
@@ -133,7 +99,7 @@ def run_streams(url: str, prompts: list[str], during=None, max_tokens: int = MAX
     return streams
 
 
-def assert_exact(streams: list[Stream], offline: list[list[int]]) -> None:
+def assert_exact(streams: list[StreamingCompletion], offline: list[list[int]]) -> None:
     for s, want in zip(streams, offline, strict=True):
         assert s.error is None, s.error
         assert s.done and s.finish_reason == "length"
@@ -212,7 +178,7 @@ def wait_blocks_free(url: str, deadline_s: float = 30.0) -> float:
         time.sleep(0.1)
 
 
-def wait_tokens(streams: list[Stream], n: int, timeout_s: float = 120.0) -> None:
+def wait_tokens(streams: list[StreamingCompletion], n: int, timeout_s: float = 120.0) -> None:
     end = time.monotonic() + timeout_s
     while any(len(s.token_ids) < n and s.error is None for s in streams):
         assert time.monotonic() < end, "streams did not start"
@@ -234,7 +200,7 @@ def test_frozen_kv_sender_is_recomputed_and_others_unaffected(app_url, prompts, 
 def test_killed_decode_replica_streams_migrate(app_url, prompts, offline) -> None:
     killed: dict[str, int] = {}
 
-    def kill_busiest(streams: list[Stream]) -> None:
+    def kill_busiest(streams: list[StreamingCompletion]) -> None:
         wait_tokens(streams, 8)
         actors = replica_actors("DecodeServer")
         load = {rid: ray.get(a.record_routing_stats.remote())["num_requests"]
@@ -263,7 +229,7 @@ def test_killed_prefill_replica_requests_complete(app_url, prompts, offline) -> 
     inject("PrefillServer", send_delay_s=KV_TIMEOUT_S - 1, count=4)
     killed: dict[str, int] = {}
 
-    def kill_holder(streams: list[Stream]) -> None:
+    def kill_holder(streams: list[StreamingCompletion]) -> None:
         end = time.monotonic() + 60
         while True:
             holding = {tag: s["used_blocks"] for tag, s in per_replica("prefill").items()}

@@ -48,6 +48,33 @@ def exact_marginals(path, params: SamplingParams, num_pos: int,
     return out
 
 
+def sample_many(path, params: SamplingParams, n: int, seed0: int, **engine_kw) -> list:
+    """n seeded requests of PROMPT with k = 1, 2, 3 side by side in every round, run to
+    NUM_POS tokens; checks every KV block came back."""
+    eng = Engine(EngineConfig(model=str(path), num_speculative_tokens=3, num_kv_blocks=8192,
+                              block_size=4, max_num_seqs=n, max_num_batched_tokens=4096,
+                              **engine_kw))
+    reqs = []
+    for i in range(n):
+        kw = dict(params.__dict__, max_tokens=NUM_POS, seed=seed0 + i,
+                  num_speculative_tokens=1 + i % 3)
+        reqs.append(eng.add_request(f"s{i}", PROMPT, SamplingParams(**kw)))
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.block_manager.num_free_blocks == 8192
+    assert all(r.num_output_tokens == NUM_POS for r in reqs)
+    return reqs
+
+
+def assert_matches(reqs: list, exact: list[torch.Tensor]) -> None:
+    for pos in range(NUM_POS):
+        # Chi-square against the exact marginal (false alarm rate 1e-6 per check); it also
+        # asserts that no token outside the target's support appears (a q/p mix-up).
+        stat, limit = chi2(torch.tensor([r.output_token_ids[pos] for r in reqs]),
+                           exact[pos].float())
+        assert stat < limit, (pos, stat, limit)
+
+
 @pytest.mark.parametrize("params,banned", [
     (SamplingParams(temperature=0.7, top_k=3, ignore_eos=True), ()),
     (SamplingParams(temperature=1.3, top_p=0.6, ignore_eos=True), ()),
@@ -59,27 +86,12 @@ def test_every_position_matches_the_target(tiny_factory, params: SamplingParams,
     path = tiny_factory(vocab_size=6, seed=5)  # small V: q overlaps p, drafts get accepted
     n = 2400
     exact = exact_marginals(path, params, NUM_POS, banned)
-    eng = Engine(EngineConfig(model=str(path), num_speculative_tokens=3, num_kv_blocks=8192,
-                              block_size=4, max_num_seqs=n, max_num_batched_tokens=4096))
-    reqs = []
-    for i in range(n):  # k = 1, 2, 3 side by side in every round
-        kw = dict(params.__dict__, max_tokens=NUM_POS, seed=10_000 + i,
-                  num_speculative_tokens=1 + i % 3)
-        reqs.append(eng.add_request(f"s{i}", PROMPT, SamplingParams(**kw)))
-    while eng.has_unfinished():
-        eng.step()
-    assert eng.block_manager.num_free_blocks == 8192
-    assert all(r.num_output_tokens == NUM_POS for r in reqs)
+    reqs = sample_many(path, params, n, seed0=10_000)
     # Every path was exercised: drafts accepted at each depth, so bonus tokens too.
     for k in (1, 2, 3):
         group = [r for r in reqs if r.num_speculative_tokens == k]
         assert sum(r.accepted_per_position[k - 1] for r in group) > 20
-    for pos in range(NUM_POS):
-        # Chi-square against the exact marginal (false alarm rate 1e-6 per check); it also
-        # asserts that no token outside the target's support appears (a q/p mix-up).
-        stat, limit = chi2(torch.tensor([r.output_token_ids[pos] for r in reqs]),
-                           exact[pos].float())
-        assert stat < limit, (pos, stat, limit)
+    assert_matches(reqs, exact)
 
 def test_a_row_without_top_p_ignores_the_batch_filters() -> None:
     """top-p of one row must not touch another: float32 cumulative sums reach 1.0 before the

@@ -74,6 +74,7 @@ class ModelRunner:
         decode_graphs: bool | None = None,
         mtp_dtype: torch.dtype | None = None,
         draft_vocab_size: int | None = None,
+        cpp_wrapper: bool = True,
     ) -> None:
         self.device = torch.device(device)
         self.model = load_model(model_path, dtype=dtype, device=self.device)
@@ -94,7 +95,7 @@ class ModelRunner:
         if decode_graphs is None:
             decode_graphs = os.environ.get("MTPSERVE_DECODE_GRAPHS", "0") == "1"
         # Collectives inside a compiled graph are not supported here: TP > 1 stays eager.
-        self.graphs = (DecodeGraphs(self.model, self.kv_cache)
+        self.graphs = (DecodeGraphs(self.model, self.kv_cache, cpp_wrapper=cpp_wrapper)
                        if decode_graphs and get_tp().size == 1 else None)
 
     @torch.inference_mode()

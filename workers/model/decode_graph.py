@@ -98,20 +98,25 @@ def _raise_recompile_limit(n: int) -> None:
 
 
 @contextlib.contextmanager
-def _cpu_compile_settings(freeze: bool) -> Iterator[None]:
+def _cpu_compile_settings(freeze: bool, cpp_wrapper: bool) -> Iterator[None]:
     """Freezing folds the weights into the graph as constants and pre-packs every linear
     (it only takes effect through the global inductor config, not `torch.compile(options=)`).
     Inductor packs fp32 linears for MKL when the batch is static; on this AMD CPU MKL's small-M
     GEMM costs ~3x a GEMV at M = 4 while oneDNN's costs about the same as one, so the packing
     is steered to oneDNN (`mkldnn._linear_pointwise`, the path inductor itself takes for
-    dynamic batch sizes)."""
+    dynamic batch sizes).
+
+    `cpp_wrapper`: the code that calls the kernels is generated as C++ instead of Python.
+    The Python wrapper costs ~75 us per call here (size/stride asserts, buffer allocation,
+    tensor reinterpretation: 36 + 21 + 19 calls per forward) on top of dynamo's frame, which
+    is a large share of a 0.5 ms MTP draft step."""
     if not freeze:
         yield
         return
     import torch._inductor.config as icfg
     from torch._inductor.fx_passes import mkldnn_fusion
 
-    with icfg.patch(freezing=True), \
+    with icfg.patch(freezing=True, cpp_wrapper=cpp_wrapper), \
             mock.patch.object(mkldnn_fusion, "has_free_symbols", lambda _: True):
         yield
 
@@ -121,7 +126,7 @@ class DecodeGraphs:
     `warmup` at start so no compile lands on the serving path)."""
 
     def __init__(self, model: CausalLM, kv_cache: KVCache, max_query_len: int = 16,
-                 min_blocks: int = 32, freeze: bool = True) -> None:
+                 min_blocks: int = 32, freeze: bool = True, cpp_wrapper: bool = True) -> None:
         self.model = model
         self.kv = kv_cache
         self.block_size = kv_cache.block_size
@@ -140,6 +145,7 @@ class DecodeGraphs:
         # small shared CPU competes with the first timed decode steps for tens of seconds.
         icfg.compile_threads = 1
         self.freeze = freeze and device.type == "cpu"
+        self.cpp_wrapper = cpp_wrapper and self.freeze
         self._main = torch.compile(_main_graph, dynamic=False, fullgraph=True)
         self._mtp = torch.compile(_mtp_graph, dynamic=False, fullgraph=True)
         self.compiled: set[GraphKey] = set()
@@ -204,7 +210,7 @@ class DecodeGraphs:
         k = inp.key
         if k not in self.compiled:  # this call compiles the bucket's graph
             self.compiled.add(k)
-            with _cpu_compile_settings(self.freeze):
+            with _cpu_compile_settings(self.freeze, self.cpp_wrapper):
                 return self._call(inp, prev)
         return self._call(inp, prev)
 

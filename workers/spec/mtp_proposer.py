@@ -14,6 +14,8 @@ exactness; and drafts are a function of the request's tokens alone, so a migrate
 preempted request drafts the same.
 
 Sampled drafts use the uniform keyed (seed, position of the drafted token, SLOT_DRAFT + depth).
+With a draft vocabulary (workers.spec.draft_vocab) the MTP head scores only the most frequent
+tokens; q is then that subset's softmax, which is the distribution the rejection sampler uses.
 """
 
 from __future__ import annotations
