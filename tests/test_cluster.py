@@ -55,7 +55,8 @@ def offline(default_model, prompts) -> list[str]:
     return [r.text for r in res]
 
 
-def deploy(default_model, prefill_tp: int, decode_tp: int, **extra):
+def deploy(default_model, prefill_tp: int, decode_tp: int, draft_vocab_size: int | None = None,
+           **extra):
     from cluster.app import build_app
     from cluster.config import ClusterConfig
 
@@ -63,7 +64,8 @@ def deploy(default_model, prefill_tp: int, decode_tp: int, **extra):
         model=str(default_model),
         prefill={"tp_size": prefill_tp, "cpus_per_rank": 0.5, "num_kv_blocks": 256},
         decode={"tp_size": decode_tp, "cpus_per_rank": 0.5, "num_kv_blocks": 256},
-        speculation={"num_speculative_tokens": 2, "adaptive": False},
+        speculation={"num_speculative_tokens": 2, "adaptive": False,
+                     "draft_vocab_size": draft_vocab_size},
         kv_transfer={"timeout_s": 30, "hold_ttl_s": 30}, **extra,
     )
     serve.run(build_app(cfg), name="mtpserve", route_prefix="/")
@@ -94,10 +96,14 @@ def wait_blocks_free(base: str, headers: dict | None = None, deadline_s: float =
 
 
 # 1 -> 2 runs in `resharded_app` below; 2 -> 1 pulls from two prefill ranks per decode rank.
+# 2 -> 2 also drafts over a draft vocabulary (every rank gathers the head once): greedy output
+# is still the offline engine's, which drafts over the whole vocabulary.
 @pytest.mark.parametrize("prefill_tp,decode_tp", [(1, 1), (2, 2), (2, 1)])
 def test_disaggregated_equals_single_process(ray_cluster, default_model, prompts, offline,
                                              prefill_tp: int, decode_tp: int) -> None:
-    deploy(default_model, prefill_tp, decode_tp)
+    dv = 1024 if prefill_tp == decode_tp == 2 and (default_model / "draft_vocab.json").is_file() \
+        else None
+    deploy(default_model, prefill_tp, decode_tp, draft_vocab_size=dv)
     try:
         got = [complete(ray_cluster, p)["choices"][0]["text"] for p in prompts]
         assert got == offline
