@@ -30,12 +30,14 @@ class Variant:
     mtp_dtype: str | None = None  # None: the model's dtype
     draft_vocab_size: int | None = None  # None: the full vocabulary
     cpp_wrapper: bool = True  # graphs' kernel-calling code in C++ (False: Python)
+    greedy_rounds: bool = False  # a whole greedy round as one graph
 
 
 def parse_variant(name: str) -> Variant:
     """"eager" | "graphs" | "graphs-pywrap" (graphs called through inductor's Python
-    wrapper), then optional "-mtp-bf16" and/or "-dv<N>" (a draft vocabulary of the N most
-    frequent tokens), e.g. "graphs-dv1024"."""
+    wrapper), then optional "-mtp-bf16", "-dv<N>" (a draft vocabulary of the N most
+    frequent tokens) and "-rounds" (a whole greedy round as one graph), in that order, e.g.
+    "graphs-dv1024-rounds"."""
     base, *rest = name.split("-", 1)
     if base not in ("eager", "graphs"):
         raise ValueError(f"variant {name!r}: starts with eager or graphs")
@@ -47,8 +49,13 @@ def parse_variant(name: str) -> Variant:
     if tail.startswith("mtp-bf16"):
         v = dataclasses.replace(v, mtp_dtype="bfloat16")
         tail = tail[len("mtp-bf16"):].lstrip("-")
-    if tail.startswith("dv") and tail[2:].isdigit():
-        v = dataclasses.replace(v, draft_vocab_size=int(tail[2:]))
+    if tail.startswith("dv"):
+        num, _, tail = tail[2:].partition("-")
+        if not num.isdigit():
+            raise ValueError(f"variant {name!r}: dv needs a size")
+        v = dataclasses.replace(v, draft_vocab_size=int(num))
+    if tail == "rounds":
+        v = dataclasses.replace(v, greedy_rounds=True)
         tail = ""
     if tail:
         raise ValueError(f"variant {name!r}: unknown suffix {tail!r}")
@@ -135,7 +142,8 @@ def _runner(args: BenchArgs, variant: str, max_context: int) -> tuple[ModelRunne
     runner = ModelRunner(args.model, args.num_kv_blocks, args.block_size, DTYPES[args.dtype],
                          args.device, decode_graphs=v.graphs,
                          mtp_dtype=DTYPES[v.mtp_dtype] if v.mtp_dtype else None,
-                         draft_vocab_size=v.draft_vocab_size, cpp_wrapper=v.cpp_wrapper)
+                         draft_vocab_size=v.draft_vocab_size, cpp_wrapper=v.cpp_wrapper,
+                         greedy_rounds=v.greedy_rounds)
     t0 = time.perf_counter()
     batches = [1 << i for i in range(max(args.batch_sizes).bit_length())]
     queries = list(range(1, max(args.ks) + 2))

@@ -84,3 +84,42 @@ def test_engine_greedy_same_with_graphs(tiny_qwen3) -> None:
             eng.step()
         got.append([r.output_token_ids for r in reqs])
     assert got[0] == got[1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("k", [1, 2])
+def test_greedy_round_graph_is_the_step_by_step_round(default_model, k: int) -> None:
+    """A whole greedy round as one graph (k = 1) emits the tokens plain decoding emits and
+    drafts what the step-by-step round drafts (same acceptance per position), with rows of
+    different lengths and token budgets (the room masks at the end); k = 2 is not fused and
+    runs step by step."""
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 4000, (n,), generator=g).tolist() for n in (9, 30, 55)]
+    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in (40, 33, 21)]
+    runs = {}
+    for name, kk, rounds in (("plain", 0, False), ("steps", k, False), ("fused", k, True)):
+        runner = ModelRunner(default_model, num_blocks=128, block_size=16, decode_graphs=True,
+                             greedy_rounds=rounds)
+        runner.warmup_graphs([1, 2, 4], list(range(1, k + 2)), 512)
+        eng = Engine(EngineConfig(model=str(default_model), num_speculative_tokens=kk,
+                                  num_kv_blocks=128), runner=runner)
+        calls = []
+        if rounds:
+            def counted(*a, _inner=runner.greedy_round, _calls=calls):
+                out = _inner(*a)
+                _calls.append(out is not None)
+                return out
+
+            runner.greedy_round = counted
+        reqs = [eng.add_request(str(i), p, sp) for i, (p, sp) in
+                enumerate(zip(prompts, params, strict=True))]
+        while eng.has_unfinished():
+            eng.step()
+        assert eng.block_manager.num_free_blocks == 128
+        runs[name] = ([r.output_token_ids for r in reqs],
+                      [r.accepted_per_position for r in reqs], eng.totals["rounds"])
+        if rounds:
+            assert sum(calls) > 5 if k == 1 else not any(calls)
+    assert runs["steps"][0] == runs["plain"][0]
+    assert runs["fused"][0] == runs["plain"][0]
+    assert runs["fused"][1:] == runs["steps"][1:]  # same drafts, so same acceptance

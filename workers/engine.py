@@ -190,6 +190,10 @@ class Engine:
                 r.draft_token_ids = r.draft_token_ids[:room]
                 if r.draft_probs is not None:
                     r.draft_probs = r.draft_probs[:room]
+        if not chunks and reqs:
+            fused = self._greedy_round(reqs)
+            if fused is not None:
+                return fused
         S = max((len(r.draft_token_ids) for r in reqs), default=-1) + 1  # verify row length
         lens = [c.end - c.start for c in chunks]
         if not reqs:
@@ -235,6 +239,55 @@ class Engine:
             if c.is_last:
                 self._after_prefill(c.request)
         return outputs
+
+    def _greedy_round(self, reqs: list[Request]) -> list[RequestOutput] | None:
+        """The round as one compiled graph (ModelRunner.greedy_round) when every row is greedy
+        with the same k and nothing per-token applies (logprobs, a min_tokens mask, adaptive
+        k); None otherwise, or when no graph fits. Same tokens and drafts as step by step."""
+        K = len(reqs[0].draft_token_ids)
+        greedy_round = getattr(self.runner, "greedy_round", None)
+        if (greedy_round is None or K == 0 or self.adaptive.enabled
+                or self.model_config.num_mtp_modules != 1
+                or any(len(r.draft_token_ids) != K or self._k(r) != K or not r.params.greedy
+                       or r.params.logprobs is not None
+                       or r.num_output_tokens < r.params.min_tokens for r in reqs)):
+            return None
+        # Drafts the next round may make if this one accepts nothing (see _room).
+        room = [min(self.max_model_len - 3 - r.num_computed_tokens,
+                    r.params.max_tokens - r.num_output_tokens - 2) for r in reqs]
+        res = greedy_round([[r.output_token_ids[-1]] + r.draft_token_ids for r in reqs],
+                           [r.num_computed_tokens for r in reqs], [r.block_ids for r in reqs],
+                           room)
+        if res is None:
+            return None
+        outputs = []
+        for r, acc, bonus, drafts in zip(reqs, *res, strict=True):
+            n = r.num_computed_tokens
+            emitted = self._append(r, r.draft_token_ids[:acc] + [bonus])
+            self._count_round(r, K, min(acc, len(emitted)), emitted)
+            r.draft_token_ids, r.draft_probs = [], None
+            if not r.finished:
+                r.num_computed_tokens = n + acc + 1
+                self.block_manager.truncate(r, draft_slots(r))
+                r.draft_token_ids = drafts[: self._num_drafts(r)]
+            outputs.append(request_output(r, emitted))
+        for r in reqs:
+            if r.finished:
+                self._finish(r)
+        return outputs
+
+    def _count_round(self, r: Request, k_used: int, a: int, emitted: list[int]) -> None:
+        """Per-position and engine counters of one verified round (a: accepted drafts that
+        were emitted; drafts cut off by a stop condition never were)."""
+        for i in range(k_used):
+            r.drafted_per_position[i] += 1
+            r.accepted_per_position[i] += i < a
+        r.num_rounds += 1
+        self.totals["rounds"] += 1
+        self.totals["drafted"] += k_used
+        self.totals["accepted"] += a
+        self.totals["emitted"] += len(emitted)
+        self.adaptive.observe(k_used, a)
 
     def _prefilled_chunks(self, chunks: list[PrefillChunk], logits: torch.Tensor,
                           last: list[int], chunk_rows: list[list[int]], W: int
@@ -300,16 +353,7 @@ class Engine:
             emitted_rows.append(emitted)
             # Drafts cut off by EOS / a stop token / the length limit were never emitted.
             a = min(result.num_accepted[b], len(emitted))
-            for i in range(k_used):
-                r.drafted_per_position[i] += 1
-                r.accepted_per_position[i] += i < a
-            r.num_rounds += 1
-            self.totals["rounds"] += 1
-            self.totals["drafted"] += k_used
-            self.totals["accepted"] += a
-            self.totals["emitted"] += len(emitted)
-            if self.adaptive:
-                self.adaptive.observe(k_used, a)
+            self._count_round(r, k_used, a, emitted)
             r.draft_token_ids, r.draft_probs = [], None
             if r.finished:
                 continue

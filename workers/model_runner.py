@@ -75,6 +75,7 @@ class ModelRunner:
         mtp_dtype: torch.dtype | None = None,
         draft_vocab_size: int | None = None,
         cpp_wrapper: bool = True,
+        greedy_rounds: bool | None = None,
     ) -> None:
         self.device = torch.device(device)
         self.model = load_model(model_path, dtype=dtype, device=self.device)
@@ -95,7 +96,10 @@ class ModelRunner:
         if decode_graphs is None:
             decode_graphs = os.environ.get("MTPSERVE_DECODE_GRAPHS", "0") == "1"
         # Collectives inside a compiled graph are not supported here: TP > 1 stays eager.
-        self.graphs = (DecodeGraphs(self.model, self.kv_cache, cpp_wrapper=cpp_wrapper)
+        if greedy_rounds is None:
+            greedy_rounds = os.environ.get("MTPSERVE_GREEDY_ROUNDS", "0") == "1"
+        self.graphs = (DecodeGraphs(self.model, self.kv_cache, cpp_wrapper=cpp_wrapper,
+                                    greedy_rounds=greedy_rounds)
                        if decode_graphs and get_tp().size == 1 else None)
 
     @torch.inference_mode()
@@ -106,6 +110,26 @@ class ModelRunner:
             return 0
         n = self.config.num_mtp_modules if mtp_modules is None else mtp_modules
         return self.graphs.warmup(batch_sizes, query_lens, max_context, n)
+
+    @torch.inference_mode()
+    def greedy_round(self, input_ids: list[list[int]], starts: list[int],
+                     tables: list[list[int]], room: list[int]
+                     ) -> tuple[list[int], list[int], list[list[int]]] | None:
+        """A whole greedy round of k = len(input_ids[b]) - 1 drafts per row as one graph
+        (workers.model.greedy_round): (accepted, bonus token, next drafts [k]) per row, or
+        None when there is no such graph (then the engine runs the round step by step)."""
+        g = self.graphs
+        if g is None or not g.greedy_rounds:
+            return None
+        key = g.round_key(len(input_ids[0]) - 1, len(input_ids), tables)
+        if key is None:
+            return None
+        inp = g.prepare(key, input_ids, starts, tables, [])
+        room_t = torch.tensor(room + [0] * (key.batch - len(room)), dtype=torch.long,
+                              device=self.device)
+        accepted, bonus, drafts = g.run(inp, room_t)
+        n = len(input_ids)
+        return (accepted[:n].tolist(), bonus[:n].tolist(), drafts[:n].tolist())
 
     def _prev_hidden(self, batch: ForwardBatch, Sp: int, Bp: int) -> torch.Tensor:
         """[Bp, Sp, hidden] rows of the previous forward named by `hidden_rows` (0-padded)."""
