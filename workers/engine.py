@@ -245,8 +245,8 @@ class Engine:
         with the same k and nothing per-token applies (logprobs, a min_tokens mask, adaptive
         k); None otherwise, or when no graph fits. Same tokens and drafts as step by step."""
         K = len(reqs[0].draft_token_ids)
-        greedy_round = getattr(self.runner, "greedy_round", None)
-        if (greedy_round is None or K == 0 or self.adaptive.enabled
+        if (not getattr(self.runner, "fuses_greedy_rounds", False) or K == 0
+                or self.adaptive.enabled
                 or self.model_config.num_mtp_modules != 1
                 or any(len(r.draft_token_ids) != K or self._k(r) != K or not r.params.greedy
                        or r.params.logprobs is not None
@@ -255,9 +255,9 @@ class Engine:
         # Drafts the next round may make if this one accepts nothing (see _room).
         room = [min(self.max_model_len - 3 - r.num_computed_tokens,
                     r.params.max_tokens - r.num_output_tokens - 2) for r in reqs]
-        res = greedy_round([[r.output_token_ids[-1]] + r.draft_token_ids for r in reqs],
-                           [r.num_computed_tokens for r in reqs], [r.block_ids for r in reqs],
-                           room)
+        res = self.runner.greedy_round(
+            [[r.output_token_ids[-1]] + r.draft_token_ids for r in reqs],
+            [r.num_computed_tokens for r in reqs], [r.block_ids for r in reqs], room)
         if res is None:
             return None
         outputs = []

@@ -111,6 +111,10 @@ class ModelRunner:
         n = self.config.num_mtp_modules if mtp_modules is None else mtp_modules
         return self.graphs.warmup(batch_sizes, query_lens, max_context, n)
 
+    @property
+    def fuses_greedy_rounds(self) -> bool:
+        return self.graphs is not None and self.graphs.greedy_rounds
+
     @torch.inference_mode()
     def greedy_round(self, input_ids: list[list[int]], starts: list[int],
                      tables: list[list[int]], room: list[int]
