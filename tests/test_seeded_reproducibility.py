@@ -7,6 +7,7 @@ k; only float noise from different batch shapes could flip a token, with negligi
 
 from __future__ import annotations
 
+import os
 import socket
 from dataclasses import replace
 
@@ -138,7 +139,8 @@ def _tp_rank(rank: int, port: int, path: str, out) -> None:
     if rank:
         worker_loop(core)
         dist.barrier()  # neither rank leaves while the other still talks to it
-        return
+        dist.destroy_process_group()
+        os._exit(0)  # skip the teardown that can abort with gloo's threads around
     driver = TPDriver(core)
     eng = Engine(EngineConfig(model=path, num_speculative_tokens=4, num_kv_blocks=256,
                               block_size=4, max_num_batched_tokens=64), runner=driver)
@@ -146,8 +148,12 @@ def _tp_rank(rank: int, port: int, path: str, out) -> None:
     while eng.has_unfinished():
         eng.step()
     out.put(req.output_token_ids)
+    out.close()
+    out.join_thread()  # the result is in the pipe before this process may leave
     driver.shutdown()
     dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
 
 
 def test_tp2_equals_tp1(tiny_qwen3) -> None:

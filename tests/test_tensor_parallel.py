@@ -41,7 +41,13 @@ def _rank(rank: int, port: int, path: str, out, draft_vocab: int | None = None) 
     results = [runner.execute(b) for b in batches()]
     if rank == 0:
         out.put([r.tolist() for r in results] + [runner.kv_cache.layers[0].shape[3]])
+        out.close()
+        out.join_thread()  # the result is in the pipe before this process may leave
     dist.barrier()  # neither rank leaves while the other still talks to it
+    dist.destroy_process_group()
+    # Skip the interpreter's teardown: with gloo's threads around it sometimes aborts
+    # ("terminate called without an active exception") after the work is done.
+    os._exit(0)
 
 
 @pytest.mark.parametrize("draft_vocab", [None, 64], ids=["full-vocab", "draft-vocab"])
