@@ -62,9 +62,7 @@ def test_tp2_equals_tp1(tiny_qwen3, tmp_path, draft_vocab: int | None) -> None:
         write_ranking(path, list(range(vocab))[::-1], "test")
     single = ModelRunner(path, num_blocks=8, block_size=4, draft_vocab_size=draft_vocab)
     want = [single.execute(b) for b in batches()]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _free_port()
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     procs = [ctx.Process(target=_rank, args=(r, port, str(path), out, draft_vocab))
@@ -153,23 +151,31 @@ def _split_rank(rank: int, port: int, path: str, prompts: list, out) -> None:
         out.put(("worker", seen, core.failed))
         torch.distributed.barrier()  # neither rank leaves while the other still talks to it
         return
+
+    driver = TPDriver(core)
+    got = _greedy_tokens(driver, path, prompts)
+    driver.ping()  # the health ping is control traffic too
+    driver.shutdown()
+    out.put(("driver", seen, got))
+    torch.distributed.barrier()
+
+
+def _greedy_tokens(runner, path: str, prompts: list[list[int]]) -> list[list[int]]:
+    """Each prompt's greedy tokens (k = 2), collected from the streamed outputs; `runner`:
+    a TP driver, or None for a single-process engine."""
     from workers.engine import Engine, EngineConfig
     from workers.sampling_params import SamplingParams
 
-    driver = TPDriver(core)
     engine = Engine(EngineConfig(model=path, num_speculative_tokens=2, block_size=4,
-                                 num_kv_blocks=64), runner=driver)
+                                 num_kv_blocks=64), runner=runner)
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, SamplingParams(max_tokens=10, temperature=0,
                                                      ignore_eos=True))
-    got = {str(i): [] for i in range(len(prompts))}
+    got: list[list[int]] = [[] for _ in prompts]
     while engine.has_unfinished():
         for o in engine.step():
-            got[o.request_id] += o.new_token_ids
-    driver.ping()  # the health ping is control traffic too
-    driver.shutdown()
-    out.put(("driver", seen, [got[str(i)] for i in range(len(prompts))]))
-    torch.distributed.barrier()
+            got[int(o.request_id)] += o.new_token_ids
+    return got
 
 
 def _free_port() -> int:
@@ -179,19 +185,9 @@ def _free_port() -> int:
 
 
 def test_tp2_engine_keeps_control_and_data_planes_apart(tiny_qwen3) -> None:
-    from workers.engine import Engine, EngineConfig
-    from workers.sampling_params import SamplingParams
 
     prompts = [PROMPT, [9, 8, 7, 6, 5, 4, 3]]
-    single = Engine(EngineConfig(model=str(tiny_qwen3), num_speculative_tokens=2, block_size=4,
-                                 num_kv_blocks=64))
-    for i, p in enumerate(prompts):
-        single.add_request(str(i), p, SamplingParams(max_tokens=10, temperature=0,
-                                                     ignore_eos=True))
-    want = {str(i): [] for i in range(len(prompts))}
-    while single.has_unfinished():
-        for o in single.step():
-            want[o.request_id] += o.new_token_ids
+    want = _greedy_tokens(None, str(tiny_qwen3), prompts)
     ctx = mp.get_context("spawn")
     out, port = ctx.Queue(), _free_port()
     procs = [ctx.Process(target=_split_rank, args=(r, port, str(tiny_qwen3), prompts, out))
@@ -204,7 +200,7 @@ def test_tp2_engine_keeps_control_and_data_planes_apart(tiny_qwen3) -> None:
         assert p.exitcode == 0
     seen0, tokens = got["driver"]
     seen1, worker_failed = got["worker"]
-    assert tokens == [want[str(i)] for i in range(len(prompts))]  # TP=2 == TP=1, greedy
+    assert tokens == want  # TP=2 == TP=1, greedy
     assert not worker_failed
     for seen in (seen0, seen1):  # both planes carried traffic, and none of it crossed over
         assert seen["control"] > 0 and seen["data"] > 0, seen

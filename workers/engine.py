@@ -252,9 +252,8 @@ class Engine:
                        or r.params.logprobs is not None
                        or r.num_output_tokens < r.params.min_tokens for r in reqs)):
             return None
-        # Drafts the next round may make if this one accepts nothing (see _room).
-        room = [min(self.max_model_len - 3 - r.num_computed_tokens,
-                    r.params.max_tokens - r.num_output_tokens - 2) for r in reqs]
+        # Drafts the next round may make if this one accepts nothing (it emits one token).
+        room = [self._room(r) - 1 for r in reqs]
         res = self.runner.greedy_round(
             [[r.output_token_ids[-1]] + r.draft_token_ids for r in reqs],
             [r.num_computed_tokens for r in reqs], [r.block_ids for r in reqs], room)

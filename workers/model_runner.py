@@ -133,7 +133,8 @@ class ModelRunner:
                               device=self.device)
         accepted, bonus, drafts = g.run(inp, room_t)
         n = len(input_ids)
-        return (accepted[:n].tolist(), bonus[:n].tolist(), drafts[:n].tolist())
+        rows = torch.cat([accepted[:n, None], bonus[:n, None], drafts[:n]], 1).tolist()
+        return ([r[0] for r in rows], [r[1] for r in rows], [r[2:] for r in rows])
 
     def _prev_hidden(self, batch: ForwardBatch, Sp: int, Bp: int) -> torch.Tensor:
         """[Bp, Sp, hidden] rows of the previous forward named by `hidden_rows` (0-padded)."""

@@ -68,3 +68,10 @@ class AttentionMetadata:
             mask=None if bool(mask.all()) else mask.to(device),
             max_context_len=ctx_len,
         )
+
+
+def causal_mask(positions: torch.Tensor, context_len: int) -> torch.Tensor:
+    """[B, 1, S, L] bool: a query at position p sees context positions <= p (the compiled
+    decode graphs build it in-graph from the positions, so it never depends on the data)."""
+    ctx = torch.arange(context_len, device=positions.device)
+    return (ctx.view(1, 1, -1) <= positions.unsqueeze(-1)).unsqueeze(1)

@@ -22,7 +22,7 @@ from unittest import mock
 import torch
 
 from workers.kv_cache import KVCache
-from workers.model.attention_metadata import AttentionMetadata
+from workers.model.attention_metadata import AttentionMetadata, causal_mask
 from workers.model.greedy_round import greedy_round_graph
 from workers.model.transformer import CausalLM
 
@@ -60,18 +60,12 @@ class GraphInputs:
     logit_rows: torch.Tensor  # [Bp * Sp] padded-layout rows whose logits are returned
 
 
-def _mask(positions: torch.Tensor, context_len: int) -> torch.Tensor:
-    """[B, 1, S, L] bool: query at position p sees context positions <= p."""
-    ctx = torch.arange(context_len, device=positions.device)
-    return (ctx.view(1, 1, -1) <= positions.unsqueeze(-1)).unsqueeze(1)
-
-
 def _main_graph(model: CausalLM, block_size: int, ids: torch.Tensor, positions: torch.Tensor,
                 slots: torch.Tensor, tables: torch.Tensor, logit_rows: torch.Tensor,
                 caches: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     B, S = ids.shape
     L = tables.shape[1] * block_size
-    attn = AttentionMetadata(slots, None, tables.reshape(-1), _mask(positions, L), L)
+    attn = AttentionMetadata(slots, None, tables.reshape(-1), causal_mask(positions, L), L)
     flat = model(ids, positions, attn, caches).reshape(B * S, -1)  # [B*S, hidden]
     return flat, model.compute_logits(flat[logit_rows])
 
@@ -82,7 +76,7 @@ def _mtp_graph(model: CausalLM, block_size: int, module: int, ids: torch.Tensor,
                caches: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     B, S = ids.shape
     L = tables.shape[1] * block_size
-    attn = AttentionMetadata(slots, None, tables.reshape(-1), _mask(positions, L), L)
+    attn = AttentionMetadata(slots, None, tables.reshape(-1), causal_mask(positions, L), L)
     flat = model.forward_mtp(module, ids, prev, positions, attn, caches).reshape(B * S, -1)
     return flat, model.compute_mtp_logits(module, flat[logit_rows])
 

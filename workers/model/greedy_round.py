@@ -21,13 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from workers.model.attention_metadata import AttentionMetadata
+from workers.model.attention_metadata import AttentionMetadata, causal_mask
 from workers.model.transformer import CausalLM
-
-
-def _mask(positions: torch.Tensor, context_len: int) -> torch.Tensor:
-    ctx = torch.arange(context_len, device=positions.device)
-    return (ctx.view(1, 1, -1) <= positions.unsqueeze(-1)).unsqueeze(1)
 
 
 def greedy_round_graph(model: CausalLM, block_size: int, scratch_slot: int,
@@ -43,7 +38,7 @@ def greedy_round_graph(model: CausalLM, block_size: int, scratch_slot: int,
     K = S - 1
     L = tables.shape[1] * block_size
     max_pos = model.rotary.cos.shape[0] - 1
-    mask = _mask(positions, L)
+    mask = causal_mask(positions, L)
     attn = AttentionMetadata(slots, None, tables.reshape(-1), mask, L)
     hidden = model(ids, positions, attn, caches)  # [B, S, h]
     target = model.compute_logits(hidden.reshape(B * S, -1)).argmax(-1).view(B, S)
@@ -74,7 +69,7 @@ def greedy_round_graph(model: CausalLM, block_size: int, scratch_slot: int,
         slot = tables.gather(1, blk.unsqueeze(1)).squeeze(1) * block_size + pos % block_size
         slot = torch.where(live, slot, torch.full_like(slot, scratch_slot))
         p = pos.unsqueeze(1)  # [B, 1]
-        attn = AttentionMetadata(slot, None, tables.reshape(-1), _mask(p, L), L)
+        attn = AttentionMetadata(slot, None, tables.reshape(-1), causal_mask(p, L), L)
         h = model.forward_mtp(0, draft.unsqueeze(1), h, p, attn, caches)  # [B, 1, h]
         draft = model.compute_mtp_logits(0, h.reshape(B, -1)).argmax(-1)
         drafts.append(draft)
