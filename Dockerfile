@@ -48,14 +48,18 @@ RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml
     && pip install --no-cache-dir -r /tmp/requirements.txt -c /tmp/constraints.txt \
     && rm /tmp/requirements.txt
 
-COPY --chown=ray:users . .
-RUN pip install --no-cache-dir --no-deps . \
-    && python -c "import cluster.config, ray, torch, huggingface_hub; assert ray.__version__.startswith('2.60'), ray.__version__; assert torch.__version__.split('+')[0] == '${TORCH_VERSION}', torch.__version__"
+# The project as a wheel (one import name, `mtpserve`; the embedded model and the Serve configs
+# are package data), built in the image and installed; the source tree is then removed, so the
+# image runs exactly what `pip install mtpserve-*.whl` gives anywhere.
+COPY --chown=ray:users . /tmp/src
+RUN pip wheel --no-cache-dir --no-deps -w /tmp/wheels /tmp/src \
+    && pip install --no-cache-dir --no-deps /tmp/wheels/mtpserve-*.whl \
+    && rm -rf /tmp/src /tmp/wheels \
+    && mkdir -p configs \
+    && cp "$(python -c 'from mtpserve.workers.paths import config_path; print(config_path(""))')"/*.yaml configs/ \
+    && python -c "import mtpserve.cluster.config, ray, torch, huggingface_hub; assert ray.__version__.startswith('2.60'), ray.__version__; assert torch.__version__.split('+')[0] == '${TORCH_VERSION}', torch.__version__"
 
-# The embedded default checkpoint stays in the source tree (models/ is not a Python package);
-# point the default model path at it so it is found from the installed packages too.
-ENV MTPSERVE_MODEL=/home/ray/mtpserve/models/tiny-code-mtp \
-    PYTHONUNBUFFERED=1
+ENV PYTHONUNBUFFERED=1
 
 # The chart runs pods as uid 1000 (the image's `ray` user), non-root.
 USER 1000

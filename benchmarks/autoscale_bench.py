@@ -9,7 +9,7 @@ timeline records replicas per deployment, the decode policy's desired replicas, 
 p50/p99 of the requests that finished, acceptance (from /metrics counters), k, and the queue.
 
 `--deploy model|default` starts a local Ray cluster and deploys the app itself: `model` with
-the model-based policies (cluster.autoscaling_policy), `default` with Serve's request-based
+the model-based policies (mtpserve.cluster.autoscaling_policy), `default` with Serve's request-based
 default policy (`target_ongoing_requests`), so both run the same profile. Without it, the
 server at `--url` is used (replica counts then come from /metrics, or from Ray with
 `--ray-address`). Writes the timeline + summary to JSON and a PNG plot (matplotlib).
@@ -26,10 +26,9 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import httpx
-
-from benchmarks.serve_bench import _pct, stream_completion
-from router.metrics_api import parse_samples
-from workers.training.prompts import held_out_prompts
+from mtpserve.benchmarks.serve_bench import _pct, stream_completion
+from mtpserve.router.metrics_api import parse_samples
+from mtpserve.workers.training.prompts import held_out_prompts
 
 
 @dataclass
@@ -259,10 +258,9 @@ def local_config(a: AutoscaleBenchArgs) -> dict:
 def deploy(a: AutoscaleBenchArgs) -> None:
     """Local Ray cluster + the app, with the model-based or Serve's default policy."""
     import ray
+    from mtpserve.cluster.app import build_app, deployment_options, resolve
+    from mtpserve.cluster.config import ClusterConfig
     from ray import serve
-
-    from cluster.app import build_app, deployment_options, resolve
-    from cluster.config import ClusterConfig
 
     port = int(a.url.rsplit(":", 1)[1])
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
@@ -271,9 +269,9 @@ def deploy(a: AutoscaleBenchArgs) -> None:
     if a.deploy == "model":
         serve.run(build_app(cfg), name="mtpserve", route_prefix="/")
         return
-    from router.ingress import OpenAIIngress
-    from workers.decode_server import DecodeServer
-    from workers.prefill_server import PrefillServer
+    from mtpserve.router.ingress import OpenAIIngress
+    from mtpserve.workers.decode_server import DecodeServer
+    from mtpserve.workers.prefill_server import PrefillServer
 
     handles = []
     for role, cls in (("prefill", PrefillServer), ("decode", DecodeServer)):

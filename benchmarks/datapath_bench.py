@@ -5,7 +5,7 @@
 2. TPOT p50/p99 of running streams without and with ~1.5k-token arrivals whose KV is pulled
    into the decode replica that runs them (`serve_bench.run_interference`).
 
-    python -m benchmarks.datapath_bench --out benchmarks/results/datapath-cpu.json
+    python -m mtpserve.benchmarks.datapath_bench --out benchmarks/results/datapath-cpu.json
 
 Prints both tables and writes one JSON file.
 """
@@ -29,10 +29,9 @@ def admin_options(config_cls) -> dict:
 
 
 def deploy(model: str, device: str, port: int, prefill_tp: int = 1, decode_tp: int = 1) -> str:
+    from mtpserve.cluster.app import build_app
+    from mtpserve.cluster.config import ClusterConfig
     from ray import serve
-
-    from cluster.app import build_app
-    from cluster.config import ClusterConfig
 
     gpu = 0.5 if device == "cuda" else 0.0  # both sides share one GPU on a one-GPU machine
     cfg = ClusterConfig(
@@ -50,15 +49,14 @@ def deploy(model: str, device: str, port: int, prefill_tp: int = 1, decode_tp: i
 
 def main() -> None:
     import ray
-
-    from benchmarks.serve_bench import (
+    from mtpserve.benchmarks.serve_bench import (
         ServeBenchArgs,
         format_interference,
         format_table,
         run,
         run_interference,
     )
-    from workers.paths import default_model_path
+    from mtpserve.workers.paths import default_model_path
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=str(default_model_path()))

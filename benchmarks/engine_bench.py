@@ -16,12 +16,11 @@ import time
 from dataclasses import dataclass
 
 import torch
-
-from workers.engine import DTYPES, Engine, EngineConfig
-from workers.model_runner import ModelRunner
-from workers.sampling_params import SamplingParams
-from workers.tokenizer import load_tokenizer
-from workers.training.prompts import held_out_prompts
+from mtpserve.workers.engine import DTYPES, Engine, EngineConfig
+from mtpserve.workers.model_runner import ModelRunner
+from mtpserve.workers.sampling_params import SamplingParams
+from mtpserve.workers.tokenizer import load_tokenizer
+from mtpserve.workers.training.prompts import held_out_prompts
 
 
 @dataclass(frozen=True)

@@ -1,13 +1,14 @@
 """The prepared GPU check, sized for one lent machine with a single H200 (< 8 minutes).
 
-    python -m benchmarks.gpu_check --out DIR            # on the GPU machine
-    python -m benchmarks.gpu_check --out DIR --device cpu   # dry run of the same script
+    python -m mtpserve.benchmarks.gpu_check --out DIR            # on the GPU machine
+    python -m mtpserve.benchmarks.gpu_check --out DIR --device cpu   # dry run of the same script
 
 1. engine: `bench engine` on CUDA in float32 and bfloat16, k = 0..3, batch 1 and 32.
 2. disagg-gloo: the disaggregated app with prefill and decode on the *same* GPU (0.5 GPU
    each), KV over the gloo path (host staging: NCCL cannot put two ranks of one communicator
    on one GPU); greedy HTTP output == the offline engine on the same device; KV pull vs raw
-   send/recv and TPOT of running streams while long prompts are pulled (benchmarks.serve_bench).
+   send/recv and TPOT of running streams while long prompts are pulled
+   (mtpserve.benchmarks.serve_bench).
 3. nccl-kv / nccl-tp: only with >= 2 (>= 4 for TP 2 -> 2) visible GPUs: the same app with
    KV over NCCL, one GPU per rank; printed as skipped otherwise.
 
@@ -51,7 +52,7 @@ class _Tee:
 
 
 def _model() -> str:
-    from workers.paths import default_model_path
+    from mtpserve.workers.paths import default_model_path
 
     return str(default_model_path())
 
@@ -65,7 +66,7 @@ def _port() -> int:
 # 1. Engine bench ------------------------------------------------------------------------------
 
 def engine_part(out: Path, device: str, dry: bool) -> dict:
-    from benchmarks.engine_bench import BenchArgs, main
+    from mtpserve.benchmarks.engine_bench import BenchArgs, main
 
     names = {f.name for f in dataclasses.fields(BenchArgs)}
     res = {}
@@ -89,7 +90,7 @@ def engine_part(out: Path, device: str, dry: bool) -> dict:
 # 2./3. The disaggregated app --------------------------------------------------------------------
 
 def _offline(prompts: list[str], device: str, max_tokens: int) -> list[str]:
-    from workers import LLM, SamplingParams
+    from mtpserve.workers import LLM, SamplingParams
 
     llm = LLM(_model(), num_speculative_tokens=2, device=device)
     # One prompt at a time, as the HTTP requests below run (same batch shapes on the GPU).
@@ -99,19 +100,18 @@ def _offline(prompts: list[str], device: str, max_tokens: int) -> list[str]:
 
 def app_part(out: Path, device: str, dry: bool, backend: str, tp: int, name: str) -> dict:
     import ray
-    from ray import serve
-
-    from benchmarks.datapath_bench import ADMIN_KEY, admin_options
-    from benchmarks.serve_bench import (
+    from mtpserve.benchmarks.datapath_bench import ADMIN_KEY, admin_options
+    from mtpserve.benchmarks.serve_bench import (
         ServeBenchArgs,
         format_interference,
         format_table,
         run,
         run_interference,
     )
-    from cluster.app import build_app
-    from cluster.config import ClusterConfig
-    from workers.training.prompts import held_out_prompts
+    from mtpserve.cluster.app import build_app
+    from mtpserve.cluster.config import ClusterConfig
+    from mtpserve.workers.training.prompts import held_out_prompts
+    from ray import serve
 
     max_tokens = 8 if dry else 32
     prompts = held_out_prompts(2 if dry else 4, num_chars=300)

@@ -9,7 +9,7 @@ until every long prompt has its first token and every running request has emitte
 ("burst window", about the burst's TTFT; "max ITL": the longest a running request waited for
 a token in it). Mixing must lower burst TPOT without raising steady TPOT.
 
-Run: python -m benchmarks.prefill_burst [--json out.json]
+Run: python -m mtpserve.benchmarks.prefill_burst [--json out.json]
 """
 
 from __future__ import annotations
@@ -20,11 +20,10 @@ import time
 from dataclasses import dataclass
 
 import torch
-
-from workers.engine import DTYPES, Engine, EngineConfig
-from workers.model_runner import ModelRunner
-from workers.paths import default_model_path
-from workers.sampling_params import SamplingParams
+from mtpserve.workers.engine import DTYPES, Engine, EngineConfig
+from mtpserve.workers.model_runner import ModelRunner
+from mtpserve.workers.paths import default_model_path
+from mtpserve.workers.sampling_params import SamplingParams
 
 
 @dataclass

@@ -14,8 +14,7 @@ import time
 from dataclasses import dataclass
 
 import httpx
-
-from workers.training.prompts import held_out_prompts
+from mtpserve.workers.training.prompts import held_out_prompts
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""`cluster.app:build_app`: the Serve application from a validated `ClusterConfig`.
+"""`mtpserve.cluster.app:build_app`: the Serve application from a validated `ClusterConfig`.
 
 Usable as `import_path` in `serve run` / `serve deploy` configs (`args:` is the config) and by
 `mtpserve up`. The builder only wires: placement, replica counts or autoscaling, routing.
@@ -8,12 +8,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from mtpserve.cluster.config import AutoscalingSettings, ClusterConfig
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
-from cluster.config import AutoscalingSettings, ClusterConfig
-
-ROUTER = "router.routing:LeastLoadedRouter"
+ROUTER = "mtpserve.router.routing:LeastLoadedRouter"
 ROUTING_STATS_PERIOD_S = 1.0  # = router.routing.ROUTING_STATS_PERIOD_S (no Serve import here)
 
 
@@ -34,7 +33,7 @@ def _autoscaling(a: AutoscalingSettings, initial: int, policy: str, kwargs: dict
         "metrics_interval_s": a.metrics_interval_s,
         "look_back_period_s": 5 * a.metrics_interval_s,
         "upscale_delay_s": a.upscale_delay_s, "downscale_delay_s": 1.0,
-        "policy": {"policy_function": f"cluster.autoscaling_policy:{policy}",
+        "policy": {"policy_function": f"mtpserve.cluster.autoscaling_policy:{policy}",
                    "policy_kwargs": kwargs},
     }
 
@@ -97,9 +96,9 @@ def resolve(cfg: ClusterConfig) -> ClusterConfig:
 
 
 def build_app(args: ClusterConfig) -> Application:
-    from router.ingress import OpenAIIngress
-    from workers.decode_server import DecodeServer
-    from workers.prefill_server import PrefillServer
+    from mtpserve.router.ingress import OpenAIIngress
+    from mtpserve.workers.decode_server import DecodeServer
+    from mtpserve.workers.prefill_server import PrefillServer
 
     cfg = resolve(args if isinstance(args, ClusterConfig) else ClusterConfig(**args))
     prefill = PrefillServer.options(**deployment_options(cfg, "prefill")).bind(cfg)

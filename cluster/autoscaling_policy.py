@@ -1,8 +1,8 @@
 """Model-based Ray Serve autoscaling policies for the decode and prefill deployments.
 
-Replicas report window aggregates from `record_autoscaling_stats()` (cluster.signals); these
+Replicas report window aggregates from `record_autoscaling_stats()` (workers/signals.py); these
 class policies run every control-loop tick inside the Serve controller, so they are cheap and
-pure apart from publishing the decision (cluster.metrics).
+pure apart from publishing the decision (workers/metrics.py).
 
 Decode: the latest fresh report of every replica gives the load (requests running + waiting),
 the per-position acceptance and the replica's performance model T(B, k) (workers.perf_model).
@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from workers.perf_model import PerfModel
+from mtpserve.workers.perf_model import PerfModel
 
 UP_HEADROOM = 0.8  # scale up to keep predicted TPOT under 80% of the SLO
 DOWN_HEADROOM = 0.65  # scale down only where the smaller count stays under 65%
@@ -170,7 +170,7 @@ def decode_load(reports: dict) -> DecodeLoad:
 
 def _publish(deployment: str, desired: int, extra: dict[str, float]) -> None:
     try:
-        from cluster.metrics import publish_policy
+        from mtpserve.workers.metrics import publish_policy
 
         publish_policy(deployment, desired, extra)
     except Exception:  # metrics must never break scaling

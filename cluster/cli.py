@@ -6,11 +6,11 @@ import argparse
 import sys
 from dataclasses import fields
 
-from workers.paths import default_model_path
+from mtpserve.workers.paths import default_model_path
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
-    from workers.training.trainer import TrainConfig
+    from mtpserve.workers.training.trainer import TrainConfig
 
     p = sub.add_parser("train", help="train a model with an MTP module (or add one to a model)")
     for f in fields(TrainConfig):
@@ -25,7 +25,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_train(args: argparse.Namespace) -> int:
-    from workers.training.trainer import TrainConfig, train
+    from mtpserve.workers.training.trainer import TrainConfig, train
 
     kwargs = {f.name: getattr(args, f.name) for f in fields(TrainConfig)}
     train(TrainConfig(**kwargs))
@@ -38,11 +38,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train(sub)
     bench = sub.add_parser("bench", help="benchmarks that print tables and write JSON")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    from cluster import cli_engine
+    from mtpserve.cluster import cli_engine
 
     cli_engine.add_commands(sub, bench_sub, str(default_model_path()))
     try:
-        from cluster import cli_serve
+        from mtpserve.cluster import cli_serve
     except ImportError:  # serving extras missing: engine commands still work
         cli_serve = None
     if cli_serve is not None:

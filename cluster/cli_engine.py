@@ -79,7 +79,7 @@ def _read_prompts(path: str) -> list[str]:
 
 
 def _check(args: argparse.Namespace) -> int:
-    from workers.model.checkpoint import inventory
+    from mtpserve.workers.model.checkpoint import inventory
 
     entries = inventory(args.path)
     width = max(len(e.tensor) for e in entries)
@@ -93,7 +93,7 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from workers import LLM, SamplingParams
+    from mtpserve.workers import LLM, SamplingParams
 
     prompts = [args.prompt] if args.prompt is not None else _read_prompts(args.prompts_file)
     llm = LLM(args.model, dtype=args.dtype, num_speculative_tokens=args.num_speculative_tokens)
@@ -114,7 +114,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _bench_engine(args: argparse.Namespace) -> int:
-    from benchmarks.engine_bench import BenchArgs, main
+    from mtpserve.benchmarks.engine_bench import BenchArgs, main
 
     prompts = _read_prompts(args.prompts_file) if args.prompts_file else None
     main(BenchArgs(model=args.model, prompts=prompts, max_tokens=args.max_tokens, ks=args.ks,
@@ -127,10 +127,10 @@ def _bench_engine(args: argparse.Namespace) -> int:
 def _draft_vocab(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from workers.model.config import ModelConfig
-    from workers.spec.draft_vocab import corpus_token_streams, rank_tokens, write_ranking
-    from workers.tokenizer import load_tokenizer
-    from workers.training.data import split_files
+    from mtpserve.workers.model.config import ModelConfig
+    from mtpserve.workers.spec.draft_vocab import corpus_token_streams, rank_tokens, write_ranking
+    from mtpserve.workers.tokenizer import load_tokenizer
+    from mtpserve.workers.training.data import split_files
 
     if args.corpus:
         files = sorted(p for p in Path(args.corpus).glob(args.glob) if p.is_file())
@@ -148,7 +148,7 @@ def _draft_vocab(args: argparse.Namespace) -> int:
 
 
 def _eval_mtp(args: argparse.Namespace) -> int:
-    from workers.training.evaluate import evaluate, format_report
+    from mtpserve.workers.training.evaluate import evaluate, format_report
 
     res = evaluate(args.model, args.data, args.max_positions, args.seq_len, args.dtype)
     print(format_report(res))

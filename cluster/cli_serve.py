@@ -11,9 +11,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from workers.paths import REPO_ROOT
+from mtpserve.workers.paths import config_path
 
-DEFAULT_CONFIG = REPO_ROOT / "configs" / "local-cpu.yaml"
+DEFAULT_CONFIG = config_path("local-cpu.yaml")
 
 
 def add_commands(sub: argparse._SubParsersAction, bench: argparse._SubParsersAction,
@@ -98,10 +98,9 @@ def _wait_healthy(url: str, timeout: float, stop: threading.Event) -> bool:
 
 def _up(args: argparse.Namespace) -> int:
     import ray
+    from mtpserve.cluster.app import build_app
+    from mtpserve.cluster.config import ClusterConfig
     from ray import serve
-
-    from cluster.app import build_app
-    from cluster.config import ClusterConfig
 
     http, app_args = load_app_config(args.config, args.model, args.host, args.port)
     cfg = ClusterConfig(**app_args)  # fail fast, before starting anything
@@ -182,7 +181,7 @@ def _drain(timeout_s: float) -> None:
 
 
 def _bench_serve(args: argparse.Namespace) -> int:
-    from benchmarks.serve_bench import ServeBenchArgs, main
+    from mtpserve.benchmarks.serve_bench import ServeBenchArgs, main
 
     main(ServeBenchArgs(url=args.url, api_key=args.api_key, concurrency=args.concurrency,
                         num_requests=args.num_requests, max_tokens=args.max_tokens,
@@ -191,7 +190,7 @@ def _bench_serve(args: argparse.Namespace) -> int:
 
 
 def _bench_autoscale(args: argparse.Namespace) -> int:
-    from benchmarks.autoscale_bench import AutoscaleBenchArgs, local_config, main
+    from mtpserve.benchmarks.autoscale_bench import AutoscaleBenchArgs, local_config, main
 
     a = AutoscaleBenchArgs(
         url=args.url, api_key=args.api_key, concurrency=args.concurrency,

@@ -1,4 +1,5 @@
-"""The cluster's configuration: the `args:` of `cluster.app:build_app` in a Serve config file.
+"""The cluster's configuration: the `args:` of `mtpserve.cluster.app:build_app` in a Serve
+config file.
 
 Pydantic at the YAML/HTTP boundary (unknown keys are errors, every field is described); the
 engine receives frozen dataclasses built from these values.
@@ -11,9 +12,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
 
+from mtpserve.workers.paths import default_model_path
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-
-from workers.paths import default_model_path
 
 
 class _Strict(BaseModel):
@@ -22,7 +22,7 @@ class _Strict(BaseModel):
 
 class AutoscalingSettings(_Strict):
     """Bounds and SLOs of the model-based autoscaling policy of one deployment
-    (cluster.autoscaling_policy): decode sizes from predicted TPOT, prefill from TTFT."""
+    (mtpserve.cluster.autoscaling_policy): decode sizes from predicted TPOT, prefill from TTFT."""
 
     min_replicas: int = Field(1, ge=0, description="Fewest replicas kept running.")
     max_replicas: int = Field(1, ge=1, description="Most replicas the policy may ask for.")
@@ -310,7 +310,7 @@ class ClusterConfig(_Strict):
                     )
             dv = self.speculation.draft_vocab_size
             if dv is not None:
-                from workers.spec.draft_vocab import draft_token_ids
+                from mtpserve.workers.spec.draft_vocab import draft_token_ids
 
                 draft_token_ids(self.model, dv, hf.get("vocab_size", dv))  # raises with the fix
             n_mtp = hf.get("num_nextn_predict_layers", 0) or 0

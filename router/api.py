@@ -39,15 +39,13 @@ from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from starlette.types import Receive, Scope, Send
-
-from router.auth import APIKeyMiddleware, key_matches
-from router.chat_template import apply_chat_template
-from router.errors import APIError, install_error_handlers
-from router.generation import Choice, ChoiceSet
-from router.limits import AdmissionGate, Limits, LimitsMiddleware
-from router.metrics_api import metrics_router
-from router.protocol import (
+from mtpserve.router.auth import APIKeyMiddleware, key_matches
+from mtpserve.router.chat_template import apply_chat_template
+from mtpserve.router.errors import APIError, install_error_handlers
+from mtpserve.router.generation import Choice, ChoiceSet
+from mtpserve.router.limits import AdmissionGate, Limits, LimitsMiddleware
+from mtpserve.router.metrics_api import metrics_router
+from mtpserve.router.protocol import (
     AssistantMessage,
     ChatChoice,
     ChatCompletionChunk,
@@ -65,7 +63,9 @@ from router.protocol import (
     SamplingRequest,
     Usage,
 )
-from router.types import GenerateRequest, Orchestrator
+from mtpserve.router.types import Orchestrator
+from mtpserve.workers.messages import GenerateRequest
+from starlette.types import Receive, Scope, Send
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

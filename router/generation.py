@@ -16,16 +16,17 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from router.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from router.errors import APIError, from_exception
-from router.protocol import (
+from mtpserve.router.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from mtpserve.router.errors import APIError, from_exception
+from mtpserve.router.protocol import (
     ChatLogprobs,
     ChatLogprobToken,
     CompletionLogprobs,
     MTPStats,
     TopLogprob,
 )
-from router.types import GenerateRequest, Orchestrator, TokenChunk, TokenLogprobs
+from mtpserve.router.types import Orchestrator
+from mtpserve.workers.messages import GenerateRequest, TokenChunk, TokenLogprobs
 
 logger = logging.getLogger(__name__)
 

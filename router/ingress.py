@@ -12,19 +12,18 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from mtpserve.cluster.config import ClusterConfig
+from mtpserve.router.limits import Limits
+from mtpserve.router.orchestrator import DisaggOrchestrator, OrchestratorConfig
 from ray import serve
-
-from cluster.config import ClusterConfig
-from router.limits import Limits
-from router.orchestrator import DisaggOrchestrator, OrchestratorConfig
 
 
 @serve.deployment(name="OpenAIIngress")
 @serve.ingress()
 class OpenAIIngress:
     def __init__(self, prefill, decode, cfg: ClusterConfig) -> None:
-        from workers.model.config import ModelConfig
-        from workers.tokenizer import load_tokenizer
+        from mtpserve.workers.model.config import ModelConfig
+        from mtpserve.workers.tokenizer import load_tokenizer
 
         self.cfg = cfg
         # Before anything slow: a missing key must fail the deployment, not open the API.
@@ -39,7 +38,7 @@ class OpenAIIngress:
         self._app = None
 
     def __serve_build_asgi_app__(self):
-        from router.api import IngressState, create_app
+        from mtpserve.router.api import IngressState, create_app
 
         lim = self.cfg.limits
         self._app = create_app(IngressState(

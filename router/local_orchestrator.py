@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from router.types import GenerateRequest, TokenChunk
-from workers.async_engine import AsyncEngine
+from mtpserve.workers.async_engine import AsyncEngine
+from mtpserve.workers.messages import GenerateRequest, TokenChunk
 
 
 class LocalOrchestrator:

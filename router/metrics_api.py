@@ -207,7 +207,7 @@ def hub_source() -> MetricsSource:
     """Source over the cluster's `MetricsHub` actor (Serve ingress)."""
 
     async def source() -> dict:
-        from cluster.metrics import hub
+        from mtpserve.workers.metrics import hub
 
         return await hub().collect.remote()
 

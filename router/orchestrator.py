@@ -30,8 +30,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from router.errors import APIError, overloaded
-from router.types import (
+from mtpserve.router.errors import APIError, overloaded
+from mtpserve.workers.messages import (
     ERROR_KV_TRANSFER,
     TARGET_REPLICA,
     GenerateRequest,
@@ -337,7 +337,7 @@ class DisaggOrchestrator:
     async def _release_now(self, params: KVTransferParams) -> None:
         """Tell the prefill replica holding the KV to free it now (best effort: hold_ttl_s
         frees it anyway). The call carries that replica's id, which the request router
-        (router.routing) sends it to; if that replica is gone, another answers False."""
+        (mtpserve.router.routing) sends it to; if that replica is gone, another answers False."""
         rid = params.request_id
         try:
             response = self.prefill.release.remote(

@@ -22,9 +22,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from mtpserve.workers.messages import TARGET_REPLICA
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
-
-from router.types import TARGET_REPLICA
 
 # How often Serve refreshes each replica's routing stats (RequestRouterConfig).
 ROUTING_STATS_PERIOD_S = 1.0

@@ -1,112 +1,12 @@
-"""Typed messages between the ingress, the orchestrator and the prefill/decode servers.
-
-Everything here is plain data (picklable, no torch tensors) so it crosses Ray handles cheaply.
-"""
+"""The ingress's view of generation: one protocol, implemented by the disaggregated
+orchestrator (Serve handles) and by the in-process one (tests, `mtpserve generate`)."""
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-
-@dataclass
-class GenerateRequest:
-    """One sequence to generate (an OpenAI request with n > 1 becomes n of these).
-
-    `resume_token_ids` holds tokens already emitted to the client: a request can be resumed on
-    another decode replica from `prompt_token_ids + resume_token_ids` alone (recompute), which
-    is what failover needs; no KV or engine state is required.
-
-    `seed` keys all of the request's randomness. A request without one gets a random seed here,
-    at admission, so prefill, decode and any replica it is resumed on use the same numbers;
-    `user_seed` remembers whether the user chose it (a reproducible request: adaptive
-    speculation keeps its k). `logprobs`: None, or N >= 0 alternatives per token (<= 20).
-    """
-
-    request_id: str
-    prompt_token_ids: list[int]
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    num_speculative_tokens: int | None = None  # per-request cap; 0 disables speculation
-    resume_token_ids: list[int] = field(default_factory=list)
-    min_tokens: int = 0  # EOS / stop tokens are impossible before this many output tokens
-    logprobs: int | None = None
-    user_seed: bool | None = None  # None: decided here from whether `seed` was given
-
-    def __post_init__(self) -> None:
-        if self.user_seed is None:
-            self.user_seed = self.seed is not None
-        if self.seed is None:
-            self.seed = secrets.randbits(63)
-
-
-@dataclass
-class TokenLogprobs:
-    """Log probabilities of one emitted token under the target model (raw logits)."""
-
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]] = field(default_factory=list)  # (id, logprob), best first
-
-
-@dataclass
-class KVTransferParams:
-    """What a decode replica needs to pull a prefilled request's KV (main + MTP layers).
-
-    `sender_addresses[r]` is prefill TP rank r's KV sender ("host:port"); a decode rank pulls
-    its own KV-head slice from the prefill rank(s) that hold it. The MTP seed state (drafts and
-    their probabilities) travels with the KV as `extras`.
-    """
-
-    request_id: str
-    sender_addresses: list[str]
-    prefill_tp_size: int
-    num_kv_heads: int
-    num_tokens: int  # KV slots to pull: prompt (computed) + k-1 speculative MTP entries
-    num_computed_tokens: int  # main KV positions [0, n)
-    first_token_id: int
-    num_drafts: int
-    finished: bool = False  # the first token already ended the request (EOS / max_tokens=1)
-    finish_reason: str | None = None
-    first_token_logprobs: TokenLogprobs | None = None  # when the request asked for logprobs
-    # Serve's unique id of the prefill replica holding the KV: `PrefillServer.release` is
-    # routed to exactly that replica (TARGET_REPLICA). None outside Serve.
-    prefill_replica: str | None = None
-
-
-# A keyword argument naming the replica (Serve's unique id) a handle call must reach; the
-# request router (router.routing) honours it. The called method accepts and ignores it.
-TARGET_REPLICA = "target_replica"
-
-
-# TokenChunk.error_kind: what failed. The orchestrator applies kv_transfer.failure_policy to
-# "kv_transfer" (the request's KV never arrived); anything else is a decode failure (migration).
-ERROR_KV_TRANSFER = "kv_transfer"
-ERROR_ENGINE = "engine"
-
-
-@dataclass
-class TokenChunk:
-    """Tokens emitted since the last chunk of one sequence, plus running counters."""
-
-    token_ids: list[int]
-    finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-    num_drafted: int = 0
-    num_accepted: int = 0
-    num_rounds: int = 0
-    error: str | None = None  # set with finish_reason "error"
-    error_kind: str | None = None  # with "error": ERROR_KV_TRANSFER | ERROR_ENGINE
-    logprobs: list[TokenLogprobs] | None = None  # one per token id, if requested
+from mtpserve.workers.messages import GenerateRequest, TokenChunk
 
 
 @runtime_checkable

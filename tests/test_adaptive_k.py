@@ -5,12 +5,11 @@ stay exact (greedy) or unchanged (seeded) while k moves."""
 from __future__ import annotations
 
 import torch
-
-from workers.adaptive_k import BANDS, AdaptiveK, band_of, best_k
-from workers.engine import Engine, EngineConfig
-from workers.perf_model import PerfModel
-from workers.request import Request
-from workers.sampling_params import SamplingParams
+from mtpserve.workers.adaptive_k import BANDS, AdaptiveK, band_of, best_k
+from mtpserve.workers.engine import Engine, EngineConfig
+from mtpserve.workers.perf_model import PerfModel
+from mtpserve.workers.request import Request
+from mtpserve.workers.sampling_params import SamplingParams
 
 
 def test_best_k_follows_acceptance() -> None:

@@ -9,16 +9,15 @@ import subprocess
 import sys
 
 import httpx
+import mtpserve.router.auth as auth
 import pytest
+from mtpserve.cluster.config import AuthSettings, ClusterConfig
+from mtpserve.router.api import IngressState, create_app, redact
+from mtpserve.workers.paths import PACKAGE_ROOT as REPO_ROOT
+from mtpserve.workers.tokenizer import load_tokenizer
 from pydantic import ValidationError
 from test_router_api import Server
 from tiny_tokenizer import make_tokenizer
-
-import router.auth as auth
-from cluster.config import AuthSettings, ClusterConfig
-from router.api import IngressState, create_app, redact
-from workers.paths import REPO_ROOT
-from workers.tokenizer import load_tokenizer
 
 KEY, ADMIN = "sk-user-key", "sk-admin-key"
 STATS = {"prefill": {"used_blocks": 0, "kv_addresses": ["10.1.2.3:4567"],
@@ -155,7 +154,7 @@ def test_config_fails_closed() -> None:
 
 
 def test_ingress_refuses_to_start_without_its_key(monkeypatch) -> None:
-    from router.ingress import OpenAIIngress
+    from mtpserve.router.ingress import OpenAIIngress
 
     monkeypatch.delenv("MTPSERVE_TEST_KEY", raising=False)
     cfg = ClusterConfig(auth={"api_key_env": "MTPSERVE_TEST_KEY"})
@@ -172,7 +171,8 @@ def test_up_refuses_to_start_without_its_key(tmp_path) -> None:
     path = tmp_path / "c.yaml"
     path.write_text(cfg)
     env = {k: v for k, v in os.environ.items() if k != "MTPSERVE_TEST_KEY"}
-    out = subprocess.run([sys.executable, "-m", "cluster.cli", "up", "--config", str(path)],
+    out = subprocess.run([sys.executable, "-m", "mtpserve.cluster.cli", "up", "--config",
+                          str(path)],
                          capture_output=True, text=True, env=env, timeout=120, cwd=REPO_ROOT)
     assert out.returncode == 2, out.stderr[-2000:]
     assert "MTPSERVE_TEST_KEY" in out.stderr and "refusing to start" in out.stderr

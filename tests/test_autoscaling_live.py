@@ -41,10 +41,10 @@ def wait_for(pred, deadline_s: float, what: str) -> float:
 
 
 def test_decode_scales_out_under_load_and_back_when_idle(default_model) -> None:
-    from cluster.app import build_app
-    from cluster.config import ClusterConfig
-    from workers import LLM, SamplingParams
-    from workers.training.prompts import held_out_prompts
+    from mtpserve.cluster.app import build_app
+    from mtpserve.cluster.config import ClusterConfig
+    from mtpserve.workers import LLM, SamplingParams
+    from mtpserve.workers.training.prompts import held_out_prompts
 
     prompts = held_out_prompts(CONCURRENCY, num_chars=200)
     llm = LLM(str(default_model), num_speculative_tokens=2)

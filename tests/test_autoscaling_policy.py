@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from cluster.autoscaling_policy import (
+from mtpserve.cluster.autoscaling_policy import (
     DOWN_HEADROOM,
     UP_HEADROOM,
     DecodePolicy,
@@ -14,8 +14,8 @@ from cluster.autoscaling_policy import (
     predicted_tpot_s,
     prefill_replicas,
 )
-from cluster.signals import DecodeWindows, PrefillWindows
-from workers.perf_model import PerfModel
+from mtpserve.workers.perf_model import PerfModel
+from mtpserve.workers.signals import DecodeWindows, PrefillWindows
 
 # A replica whose rounds cost 10 ms + 1 ms per request + 2 ms per draft step + 0.5 ms per
 # drafted token: bigger batches are slower, drafts pay only while acceptance is good.

@@ -9,11 +9,10 @@ import sys
 
 import pytest
 import torch
+from mtpserve.workers.model.checkpoint import inventory
+from mtpserve.workers.model.loader import CheckpointError, load_model
+from mtpserve.workers.model_runner import ForwardBatch, ModelRunner
 from safetensors.torch import load_file, save_file
-
-from workers.model.checkpoint import inventory
-from workers.model.loader import CheckpointError, load_model
-from workers.model_runner import ForwardBatch, ModelRunner
 
 
 def _rewrite(path, fn) -> None:
@@ -28,11 +27,11 @@ def test_missing_mtp_tensor_is_named(tiny_qwen3, tmp_path) -> None:
     _rewrite(bad, lambda t: {k: v for k, v in t.items() if k != name})
     with pytest.raises(CheckpointError, match=name.replace(".", r"\.") + ": missing"):
         load_model(bad)
-    out = subprocess.run([sys.executable, "-m", "cluster.cli", "check", str(bad)],
+    out = subprocess.run([sys.executable, "-m", "mtpserve.cluster.cli", "check", str(bad)],
                          capture_output=True, text=True)
     assert out.returncode == 1
     assert any(name in line and "missing" in line for line in out.stdout.splitlines())
-    ok = subprocess.run([sys.executable, "-m", "cluster.cli", "check", str(tiny_qwen3)],
+    ok = subprocess.run([sys.executable, "-m", "mtpserve.cluster.cli", "check", str(tiny_qwen3)],
                         capture_output=True, text=True)
     assert ok.returncode == 0, ok.stdout
     assert "0 problem(s)" in ok.stdout

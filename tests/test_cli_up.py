@@ -40,7 +40,8 @@ def test_up_serves_and_stops_cleanly(default_model) -> None:
         port = s.getsockname()[1]
     env = dict(os.environ, MTPSERVE_MODEL=str(default_model))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cluster.cli", "up", "--port", str(port), "--num-cpus", "4"],
+        [sys.executable, "-m", "mtpserve.cluster.cli", "up", "--port", str(port),
+         "--num-cpus", "4"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
         start_new_session=True,
     )

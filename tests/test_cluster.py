@@ -41,14 +41,14 @@ def ray_cluster():
 
 @pytest.fixture(scope="module")
 def prompts(default_model) -> list[str]:
-    from workers.training.prompts import held_out_prompts
+    from mtpserve.workers.training.prompts import held_out_prompts
 
     return held_out_prompts(4, num_chars=300)
 
 
 @pytest.fixture(scope="module")
 def offline(default_model, prompts) -> list[str]:
-    from workers import LLM, SamplingParams
+    from mtpserve.workers import LLM, SamplingParams
 
     llm = LLM(str(default_model), num_speculative_tokens=2)
     res = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
@@ -57,8 +57,8 @@ def offline(default_model, prompts) -> list[str]:
 
 def deploy(default_model, prefill_tp: int, decode_tp: int, draft_vocab_size: int | None = None,
            **extra):
-    from cluster.app import build_app
-    from cluster.config import ClusterConfig
+    from mtpserve.cluster.app import build_app
+    from mtpserve.cluster.config import ClusterConfig
 
     cfg = ClusterConfig(
         model=str(default_model),
@@ -208,7 +208,7 @@ def test_resharded_seeded_sampling_equals_single_process(resharded_app, default_
                                                          prompts) -> None:
     """Randomness is keyed by (seed, position, slot): a seeded request gives the offline
     engine's output through prefill TP=1 -> decode TP=2 as well."""
-    from workers import LLM, SamplingParams
+    from mtpserve.workers import LLM, SamplingParams
 
     llm = LLM(str(default_model), num_speculative_tokens=2)
     want = [r.text for r in llm.generate(prompts[:2], SamplingParams(

@@ -9,9 +9,8 @@ from typing import Any
 import pydantic
 import pytest
 import yaml
+from mtpserve.cluster.config import ClusterConfig
 from serve_config_checks import check_serve_config, unknown_override_keys
-
-from cluster.config import ClusterConfig
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 CONFIG_FILES = sorted(CONFIGS.glob("*.yaml"))
@@ -108,7 +107,7 @@ def test_override_key_typos_are_caught() -> None:
 def test_serve_admission_matches_the_engine() -> None:
     """Decode takes max_num_seqs plus a small queue; beyond, Serve queues at most
     limits.max_queued_requests per caller (then 429); drains use graceful_shutdown_timeout_s."""
-    from cluster.app import deployment_options
+    from mtpserve.cluster.app import deployment_options
 
     cfg = ClusterConfig(**args_of(load("local-cpu.yaml")))
     for role in ("prefill", "decode"):

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from workers.engine import Engine, EngineConfig
-from workers.model.attention_metadata import AttentionMetadata
-from workers.model.decode_graph import bucket, query_bucket
-from workers.model_runner import ForwardBatch, ModelRunner
-from workers.sampling_params import SamplingParams
+from mtpserve.workers.engine import Engine, EngineConfig
+from mtpserve.workers.model.attention_metadata import AttentionMetadata
+from mtpserve.workers.model.decode_graph import bucket, query_bucket
+from mtpserve.workers.model_runner import ForwardBatch, ModelRunner
+from mtpserve.workers.sampling_params import SamplingParams
 
 
 def test_buckets() -> None:

@@ -8,8 +8,7 @@ import subprocess
 import sys
 
 import pytest
-
-from workers.paths import default_model_path
+from mtpserve.workers.paths import default_model_path
 
 MODEL = default_model_path()
 pytestmark = pytest.mark.skipif(not (MODEL / "config.json").is_file(),
@@ -17,11 +16,11 @@ pytestmark = pytest.mark.skipif(not (MODEL / "config.json").is_file(),
 
 
 def test_loads_and_check_is_clean() -> None:
-    from workers.model.loader import load_model
+    from mtpserve.workers.model.loader import load_model
 
     model = load_model(MODEL)
     assert len(model.mtp) == 1
-    out = subprocess.run([sys.executable, "-m", "cluster.cli", "check", str(MODEL)],
+    out = subprocess.run([sys.executable, "-m", "mtpserve.cluster.cli", "check", str(MODEL)],
                          capture_output=True, text=True)
     assert out.returncode == 0 and "0 problem(s)" in out.stdout, out.stdout
 
@@ -32,7 +31,7 @@ def test_size_budget() -> None:
 
 
 def test_card_numbers_come_from_eval_mtp() -> None:
-    from workers.training.evaluate import acceptance, held_out_tokens, losses, prefixes
+    from mtpserve.workers.training.evaluate import acceptance, held_out_tokens, losses, prefixes
 
     ev = json.loads((MODEL / "eval_mtp.json").read_text())
     card = (MODEL / "README.md").read_text()

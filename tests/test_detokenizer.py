@@ -3,9 +3,8 @@ from __future__ import annotations
 import random
 
 import pytest
+from mtpserve.router.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from tiny_tokenizer import make_tokenizer
-
-from router.detokenizer import IncrementalDetokenizer, StopStringMatcher
 
 
 @pytest.fixture(scope="module")

@@ -13,11 +13,10 @@ import asyncio
 import time
 
 import pytest
-
-from cluster.config import ClusterConfig
-from router.types import GenerateRequest
-from workers.engine import Engine, EngineConfig
-from workers.sampling_params import SamplingParams
+from mtpserve.cluster.config import ClusterConfig
+from mtpserve.workers.engine import Engine, EngineConfig
+from mtpserve.workers.messages import GenerateRequest
+from mtpserve.workers.sampling_params import SamplingParams
 
 
 @pytest.fixture(autouse=True)
@@ -27,8 +26,8 @@ def fault_injection(monkeypatch):
 
 def make_servers(model, decode_max_num_seqs: int = 8, prefill_blocks: int = 64,
                  decode_blocks: int = 256, k: int = 2, **extra):
-    from workers.decode_server import DecodeServer
-    from workers.prefill_server import PrefillServer
+    from mtpserve.workers.decode_server import DecodeServer
+    from mtpserve.workers.prefill_server import PrefillServer
 
     cfg = ClusterConfig(
         model=str(model),
@@ -269,7 +268,7 @@ class LocalHandle:
 
 @pytest.mark.parametrize("case", ["first_token_stop", "disconnect_between_stages"])
 def test_prefill_blocks_back_to_zero_within_1s_when_decode_never_pulls(tiny_qwen3, case) -> None:
-    from router.orchestrator import DisaggOrchestrator
+    from mtpserve.router.orchestrator import DisaggOrchestrator
 
     p, d = make_servers(tiny_qwen3)
     try:

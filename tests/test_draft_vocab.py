@@ -9,18 +9,17 @@ import shutil
 
 import pytest
 import torch
-from test_sampling_distribution import NUM_POS, assert_matches, exact_marginals, sample_many
-
-from workers.engine import Engine, EngineConfig
-from workers.model_runner import ModelRunner
-from workers.sampling_params import SamplingParams
-from workers.spec.draft_vocab import (
+from mtpserve.workers.engine import Engine, EngineConfig
+from mtpserve.workers.model_runner import ModelRunner
+from mtpserve.workers.sampling_params import SamplingParams
+from mtpserve.workers.spec.draft_vocab import (
     DraftVocabError,
     draft_token_ids,
     rank_tokens,
     write_ranking,
 )
-from workers.spec.sampling import processed_probs
+from mtpserve.workers.spec.sampling import processed_probs
+from test_sampling_distribution import NUM_POS, assert_matches, exact_marginals, sample_many
 
 
 def test_ranking_is_by_frequency_then_id(tmp_path) -> None:
@@ -102,7 +101,7 @@ def test_sampled_output_keeps_the_target_distribution(tiny_factory, tmp_path, pa
 
 
 def test_cluster_config_names_the_missing_ranking(tiny_qwen3) -> None:
-    from cluster.config import ClusterConfig
+    from mtpserve.cluster.config import ClusterConfig
 
     with pytest.raises(ValueError, match="mtpserve draft-vocab"):
         ClusterConfig(model=str(tiny_qwen3), speculation={"draft_vocab_size": 64})
@@ -111,10 +110,9 @@ def test_cluster_config_names_the_missing_ranking(tiny_qwen3) -> None:
 def test_cli_ranks_a_corpus(tmp_path) -> None:
     import json
 
+    from mtpserve.cluster.cli import main
+    from mtpserve.workers.tokenizer import load_tokenizer
     from tiny_tokenizer import make_checkpoint_with_tokenizer
-
-    from cluster.cli import main
-    from workers.tokenizer import load_tokenizer
 
     model = make_checkpoint_with_tokenizer(tmp_path / "m")
     corpus = tmp_path / "corpus"

@@ -9,10 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from workers.engine import Engine, EngineConfig
-from workers.model.config import ModelConfig
-from workers.sampling_params import SamplingParams
+from mtpserve.workers.engine import Engine, EngineConfig
+from mtpserve.workers.model.config import ModelConfig
+from mtpserve.workers.sampling_params import SamplingParams
 
 PROMPT = [5, 17, 99, 3, 250, 7, 42, 8, 1, 77, 31]
 

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import torch
 import transformers
-
-from workers.engine import Engine, EngineConfig
-from workers.sampling_params import SamplingParams
-from workers.tokenizer import load_tokenizer
-from workers.training.prompts import held_out_prompts
+from mtpserve.workers.engine import Engine, EngineConfig
+from mtpserve.workers.sampling_params import SamplingParams
+from mtpserve.workers.tokenizer import load_tokenizer
+from mtpserve.workers.training.prompts import held_out_prompts
 
 NUM_PROMPTS, NEW_TOKENS = 16, 64
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)

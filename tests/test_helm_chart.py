@@ -36,10 +36,9 @@ from helm_render import (
     render_case,
     serve_config,
 )
+from mtpserve.cluster.config import ClusterConfig
 from ray.serve.schema import DeploymentSchema
 from serve_config_checks import check_serve_config
-
-from cluster.config import ClusterConfig
 
 SEVERITY_WARNING = 2
 K8S_VALUES = {"resources", "podSecurityContext", "containerSecurityContext", "prometheus",

@@ -22,11 +22,10 @@ from helm_render import (
     render_case,
     serve_config,
 )
+from mtpserve.cluster.app import deployment_options
+from mtpserve.cluster.config import ClusterConfig
 from ray._private.label_utils import validate_node_labels
 from serve_config_checks import check_serve_config
-
-from cluster.app import deployment_options
-from cluster.config import ClusterConfig
 
 
 def _containers(pod: dict[str, Any]) -> list[dict[str, Any]]:

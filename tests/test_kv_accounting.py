@@ -4,13 +4,12 @@ prefill == one-shot prefill, preemption under memory pressure keeps outputs exac
 from __future__ import annotations
 
 import torch
-
-from workers.block_manager import BlockManager, blocks_for
-from workers.engine import Engine, EngineConfig
-from workers.model_runner import ForwardBatch
-from workers.request import Request
-from workers.sampling_params import SamplingParams
-from workers.scheduler import draft_slots
+from mtpserve.workers.block_manager import BlockManager, blocks_for
+from mtpserve.workers.engine import Engine, EngineConfig
+from mtpserve.workers.model_runner import ForwardBatch
+from mtpserve.workers.request import Request
+from mtpserve.workers.sampling_params import SamplingParams
+from mtpserve.workers.scheduler import draft_slots
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
 
@@ -147,8 +146,7 @@ def test_preemption_under_memory_pressure_keeps_outputs(tiny_qwen3) -> None:
 def test_request_larger_than_cache_is_rejected(tiny_qwen3) -> None:
     eng = Engine(EngineConfig(model=str(tiny_qwen3), num_kv_blocks=8, block_size=4))
     import pytest
-
-    from workers.engine import EngineError
+    from mtpserve.workers.engine import EngineError
 
     with pytest.raises(EngineError, match="KV blocks"):
         eng.add_request("big", list(range(3, 40)), GREEDY)

@@ -19,8 +19,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-
-from workers.kv_transfer import (
+from mtpserve.workers.kv_transfer import (
     KVReceiver,
     KVSender,
     KVTransferError,
@@ -29,7 +28,7 @@ from workers.kv_transfer import (
     pull_resharded,
     scatter_blocks,
 )
-from workers.kv_transfer.channel import MAX_PROBE_BYTES, RECEIVER_RANK, SENDER_RANK
+from mtpserve.workers.kv_transfer.channel import MAX_PROBE_BYTES, RECEIVER_RANK, SENDER_RANK
 
 NUM_KV_HEADS = 4
 NUM_MAIN_LAYERS, NUM_MTP_LAYERS = 2, 1
@@ -507,8 +506,8 @@ def test_stats_grow_by_exactly_the_payload_of_a_pull(prefill, receiver):
 
 
 def test_puller_receives_resharded_kv_into_its_blocks_and_reuses_its_buffer(prefill, receiver):
-    from workers.kv_transfer.puller import KVPuller
-    from workers.tp_group import PullKV
+    from mtpserve.workers.kv_transfer.puller import KVPuller
+    from mtpserve.workers.tp_group import PullKV
 
     addresses = [address for _, address in prefill]
     own = [torch.zeros(2, 8, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM) for _ in range(
@@ -536,8 +535,8 @@ def test_puller_receives_resharded_kv_into_its_blocks_and_reuses_its_buffer(pref
 
 
 def test_puller_reports_a_failed_pull_without_dying(prefill, receiver):
-    from workers.kv_transfer.puller import KVPuller
-    from workers.tp_group import PullKV
+    from mtpserve.workers.kv_transfer.puller import KVPuller
+    from mtpserve.workers.tp_group import PullKV
 
     own = [torch.zeros(2, 8, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM) for _ in range(
         NUM_MAIN_LAYERS + NUM_MTP_LAYERS)]

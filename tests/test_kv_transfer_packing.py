@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from workers.kv_transfer.packing import (
+from mtpserve.workers.kv_transfer.packing import (
     extras_nbytes,
     gather_blocks,
     pack_extras,
@@ -15,7 +14,7 @@ from workers.kv_transfer.packing import (
     unpack_extras,
     unpack_payload,
 )
-from workers.kv_transfer.resharding import HeadPull, head_range, pull_plan
+from mtpserve.workers.kv_transfer.resharding import HeadPull, head_range, pull_plan
 
 
 def _cache(num_layers: int = 3, heads: int = 4, dtype=torch.float32) -> list[torch.Tensor]:

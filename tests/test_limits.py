@@ -16,14 +16,13 @@ from collections.abc import AsyncIterator
 
 import httpx
 import pytest
+from mtpserve.router.api import IngressState, create_app
+from mtpserve.router.errors import from_exception
+from mtpserve.router.limits import Limits
+from mtpserve.workers.messages import GenerateRequest, TokenChunk
+from mtpserve.workers.tokenizer import load_tokenizer
 from test_router_api import Server
 from tiny_tokenizer import VOCAB_SIZE, make_tokenizer
-
-from router.api import IngressState, create_app
-from router.errors import from_exception
-from router.limits import Limits
-from router.types import GenerateRequest, TokenChunk
-from workers.tokenizer import load_tokenizer
 
 MAX_MODEL_LEN = 256
 

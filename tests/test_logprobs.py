@@ -7,15 +7,14 @@ from __future__ import annotations
 import openai
 import pytest
 import torch
+from mtpserve.router.api import IngressState, create_app
+from mtpserve.router.local_orchestrator import LocalOrchestrator
+from mtpserve.workers.async_engine import AsyncEngine
+from mtpserve.workers.engine import Engine, EngineConfig
+from mtpserve.workers.model.loader import load_model
+from mtpserve.workers.sampling_params import SamplingParams
 from test_router_api import Server
 from tiny_tokenizer import make_checkpoint_with_tokenizer
-
-from router.api import IngressState, create_app
-from router.local_orchestrator import LocalOrchestrator
-from workers.async_engine import AsyncEngine
-from workers.engine import Engine, EngineConfig
-from workers.model.loader import load_model
-from workers.sampling_params import SamplingParams
 
 PROMPT = [12, 40, 7, 300, 9, 41]
 TOP = 4
@@ -70,7 +69,7 @@ def api(tmp_path_factory):
     ckpt = make_checkpoint_with_tokenizer(tmp_path_factory.mktemp("lp") / "tiny")
     engine = AsyncEngine(Engine(EngineConfig(model=str(ckpt), num_speculative_tokens=2,
                                              num_kv_blocks=128)))
-    from workers.tokenizer import load_tokenizer
+    from mtpserve.workers.tokenizer import load_tokenizer
 
     tok = load_tokenizer(str(ckpt))
     srv = Server(create_app(IngressState(
@@ -141,7 +140,7 @@ def test_stop_token_ids_and_min_tokens_through_the_api(api) -> None:
 def test_seeded_api_request_equals_the_offline_engine_alone(api) -> None:
     """Through HTTP (batched with the other choice, streamed) a seeded choice gives the tokens
     the offline engine gives running it alone with the same seed (choice i: seed + i) and k."""
-    from workers.llm import LLM
+    from mtpserve.workers.llm import LLM
 
     client, ckpt, tok = api
     resp = client.completions.create(model="m", prompt="class value", max_tokens=16,

@@ -7,14 +7,13 @@ from __future__ import annotations
 import asyncio
 
 import httpx
-
-from cluster.metrics import EngineRecorder
-from router.api import IngressState, create_app
-from router.local_orchestrator import LocalOrchestrator
-from router.metrics_api import local_source, parse_samples, render
-from workers.async_engine import AsyncEngine
-from workers.engine import Engine, EngineConfig
-from workers.tokenizer import load_tokenizer
+from mtpserve.router.api import IngressState, create_app
+from mtpserve.router.local_orchestrator import LocalOrchestrator
+from mtpserve.router.metrics_api import local_source, parse_samples, render
+from mtpserve.workers.async_engine import AsyncEngine
+from mtpserve.workers.engine import Engine, EngineConfig
+from mtpserve.workers.metrics import EngineRecorder
+from mtpserve.workers.tokenizer import load_tokenizer
 
 MODEL = "tiny"
 

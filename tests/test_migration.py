@@ -14,14 +14,13 @@ import inspect
 from types import SimpleNamespace
 
 import pytest
-
-from router.errors import APIError
-from router.orchestrator import DisaggOrchestrator, OrchestratorConfig, resumed
-from router.types import GenerateRequest, KVTransferParams, TokenChunk
-from workers.async_engine import AsyncEngine
-from workers.engine import Engine, EngineConfig
-from workers.llm import LLM
-from workers.sampling_params import SamplingParams
+from mtpserve.router.errors import APIError
+from mtpserve.router.orchestrator import DisaggOrchestrator, OrchestratorConfig, resumed
+from mtpserve.workers.async_engine import AsyncEngine
+from mtpserve.workers.engine import Engine, EngineConfig
+from mtpserve.workers.llm import LLM
+from mtpserve.workers.messages import GenerateRequest, KVTransferParams, TokenChunk
+from mtpserve.workers.sampling_params import SamplingParams
 
 MAX_TOKENS = 40
 
@@ -169,8 +168,8 @@ def engine(default_model):
 
 @pytest.fixture(scope="module")
 def prompts(default_model) -> list[list[int]]:
-    from workers.tokenizer import load_tokenizer
-    from workers.training.prompts import held_out_prompts
+    from mtpserve.workers.tokenizer import load_tokenizer
+    from mtpserve.workers.training.prompts import held_out_prompts
 
     tok = load_tokenizer(str(default_model))
     return [list(tok.encode(p)) for p in held_out_prompts(4, num_chars=200)]

@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from workers.engine import Engine, EngineConfig
-from workers.sampling_params import SamplingParams
+from mtpserve.workers.engine import Engine, EngineConfig
+from mtpserve.workers.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=40, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True)

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-
-from workers.model_runner import ForwardBatch, ModelRunner
+from mtpserve.workers.model_runner import ForwardBatch, ModelRunner
 
 
 @pytest.mark.parametrize("family,tie", [("llama", False), ("qwen2", True), ("qwen3", True)])

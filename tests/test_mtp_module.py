@@ -6,10 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
-from workers.engine import Engine, EngineConfig
-from workers.model.loader import load_model
-from workers.sampling_params import SamplingParams
+from mtpserve.workers.engine import Engine, EngineConfig
+from mtpserve.workers.model.loader import load_model
+from mtpserve.workers.sampling_params import SamplingParams
 
 
 def rms(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

@@ -7,9 +7,8 @@ import statistics
 import time
 
 import numpy as np
-
-from workers.engine import Engine, EngineConfig
-from workers.perf_model import PerfModel, expected_tokens, profile_rounds
+from mtpserve.workers.engine import Engine, EngineConfig
+from mtpserve.workers.perf_model import PerfModel, expected_tokens, profile_rounds
 
 
 def test_expected_tokens_and_tpot() -> None:

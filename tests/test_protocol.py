@@ -1,11 +1,10 @@
 from __future__ import annotations
 
 import pytest
+from mtpserve.router.chat_template import apply_chat_template, render_default
+from mtpserve.router.errors import APIError, from_exception
+from mtpserve.router.protocol import ChatCompletionRequest, CompletionRequest, MTPStats
 from pydantic import ValidationError
-
-from router.chat_template import apply_chat_template, render_default
-from router.errors import APIError, from_exception
-from router.protocol import ChatCompletionRequest, CompletionRequest, MTPStats
 
 
 def test_prompt_forms():

@@ -5,17 +5,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from workers.sampling_params import SamplingParams
-from workers.spec.keyed_random import (
+from mtpserve.workers.sampling_params import SamplingParams
+from mtpserve.workers.spec.keyed_random import (
     SLOT_ACCEPT,
     SLOT_DRAFT,
     SLOT_FINAL,
     fold_seed,
     keyed_uniforms,
 )
-from workers.spec.rejection_sampler import RejectionSampler
-from workers.spec.sampling import processed_probs, sample_with_uniforms
+from mtpserve.workers.spec.rejection_sampler import RejectionSampler
+from mtpserve.workers.spec.sampling import processed_probs, sample_with_uniforms
 
 GREEDY = SamplingParams(temperature=0)
 

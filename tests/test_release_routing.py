@@ -26,8 +26,8 @@ NUM_REQUESTS = 8
 
 @pytest.fixture(scope="module")
 def app(default_model):
-    from cluster.app import build_app
-    from cluster.config import ClusterConfig
+    from mtpserve.cluster.app import build_app
+    from mtpserve.cluster.config import ClusterConfig
 
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     with socket.socket() as sock:  # a free port: other modules' clusters may have run
@@ -71,10 +71,10 @@ def replica_stats(actor) -> dict:
 
 def test_release_after_a_first_token_stop_reaches_the_holding_replica(app, default_model
                                                                        ) -> None:
-    from router.orchestrator import DisaggOrchestrator, OrchestratorConfig
-    from router.types import GenerateRequest
-    from workers.tokenizer import load_tokenizer
-    from workers.training.prompts import held_out_prompts
+    from mtpserve.router.orchestrator import DisaggOrchestrator, OrchestratorConfig
+    from mtpserve.workers.messages import GenerateRequest
+    from mtpserve.workers.tokenizer import load_tokenizer
+    from mtpserve.workers.training.prompts import held_out_prompts
 
     actors = prefill_replicas()
     assert len(actors) == 2

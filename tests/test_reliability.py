@@ -40,8 +40,8 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def app_url(default_model):
-    from cluster.app import build_app
-    from cluster.config import ClusterConfig
+    from mtpserve.cluster.app import build_app
+    from mtpserve.cluster.config import ClusterConfig
 
     # Replica processes inherit the driver's environment on a local cluster.
     os.environ["MTPSERVE_ENABLE_FAULT_INJECTION"] = "1"
@@ -66,14 +66,14 @@ def app_url(default_model):
 
 @pytest.fixture(scope="module")
 def prompts(default_model) -> list[str]:
-    from workers.training.prompts import held_out_prompts
+    from mtpserve.workers.training.prompts import held_out_prompts
 
     return held_out_prompts(4, num_chars=300)
 
 
 @pytest.fixture(scope="module")
 def offline(default_model, prompts) -> list[list[int]]:
-    from workers import LLM, SamplingParams
+    from mtpserve.workers import LLM, SamplingParams
 
     llm = LLM(str(default_model), num_speculative_tokens=2)
     res = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0,

@@ -17,17 +17,16 @@ import httpx
 import openai
 import pytest
 import uvicorn
+from mtpserve.router.api import IngressState, create_app
+from mtpserve.router.chat_template import apply_chat_template
+from mtpserve.router.local_orchestrator import LocalOrchestrator
+from mtpserve.workers.async_engine import AsyncEngine
+from mtpserve.workers.engine import Engine, EngineConfig
+from mtpserve.workers.llm import LLM
+from mtpserve.workers.messages import GenerateRequest, TokenChunk
+from mtpserve.workers.sampling_params import SamplingParams
+from mtpserve.workers.tokenizer import load_tokenizer
 from tiny_tokenizer import make_checkpoint_with_tokenizer
-
-from router.api import IngressState, create_app
-from router.chat_template import apply_chat_template
-from router.local_orchestrator import LocalOrchestrator
-from router.types import GenerateRequest, TokenChunk
-from workers.async_engine import AsyncEngine
-from workers.engine import Engine, EngineConfig
-from workers.llm import LLM
-from workers.sampling_params import SamplingParams
-from workers.tokenizer import load_tokenizer
 
 API_KEY = "sk-test-123"
 ADMIN_KEY = "sk-admin-456"

@@ -4,11 +4,10 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import pytest
+from mtpserve.router.errors import APIError
+from mtpserve.router.generation import Choice, ChoiceSet
+from mtpserve.workers.messages import GenerateRequest, TokenChunk
 from tiny_tokenizer import make_tokenizer
-
-from router.errors import APIError
-from router.generation import Choice, ChoiceSet
-from router.types import GenerateRequest, TokenChunk
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +110,7 @@ def test_error_chunk_raises_and_close_cancels_the_other_choices(tokenizer):
 
 
 def test_logprobs_render_per_chunk_in_both_formats(tokenizer):
-    from router.types import TokenLogprobs
+    from mtpserve.workers.messages import TokenLogprobs
 
     ids = tokenizer.encode(" hello world café")
     lps = [TokenLogprobs(t, -0.5 * (i + 1), [(t, -0.5 * (i + 1)), (ids[0], -9.0)])

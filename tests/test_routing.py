@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from router.routing import load_score, rank_by_load
+from mtpserve.router.routing import load_score, rank_by_load
 
 
 def test_load_score_counts_expected_tokens_plus_requests_sent_since_the_snapshot() -> None:
@@ -51,7 +51,7 @@ def _replica(uid: str, load: int) -> SimpleNamespace:
 def _pending(target: str | None = None) -> SimpleNamespace:
     import asyncio
 
-    from router.types import TARGET_REPLICA
+    from mtpserve.workers.messages import TARGET_REPLICA
 
     loop = asyncio.new_event_loop()  # a future only needs a loop to exist
     return SimpleNamespace(args=["rid"], kwargs={TARGET_REPLICA: target} if target else {},
@@ -61,7 +61,7 @@ def _pending(target: str | None = None) -> SimpleNamespace:
 def _router(replicas: list) -> object:
     from collections import deque
 
-    from router.routing import LeastLoadedRouter
+    from mtpserve.router.routing import LeastLoadedRouter
 
     router = LeastLoadedRouter.__new__(LeastLoadedRouter)  # Serve's constructor needs a cluster
     router._replicas = {r.replica_id.unique_id: r for r in replicas}

@@ -13,11 +13,10 @@ from dataclasses import replace
 
 import torch
 import torch.multiprocessing as mp
-
-from workers.engine import Engine, EngineConfig, RequestOutput
-from workers.request import Request
-from workers.sampling_params import SamplingParams
-from workers.scheduler import decode_slots, draft_slots
+from mtpserve.workers.engine import Engine, EngineConfig, RequestOutput
+from mtpserve.workers.request import Request
+from mtpserve.workers.sampling_params import SamplingParams
+from mtpserve.workers.scheduler import decode_slots, draft_slots
 
 PROMPT = [5, 17, 99, 3, 250, 7, 42, 8, 1, 77, 31]
 PARAMS = SamplingParams(max_tokens=28, temperature=1.0, top_p=0.95, seed=1234,
@@ -129,8 +128,7 @@ def test_prefill_then_decode_equals_alone(tiny_qwen3) -> None:
 
 def _tp_rank(rank: int, port: int, path: str, out) -> None:
     import torch.distributed as dist
-
-    from workers.tp_group import RankCore, RankSpec, TPDriver, worker_loop
+    from mtpserve.workers.tp_group import RankCore, RankSpec, TPDriver, worker_loop
 
     torch.set_num_threads(1)
     spec = RankSpec(model=path, role="decode", tp_size=2, num_kv_blocks=256, block_size=4,
@@ -175,8 +173,8 @@ def test_tp2_equals_tp1(tiny_qwen3) -> None:
 
 
 def test_unseeded_requests_get_a_seed_that_travels() -> None:
-    from router.types import GenerateRequest
-    from workers.async_engine import sampling_params
+    from mtpserve.workers.async_engine import sampling_params
+    from mtpserve.workers.messages import GenerateRequest
 
     a = GenerateRequest("a", [1, 2], max_tokens=4)
     b = GenerateRequest("b", [1, 2], max_tokens=4, seed=7)

@@ -9,9 +9,8 @@ import socket
 import pytest
 import torch
 import torch.multiprocessing as mp
-
-from workers.model_runner import ForwardBatch, ModelRunner
-from workers.spec.draft_vocab import write_ranking
+from mtpserve.workers.model_runner import ForwardBatch, ModelRunner
+from mtpserve.workers.spec.draft_vocab import write_ranking
 
 PROMPT = [5, 17, 99, 3, 250, 7, 42, 8, 1, 77, 31]
 
@@ -29,8 +28,7 @@ def _rank(rank: int, port: int, path: str, out, draft_vocab: int | None = None) 
     import os
 
     import torch.distributed as dist
-
-    from workers.model.parallel import set_tp
+    from mtpserve.workers.model.parallel import set_tp
 
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(1)
@@ -93,8 +91,7 @@ def install_plane_checker(device: str) -> dict:
     collective, a host tensor, an integer flag) or any data on the control group (a float
     tensor, a device tensor) raises at once. Returns call counters per plane."""
     import torch.distributed as dist
-
-    from workers.model import parallel
+    from mtpserve.workers.model import parallel
 
     seen = {"control": 0, "data": 0}
 
@@ -133,7 +130,7 @@ def install_plane_checker(device: str) -> dict:
 
 
 def _spec(path: str, port: int, role: str = "prefill"):
-    from workers.tp_group import RankSpec
+    from mtpserve.workers.tp_group import RankSpec
 
     return RankSpec(model=path, role=role, tp_size=2, num_kv_blocks=64, block_size=4,
                     init_method=f"tcp://127.0.0.1:{port}", kv_host="127.0.0.1",
@@ -141,7 +138,7 @@ def _spec(path: str, port: int, role: str = "prefill"):
 
 
 def _split_rank(rank: int, port: int, path: str, prompts: list, out) -> None:
-    from workers.tp_group import RankCore, TPDriver, worker_loop
+    from mtpserve.workers.tp_group import RankCore, TPDriver, worker_loop
 
     torch.set_num_threads(1)
     seen = install_plane_checker("cpu")
@@ -163,8 +160,8 @@ def _split_rank(rank: int, port: int, path: str, prompts: list, out) -> None:
 def _greedy_tokens(runner, path: str, prompts: list[list[int]]) -> list[list[int]]:
     """Each prompt's greedy tokens (k = 2), collected from the streamed outputs; `runner`:
     a TP driver, or None for a single-process engine."""
-    from workers.engine import Engine, EngineConfig
-    from workers.sampling_params import SamplingParams
+    from mtpserve.workers.engine import Engine, EngineConfig
+    from mtpserve.workers.sampling_params import SamplingParams
 
     engine = Engine(EngineConfig(model=path, num_speculative_tokens=2, block_size=4,
                                  num_kv_blocks=64), runner=runner)
@@ -211,9 +208,9 @@ def _health_rank(rank: int, port: int, path: str, events, deadline_s: float) -> 
     import os
     import time
 
-    from workers.async_engine import AsyncEngine
-    from workers.engine import Engine, EngineConfig
-    from workers.tp_group import RankCore, TPDriver, worker_loop
+    from mtpserve.workers.async_engine import AsyncEngine
+    from mtpserve.workers.engine import Engine, EngineConfig
+    from mtpserve.workers.tp_group import RankCore, TPDriver, worker_loop
 
     torch.set_num_threads(1)
     core = RankCore(_spec(path, port), rank)
@@ -289,7 +286,7 @@ class _Duplex:
 
 
 def test_forward_batch_encoding_round_trips() -> None:
-    from workers.control_plane import decode_batch, encode_batch
+    from mtpserve.workers.control_plane import decode_batch, encode_batch
 
     for b in batches() + [ForwardBatch("main", [[1, 2, 3], [4]], [0, 7], [[0, 1], [2]],
                                        logit_rows=[2, 3])]:

@@ -11,11 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from mtpserve.workers.model.checkpoint import inventory
+from mtpserve.workers.model.loader import load_model
+from mtpserve.workers.training.trainer import TrainConfig, train
 from safetensors.torch import load_file
-
-from workers.model.checkpoint import inventory
-from workers.model.loader import load_model
-from workers.training.trainer import TrainConfig, train
 
 DATA = str(Path(sysconfig.get_paths()["stdlib"]) / "json")
 
@@ -51,7 +50,7 @@ def test_losses_go_down_and_folder_loads(trained) -> None:
         assert (ours - ref(ids).logits).abs().max() < 1e-4
     tok = transformers.AutoTokenizer.from_pretrained(out)
     assert tok.decode(tok.encode("def f(x):\n    return x")) == "def f(x):\n    return x"
-    check = subprocess.run([sys.executable, "-m", "cluster.cli", "check", str(out)],
+    check = subprocess.run([sys.executable, "-m", "mtpserve.cluster.cli", "check", str(out)],
                            capture_output=True, text=True)
     assert check.returncode == 0, check.stdout
 

@@ -6,10 +6,9 @@ import json
 from pathlib import Path
 
 import torch
+from mtpserve.workers.model.checkpoint import expected_shape, expected_tensors
+from mtpserve.workers.model.config import ModelConfig
 from safetensors.torch import save_file
-
-from workers.model.checkpoint import expected_shape, expected_tensors
-from workers.model.config import ModelConfig
 
 FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),

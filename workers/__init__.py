@@ -7,18 +7,18 @@ from typing import TYPE_CHECKING
 __all__ = ["LLM", "SamplingParams"]
 
 if TYPE_CHECKING:
-    from workers.llm import LLM
-    from workers.sampling_params import SamplingParams
+    from mtpserve.workers.llm import LLM
+    from mtpserve.workers.sampling_params import SamplingParams
 
 
 def __getattr__(name: str):
     # Lazy so that `import workers.kv_transfer` does not pull in the whole engine.
     if name == "LLM":
-        from workers.llm import LLM
+        from mtpserve.workers.llm import LLM
 
         return LLM
     if name == "SamplingParams":
-        from workers.sampling_params import SamplingParams
+        from mtpserve.workers.sampling_params import SamplingParams
 
         return SamplingParams
     raise AttributeError(name)

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from workers.perf_model import PerfModel, expected_tokens
-from workers.request import Request
+from mtpserve.workers.perf_model import PerfModel, expected_tokens
+from mtpserve.workers.request import Request
 
 BANDS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # upper edges of the batch-size bands
 PRIOR_ROUNDS = 4.0  # pseudo-rounds of the replica's acceptance in a request's estimate

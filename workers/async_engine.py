@@ -17,10 +17,10 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
-from router.types import ERROR_ENGINE, GenerateRequest, TokenChunk
-from workers.engine import Engine, EngineError, RequestOutput
-from workers.request import Request
-from workers.sampling_params import SamplingParams
+from mtpserve.workers.engine import Engine, EngineError, RequestOutput
+from mtpserve.workers.messages import ERROR_ENGINE, GenerateRequest, TokenChunk
+from mtpserve.workers.request import Request
+from mtpserve.workers.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class AsyncEngine:
         self.engine = engine
         self.poller = poller
         # Called on the engine thread after each step with (engine, outputs, seconds): metrics
-        # and autoscaling signals (cluster.metrics.EngineRecorder).
+        # and autoscaling signals (workers/metrics.py EngineRecorder).
         self.step_observers: list[Callable[[Engine, list[RequestOutput], float], None]] = []
         self._actions: queue.Queue[Callable[[], None]] = queue.Queue()
         self._listeners: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}

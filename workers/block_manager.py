@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from workers.request import Request
+from mtpserve.workers.request import Request
 
 
 def blocks_for(num_slots: int, block_size: int) -> int:

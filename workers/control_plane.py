@@ -17,8 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
-from workers.model_runner import ForwardBatch
+from mtpserve.workers.model_runner import ForwardBatch
 
 # Opcodes (header[0]).
 OP_FORWARD, OP_OBJECT, OP_PING, OP_POLL, OP_SHUTDOWN = 1, 2, 3, 4, 5

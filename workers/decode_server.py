@@ -6,18 +6,22 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
+from mtpserve.workers.async_engine import sampling_params
+from mtpserve.workers.block_manager import blocks_for
+from mtpserve.workers.engine import Engine, EngineError
+from mtpserve.workers.kv_transfer.arrivals import KVArrivals
+from mtpserve.workers.messages import (
+    ERROR_KV_TRANSFER,
+    GenerateRequest,
+    KVTransferParams,
+    TokenChunk,
+)
+from mtpserve.workers.metrics import EMA, attach_replica_metrics
+from mtpserve.workers.replica import EngineReplica
+from mtpserve.workers.request import Request
+from mtpserve.workers.scheduler import decode_slots
+from mtpserve.workers.tp_group import ProbeKV
 from ray import serve
-
-from cluster.metrics import EMA, attach_replica_metrics
-from router.types import ERROR_KV_TRANSFER, GenerateRequest, KVTransferParams, TokenChunk
-from workers.async_engine import sampling_params
-from workers.block_manager import blocks_for
-from workers.engine import Engine, EngineError
-from workers.kv_transfer.arrivals import KVArrivals
-from workers.replica import EngineReplica
-from workers.request import Request
-from workers.scheduler import decode_slots
-from workers.tp_group import ProbeKV
 
 
 class KVTransferFailed(RuntimeError):
@@ -117,5 +121,5 @@ class DecodeServer(EngineReplica):
                 "tokens_per_request": int(self.output_len.value or DEFAULT_EXPECTED_TOKENS)}
 
     async def record_autoscaling_stats(self) -> dict:
-        # Window aggregates that empty when idle (cluster.signals) + the perf model.
+        # Window aggregates that empty when idle (workers/signals.py) + the perf model.
         return self.recorder.autoscaling_stats(await self.engine.acall(lambda e: e.stats()))

@@ -19,19 +19,18 @@ import dataclasses
 import time
 
 import torch
-
-from workers.adaptive_k import AdaptiveK
-from workers.block_manager import BlockManager, blocks_for
-from workers.engine_config import DTYPES, EngineConfig, EngineError
-from workers.model_runner import ForwardBatch, ModelRunner
-from workers.outputs import RequestOutput, append_tokens, request_output, token_logprobs
-from workers.request import Request, RequestStatus
-from workers.sampling_params import SamplingParams
-from workers.scheduler import PrefillChunk, Scheduler, draft_slots
-from workers.spec.keyed_random import SLOT_FINAL, uniforms_for
-from workers.spec.mtp_proposer import MTPExtend, MTPProposer
-from workers.spec.rejection_sampler import RejectionSampler
-from workers.spec.sampling import processed_probs, sample_with_uniforms, suppress_tokens
+from mtpserve.workers.adaptive_k import AdaptiveK
+from mtpserve.workers.block_manager import BlockManager, blocks_for
+from mtpserve.workers.engine_config import DTYPES, EngineConfig, EngineError
+from mtpserve.workers.model_runner import ForwardBatch, ModelRunner
+from mtpserve.workers.outputs import RequestOutput, append_tokens, request_output, token_logprobs
+from mtpserve.workers.request import Request, RequestStatus
+from mtpserve.workers.sampling_params import SamplingParams
+from mtpserve.workers.scheduler import PrefillChunk, Scheduler, draft_slots
+from mtpserve.workers.spec.keyed_random import SLOT_FINAL, uniforms_for
+from mtpserve.workers.spec.mtp_proposer import MTPExtend, MTPProposer
+from mtpserve.workers.spec.rejection_sampler import RejectionSampler
+from mtpserve.workers.spec.sampling import processed_probs, sample_with_uniforms, suppress_tokens
 
 __all__ = ["DTYPES", "Engine", "EngineConfig", "EngineError", "RequestOutput"]
 

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import torch
-
-from workers.model.config import ModelConfig
-from workers.model.parallel import get_tp
+from mtpserve.workers.model.config import ModelConfig
+from mtpserve.workers.model.parallel import get_tp
 
 
 class KVCache:

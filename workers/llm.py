@@ -5,11 +5,11 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, field
 
-from router.types import TokenLogprobs
-from workers.engine import Engine, EngineConfig
-from workers.paths import default_model_path
-from workers.sampling_params import SamplingParams
-from workers.tokenizer import load_tokenizer
+from mtpserve.workers.engine import Engine, EngineConfig
+from mtpserve.workers.messages import TokenLogprobs
+from mtpserve.workers.paths import default_model_path
+from mtpserve.workers.sampling_params import SamplingParams
+from mtpserve.workers.tokenizer import load_tokenizer
 
 
 @dataclass

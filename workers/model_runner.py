@@ -13,13 +13,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-
-from workers.kv_cache import KVCache
-from workers.model.attention_metadata import AttentionMetadata
-from workers.model.decode_graph import DecodeGraphs
-from workers.model.loader import load_model
-from workers.model.parallel import get_tp
-from workers.spec.draft_vocab import draft_token_ids
+from mtpserve.workers.kv_cache import KVCache
+from mtpserve.workers.model.attention_metadata import AttentionMetadata
+from mtpserve.workers.model.decode_graph import DecodeGraphs
+from mtpserve.workers.model.loader import load_model
+from mtpserve.workers.model.parallel import get_tp
+from mtpserve.workers.spec.draft_vocab import draft_token_ids
 
 
 @dataclass
@@ -52,7 +51,7 @@ def column_major_linears(model: torch.nn.Module) -> None:
     `F.linear` computes x @ W.T; with W.T contiguous, the CPU GEMV streams the weight in
     order, which is ~20% faster for the memory-bound single-token decode. Embeddings keep
     row-major storage (their lookups read rows)."""
-    from workers.model.parallel import (
+    from mtpserve.workers.model.parallel import (
         ColumnParallelLinear,
         ReplicatedLinear,
         RowParallelLinear,

@@ -6,9 +6,8 @@ import time
 from dataclasses import dataclass
 
 import torch
-
-from router.types import TokenLogprobs
-from workers.request import Request, RequestStatus
+from mtpserve.workers.messages import TokenLogprobs
+from mtpserve.workers.request import Request, RequestStatus
 
 
 @dataclass

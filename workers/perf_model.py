@@ -130,7 +130,7 @@ def profile_rounds(engine, batch_sizes: Sequence[int], ks: Sequence[int],
     `clock`: wall time by default; `time.thread_time` measures only this thread's CPU (a
     single-threaded CPU engine on a shared machine, where wall time measures the neighbours).
     """
-    from workers.sampling_params import SamplingParams
+    from mtpserve.workers.sampling_params import SamplingParams
 
     assert not engine.has_unfinished(), "profile needs an idle engine"
     gen = np.random.default_rng(seed)

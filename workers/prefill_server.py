@@ -6,15 +6,14 @@ from __future__ import annotations
 import time
 
 import torch
+from mtpserve.workers.engine import Engine
+from mtpserve.workers.kv_transfer.arrivals import PrefillHolds
+from mtpserve.workers.messages import GenerateRequest, KVTransferParams
+from mtpserve.workers.metrics import EMA, attach_replica_metrics
+from mtpserve.workers.replica import EngineReplica, replica_tag
+from mtpserve.workers.scheduler import draft_slots
+from mtpserve.workers.tp_group import HoldKV
 from ray import serve
-
-from cluster.metrics import EMA, attach_replica_metrics
-from router.types import GenerateRequest, KVTransferParams
-from workers.engine import Engine
-from workers.kv_transfer.arrivals import PrefillHolds
-from workers.replica import EngineReplica, replica_tag
-from workers.scheduler import draft_slots
-from workers.tp_group import HoldKV
 
 
 @serve.deployment(name="PrefillServer")
@@ -103,7 +102,7 @@ class PrefillServer(EngineReplica):
         return {"inflight": self.inflight}
 
     async def record_autoscaling_stats(self) -> dict:
-        # Window aggregates that empty when idle (cluster.signals).
+        # Window aggregates that empty when idle (workers/signals.py).
         return self.recorder.autoscaling_stats(await self.engine.acall(lambda e: e.stats()))
 
 

@@ -6,12 +6,11 @@ from __future__ import annotations
 import logging
 import os
 
-from cluster.config import ClusterConfig
-from workers.async_engine import AsyncEngine, Poller
-from workers.engine import Engine, EngineConfig
-from workers.kv_transfer.addresses import resolve_kv_endpoint
-from workers.tp_group import RankSpec
-from workers.tp_workers import start_group
+from mtpserve.workers.async_engine import AsyncEngine, Poller
+from mtpserve.workers.engine import Engine, EngineConfig
+from mtpserve.workers.kv_transfer.addresses import resolve_kv_endpoint
+from mtpserve.workers.tp_group import RankSpec
+from mtpserve.workers.tp_workers import start_group
 
 logger = logging.getLogger(__name__)
 
@@ -25,9 +24,15 @@ def fault_injection_enabled() -> bool:
 
 
 class EngineReplica:
+    """Base of the prefill and decode deployments.
+
+    `cfg` is the cluster's validated config (`mtpserve.cluster.config.ClusterConfig`), passed
+    in by the app builder and read by attribute: the shells never import the cluster layer
+    (dependencies point one way, docs/architecture.md)."""
+
     role: str
 
-    def __init__(self, cfg: ClusterConfig) -> None:
+    def __init__(self, cfg) -> None:
         side = cfg.prefill if self.role == "prefill" else cfg.decode
         self.cfg = cfg
         kv = cfg.kv_transfer
@@ -72,7 +77,7 @@ class EngineReplica:
         await self.engine.ping(lambda e: self.driver.ping(), HEALTH_DEADLINE_S)
 
     async def _fault(self, delay_s: float, count: int) -> None:
-        from workers.tp_group import InjectFault
+        from mtpserve.workers.tp_group import InjectFault
 
         if not fault_injection_enabled():
             raise RuntimeError("fault injection is disabled (MTPSERVE_ENABLE_FAULT_INJECTION)")

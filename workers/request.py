@@ -7,9 +7,8 @@ import secrets
 from dataclasses import dataclass, field
 
 import torch
-
-from workers.sampling_params import SamplingParams
-from workers.spec.keyed_random import fold_seed
+from mtpserve.workers.sampling_params import SamplingParams
+from mtpserve.workers.spec.keyed_random import fold_seed
 
 
 class RequestStatus(enum.Enum):

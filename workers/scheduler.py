@@ -18,8 +18,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from workers.block_manager import BlockManager, blocks_for
-from workers.request import Request, RequestStatus
+from mtpserve.workers.block_manager import BlockManager, blocks_for
+from mtpserve.workers.request import Request, RequestStatus
 
 
 def decode_slots(req: Request) -> int:

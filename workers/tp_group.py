@@ -25,8 +25,7 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-
-from workers.control_plane import (
+from mtpserve.workers.control_plane import (
     OP_FORWARD,
     OP_OBJECT,
     OP_PING,
@@ -34,8 +33,8 @@ from workers.control_plane import (
     OP_SHUTDOWN,
     ControlPlane,
 )
-from workers.model.parallel import set_tp
-from workers.model_runner import ForwardBatch, ModelRunner
+from mtpserve.workers.model.parallel import set_tp
+from mtpserve.workers.model_runner import ForwardBatch, ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -128,9 +127,9 @@ class RankCore:
     """Model shard + KV cache + this rank's KV sender (prefill) or transfer thread (decode)."""
 
     def __init__(self, spec: RankSpec, rank: int) -> None:
-        from workers.engine import DTYPES
-        from workers.kv_transfer import KVReceiver, KVSender
-        from workers.kv_transfer.puller import KVPuller
+        from mtpserve.workers.engine import DTYPES
+        from mtpserve.workers.kv_transfer import KVReceiver, KVSender
+        from mtpserve.workers.kv_transfer.puller import KVPuller
 
         self.spec, self.rank = spec, rank
         self.failed = False  # a command raised on this rank: the replica must be replaced

@@ -15,11 +15,11 @@ Protocol (pull, driven by the decode side):
    bandwidth (receiver stats: bytes_received / pull_seconds) with the channel's raw rate.
 """
 
-from workers.kv_transfer.channel import KVTransferError, PairChannel
-from workers.kv_transfer.packing import gather_blocks, scatter_blocks
-from workers.kv_transfer.receiver import KVReceiver
-from workers.kv_transfer.resharding import HeadPull, head_range, pull_plan, pull_resharded
-from workers.kv_transfer.sender import KVSender
+from mtpserve.workers.kv_transfer.channel import KVTransferError, PairChannel
+from mtpserve.workers.kv_transfer.packing import gather_blocks, scatter_blocks
+from mtpserve.workers.kv_transfer.receiver import KVReceiver
+from mtpserve.workers.kv_transfer.resharding import HeadPull, head_range, pull_plan, pull_resharded
+from mtpserve.workers.kv_transfer.sender import KVSender
 
 __all__ = [
     "HeadPull",

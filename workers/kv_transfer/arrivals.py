@@ -17,12 +17,12 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from workers.tp_group import PullKV, ReleaseKV, StartPulls, TPDriver
+from mtpserve.workers.tp_group import PullKV, ReleaseKV, StartPulls, TPDriver
 
 if TYPE_CHECKING:
-    from router.types import KVTransferParams
-    from workers.engine import Engine
-    from workers.request import Request
+    from mtpserve.workers.engine import Engine
+    from mtpserve.workers.messages import KVTransferParams
+    from mtpserve.workers.request import Request
 
 # While rank 0 is done but another rank is not, poll at most this often.
 POLL_INTERVAL_S = 0.002

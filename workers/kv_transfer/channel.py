@@ -12,9 +12,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
-from workers.kv_transfer.mailbox import QueueReader, post
-from workers.kv_transfer.packing import as_bytes
+from mtpserve.workers.kv_transfer.mailbox import QueueReader, post
+from mtpserve.workers.kv_transfer.packing import as_bytes
 
 SENDER_RANK = 0  # the prefill side of every pair
 RECEIVER_RANK = 1  # the decode side

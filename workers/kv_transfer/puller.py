@@ -18,10 +18,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
-from workers.kv_transfer.packing import scatter_blocks
-from workers.kv_transfer.receiver import KVReceiver
-from workers.kv_transfer.resharding import head_range, pull_plan
+from mtpserve.workers.kv_transfer.packing import scatter_blocks
+from mtpserve.workers.kv_transfer.receiver import KVReceiver
+from mtpserve.workers.kv_transfer.resharding import head_range, pull_plan
 
 logger = logging.getLogger(__name__)
 

@@ -11,16 +11,15 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
-
-from workers.kv_transfer.channel import (
+from mtpserve.workers.kv_transfer.channel import (
     MAX_PROBE_BYTES,
     RECEIVER_RANK,
     KVTransferError,
     PairChannel,
     connect_store,
 )
-from workers.kv_transfer.mailbox import MAILBOX, post
-from workers.kv_transfer.packing import (
+from mtpserve.workers.kv_transfer.mailbox import MAILBOX, post
+from mtpserve.workers.kv_transfer.packing import (
     extras_nbytes,
     parse_dtype,
     payload_layout,

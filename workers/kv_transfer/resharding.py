@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from workers.kv_transfer.receiver import KVReceiver
+    from mtpserve.workers.kv_transfer.receiver import KVReceiver
 
 
 @dataclass(frozen=True)

@@ -13,16 +13,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
-from workers.kv_transfer.channel import (
+from mtpserve.workers.kv_transfer.channel import (
     MAX_PROBE_BYTES,
     SENDER_RANK,
     KVTransferError,
     PairChannel,
     connect_store,
 )
-from workers.kv_transfer.mailbox import MAILBOX, QueueReader, post
-from workers.kv_transfer.packing import dtype_name, extras_nbytes, pack_payload
+from mtpserve.workers.kv_transfer.mailbox import MAILBOX, QueueReader, post
+from mtpserve.workers.kv_transfer.packing import dtype_name, extras_nbytes, pack_payload
 
 logger = logging.getLogger(__name__)
 

@@ -20,11 +20,10 @@ from dataclasses import dataclass
 from unittest import mock
 
 import torch
-
-from workers.kv_cache import KVCache
-from workers.model.attention_metadata import AttentionMetadata, causal_mask
-from workers.model.greedy_round import greedy_round_graph
-from workers.model.transformer import CausalLM
+from mtpserve.workers.kv_cache import KVCache
+from mtpserve.workers.model.attention_metadata import AttentionMetadata, causal_mask
+from mtpserve.workers.model.greedy_round import greedy_round_graph
+from mtpserve.workers.model.transformer import CausalLM
 
 
 def bucket(n: int, minimum: int = 1) -> int:

@@ -20,9 +20,8 @@ into the RoPE table and every block index into the table (compiled kernels do no
 from __future__ import annotations
 
 import torch
-
-from workers.model.attention_metadata import AttentionMetadata, causal_mask
-from workers.model.transformer import CausalLM
+from mtpserve.workers.model.attention_metadata import AttentionMetadata, causal_mask
+from mtpserve.workers.model.transformer import CausalLM
 
 
 def greedy_round_graph(model: CausalLM, block_size: int, scratch_slot: int,

@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
-from workers.model.attention_metadata import AttentionMetadata
-from workers.model.config import ModelConfig
-from workers.model.parallel import (
+from mtpserve.workers.model.attention_metadata import AttentionMetadata
+from mtpserve.workers.model.config import ModelConfig
+from mtpserve.workers.model.parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     _plain_loader,
     get_tp,
 )
+from torch import nn
 
 
 class RMSNorm(nn.Module):

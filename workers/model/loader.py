@@ -5,16 +5,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-
-from workers.model.checkpoint import (
+from mtpserve.workers.model.checkpoint import (
     expected_tensors,
     format_problems,
     inventory,
     weight_files,
 )
-from workers.model.config import ModelConfig
-from workers.model.transformer import CausalLM
+from mtpserve.workers.model.config import ModelConfig
+from mtpserve.workers.model.transformer import CausalLM
+from safetensors import safe_open
 
 # Checkpoint projection name -> (fused parameter, shard index).
 _FUSED = {
@@ -59,7 +58,7 @@ def load_model(
         with torch.device(device):
             model = CausalLM(cfg)
             # DeepSeek-V3 repeats the embedding/head per MTP module; share when absent.
-            from workers.model.parallel import ParallelLMHead, VocabParallelEmbedding
+            from mtpserve.workers.model.parallel import ParallelLMHead, VocabParallelEmbedding
 
             for m, mod in enumerate(model.mtp):
                 if f"mtp.{m}.head.weight" in {optional[n] for n in present if n in optional}:

@@ -13,17 +13,16 @@ post-norm hidden for m = 0) with the embedding of token t+1+m:
 from __future__ import annotations
 
 import torch
-from torch import nn
-
-from workers.model.attention_metadata import AttentionMetadata
-from workers.model.config import ModelConfig
-from workers.model.layers import DecoderLayer, RMSNorm
-from workers.model.parallel import (
+from mtpserve.workers.model.attention_metadata import AttentionMetadata
+from mtpserve.workers.model.config import ModelConfig
+from mtpserve.workers.model.layers import DecoderLayer, RMSNorm
+from mtpserve.workers.model.parallel import (
     ParallelLMHead,
     ReplicatedLinear,
     SubsetLMHead,
     VocabParallelEmbedding,
 )
+from torch import nn
 
 
 class MTPModule(nn.Module):

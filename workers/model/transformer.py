@@ -5,18 +5,17 @@ from __future__ import annotations
 import copy
 
 import torch
-from torch import nn
-
-from workers.model.attention_metadata import AttentionMetadata
-from workers.model.config import ModelConfig
-from workers.model.layers import DecoderLayer, RMSNorm, RotaryEmbedding
-from workers.model.mtp import MTPModule
-from workers.model.parallel import (
+from mtpserve.workers.model.attention_metadata import AttentionMetadata
+from mtpserve.workers.model.config import ModelConfig
+from mtpserve.workers.model.layers import DecoderLayer, RMSNorm, RotaryEmbedding
+from mtpserve.workers.model.mtp import MTPModule
+from mtpserve.workers.model.parallel import (
     ParallelLMHead,
     SubsetLMHead,
     VocabParallelEmbedding,
     full_head_weight,
 )
+from torch import nn
 
 
 class DecoderBody(nn.Module):

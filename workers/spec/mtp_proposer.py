@@ -24,11 +24,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-
-from workers.model_runner import ForwardBatch
-from workers.request import Request
-from workers.spec.keyed_random import SLOT_DRAFT, keyed_uniforms
-from workers.spec.sampling import processed_probs, sample_with_uniforms, suppress_tokens
+from mtpserve.workers.model_runner import ForwardBatch
+from mtpserve.workers.request import Request
+from mtpserve.workers.spec.keyed_random import SLOT_DRAFT, keyed_uniforms
+from mtpserve.workers.spec.sampling import processed_probs, sample_with_uniforms, suppress_tokens
 
 # (request, position of the token being decided) -> token ids it may not be (min_tokens)
 BannedFn = Callable[[Request, int], list[int]]

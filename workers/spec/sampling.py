@@ -8,8 +8,7 @@ with. Everything here runs on the logits' device.
 from __future__ import annotations
 
 import torch
-
-from workers.sampling_params import SamplingParams
+from mtpserve.workers.sampling_params import SamplingParams
 
 
 def processed_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -15,11 +15,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
-from workers.engine import Engine, EngineConfig
-from workers.sampling_params import SamplingParams
-from workers.tokenizer import load_tokenizer
-from workers.training.data import read_texts, split_files
+from mtpserve.workers.engine import Engine, EngineConfig
+from mtpserve.workers.sampling_params import SamplingParams
+from mtpserve.workers.tokenizer import load_tokenizer
+from mtpserve.workers.training.data import read_texts, split_files
 
 K_EVAL = 3
 PREFIX_STRIDE = 64
@@ -95,8 +94,8 @@ def summarise_acceptance(accepted: list[int]) -> dict:
 
 @torch.inference_mode()
 def losses(model: str, ids: list[int], seq_len: int, max_tokens: int, dtype: str) -> dict:
-    from workers.engine import DTYPES
-    from workers.model.loader import load_model
+    from mtpserve.workers.engine import DTYPES
+    from mtpserve.workers.model.loader import load_model
 
     m = load_model(model, dtype=DTYPES[dtype])
     tot_main = tot_mtp = 0.0

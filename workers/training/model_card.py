@@ -7,7 +7,7 @@ import json
 import platform
 from pathlib import Path
 
-from workers.training.data import HELD_OUT_PERCENT, python_files, split_files, stdlib_root
+from mtpserve.workers.training.data import HELD_OUT_PERCENT, python_files, split_files, stdlib_root
 
 
 def param_counts(path: Path) -> dict[str, int]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from workers.training.data import read_texts, split_files
+from mtpserve.workers.training.data import read_texts, split_files
 
 
 def held_out_prompts(n: int, num_chars: int = 400, skip_chars: int = 0) -> list[str]:

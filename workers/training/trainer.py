@@ -16,14 +16,13 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from mtpserve.workers.model.config import ModelConfig
+from mtpserve.workers.model.loader import load_model
+from mtpserve.workers.model.transformer import CausalLM
+from mtpserve.workers.training.data import read_texts, split_files
+from mtpserve.workers.training.export import save_hf
+from mtpserve.workers.training.tokenizer import EOS_TOKEN, save_tokenizer, train_tokenizer
 from tqdm import tqdm
-
-from workers.model.config import ModelConfig
-from workers.model.loader import load_model
-from workers.model.transformer import CausalLM
-from workers.training.data import read_texts, split_files
-from workers.training.export import save_hf
-from workers.training.tokenizer import EOS_TOKEN, save_tokenizer, train_tokenizer
 
 IGNORE = -100
 
@@ -55,6 +54,7 @@ class TrainConfig:
     save_every: int = 100
     stop_after: int | None = None  # stop (resumably) after this step; for tests and pauses
     data_root: str | None = None
+    corpus: str = "stdlib"  # stdlib | python (see workers/training/data.py)
     save_dtype: str = "bfloat16"
     threads: int | None = None
 
@@ -93,7 +93,7 @@ def prepare_data(tc: TrainConfig, out: Path):
 
     cache = out / "train_tokens.pt"
     root = Path(tc.data_root) if tc.data_root else None
-    train_files, _ = split_files(root)
+    train_files, _ = split_files(root, tc.corpus)
     if tc.init_from:
         tok = Tokenizer.from_file(str(Path(tc.init_from) / "tokenizer.json"))
     elif (out / "tokenizer.json").is_file():

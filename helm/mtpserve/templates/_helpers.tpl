@@ -159,7 +159,7 @@ bundles (cluster/app.py `_bundles`; tests/test_helm_chart.py keeps the two equal
 
 {{/* The Serve deploy config (ServeDeploySchema) that KubeRay PUTs to the dashboard. */}}
 {{- define "mtpserve.serveConfig" -}}
-{{- $app := dict "name" "mtpserve" "route_prefix" "/" "import_path" "cluster.app:build_app" }}
+{{- $app := dict "name" "mtpserve" "route_prefix" "/" "import_path" "mtpserve.cluster.app:build_app" }}
 {{- $_ := set $app "args" (include "mtpserve.serveArgs" . | fromYaml) }}
 {{- $deps := include "mtpserve.deployments" . | fromYamlArray }}
 {{- with $deps }}

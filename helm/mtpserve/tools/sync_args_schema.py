@@ -16,9 +16,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from mtpserve.cluster.config import ClusterConfig
 from pydantic import BaseModel
-
-from cluster.config import ClusterConfig
 
 SCHEMA = Path(__file__).resolve().parents[1] / "values.schema.json"
 KEEP = ("type", "enum", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
