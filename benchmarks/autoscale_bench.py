@@ -26,6 +26,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import httpx
+
 from mtpserve.benchmarks.serve_bench import _pct, stream_completion
 from mtpserve.router.metrics_api import parse_samples
 from mtpserve.workers.training.prompts import held_out_prompts
@@ -258,9 +259,10 @@ def local_config(a: AutoscaleBenchArgs) -> dict:
 def deploy(a: AutoscaleBenchArgs) -> None:
     """Local Ray cluster + the app, with the model-based or Serve's default policy."""
     import ray
+    from ray import serve
+
     from mtpserve.cluster.app import build_app, deployment_options, resolve
     from mtpserve.cluster.config import ClusterConfig
-    from ray import serve
 
     port = int(a.url.rsplit(":", 1)[1])
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)

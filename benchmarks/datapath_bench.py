@@ -29,9 +29,10 @@ def admin_options(config_cls) -> dict:
 
 
 def deploy(model: str, device: str, port: int, prefill_tp: int = 1, decode_tp: int = 1) -> str:
+    from ray import serve
+
     from mtpserve.cluster.app import build_app
     from mtpserve.cluster.config import ClusterConfig
-    from ray import serve
 
     gpu = 0.5 if device == "cuda" else 0.0  # both sides share one GPU on a one-GPU machine
     cfg = ClusterConfig(
@@ -49,6 +50,7 @@ def deploy(model: str, device: str, port: int, prefill_tp: int = 1, decode_tp: i
 
 def main() -> None:
     import ray
+
     from mtpserve.benchmarks.serve_bench import (
         ServeBenchArgs,
         format_interference,

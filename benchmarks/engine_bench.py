@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+
 from mtpserve.workers.engine import DTYPES, Engine, EngineConfig
 from mtpserve.workers.model_runner import ModelRunner
 from mtpserve.workers.sampling_params import SamplingParams

@@ -100,6 +100,8 @@ def _offline(prompts: list[str], device: str, max_tokens: int) -> list[str]:
 
 def app_part(out: Path, device: str, dry: bool, backend: str, tp: int, name: str) -> dict:
     import ray
+    from ray import serve
+
     from mtpserve.benchmarks.datapath_bench import ADMIN_KEY, admin_options
     from mtpserve.benchmarks.serve_bench import (
         ServeBenchArgs,
@@ -111,7 +113,6 @@ def app_part(out: Path, device: str, dry: bool, backend: str, tp: int, name: str
     from mtpserve.cluster.app import build_app
     from mtpserve.cluster.config import ClusterConfig
     from mtpserve.workers.training.prompts import held_out_prompts
-    from ray import serve
 
     max_tokens = 8 if dry else 32
     prompts = held_out_prompts(2 if dry else 4, num_chars=300)

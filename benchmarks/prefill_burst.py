@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+
 from mtpserve.workers.engine import DTYPES, Engine, EngineConfig
 from mtpserve.workers.model_runner import ModelRunner
 from mtpserve.workers.paths import default_model_path

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 
 import httpx
+
 from mtpserve.workers.training.prompts import held_out_prompts
 
 

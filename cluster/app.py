@@ -8,16 +8,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mtpserve.cluster.config import AutoscalingSettings, ClusterConfig
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
+
+from mtpserve.cluster.config import AutoscalingSettings, ClusterConfig
 
 ROUTER = "mtpserve.router.routing:LeastLoadedRouter"
 ROUTING_STATS_PERIOD_S = 1.0  # = router.routing.ROUTING_STATS_PERIOD_S (no Serve import here)
 
 
-def _bundles(tp: int, cpus: float, gpus: float) -> list[dict]:
-    bundle = {"CPU": cpus} | ({"GPU": gpus} if gpus else {})
+def _bundles(tp: int, cpus: float, gpus: float, resources: dict[str, float]) -> list[dict]:
+    bundle = {"CPU": cpus} | ({"GPU": gpus} if gpus else {}) | resources
     return [dict(bundle) for _ in range(tp)]
 
 
@@ -53,7 +54,7 @@ def deployment_options(cfg: ClusterConfig, role: str) -> dict:
     side = cfg.prefill if role == "prefill" else cfg.decode
     opts: dict = {
         "placement_group_bundles": _bundles(side.tp_size, side.cpus_per_rank,
-                                            side.gpus_per_rank),
+                                            side.gpus_per_rank, side.resources),
         "placement_group_strategy": "STRICT_PACK",
         "ray_actor_options": {
             "num_cpus": side.cpus_per_rank, "num_gpus": side.gpus_per_rank,
@@ -103,11 +104,26 @@ def build_app(args: ClusterConfig) -> Application:
     cfg = resolve(args if isinstance(args, ClusterConfig) else ClusterConfig(**args))
     prefill = PrefillServer.options(**deployment_options(cfg, "prefill")).bind(cfg)
     decode = DecodeServer.options(**deployment_options(cfg, "decode")).bind(cfg)
-    # The ingress answers its own overload with 429 (limits.max_concurrent_requests) before
-    # Serve's proxy would, so Serve's cap sits above it.
-    return OpenAIIngress.options(
-        ray_actor_options={"num_cpus": 0},
-        max_ongoing_requests=cfg.limits.max_concurrent_requests + 64,
-        graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,
-        graceful_shutdown_wait_loop_s=1.0,
-    ).bind(prefill, decode, cfg)
+    return OpenAIIngress.options(**ingress_options(cfg)).bind(prefill, decode, cfg)
+
+
+def ingress_options(cfg: ClusterConfig) -> dict:
+    """Serve options of the ingress: replicas (fixed or request-based autoscaling) with a CPU
+    reserved each. It answers its own overload with 429 (limits.max_concurrent_requests, per
+    replica) before Serve's proxy would, so Serve's cap sits above it."""
+    ing = cfg.ingress
+    opts: dict = {
+        "ray_actor_options": {"num_cpus": ing.cpus},
+        "max_ongoing_requests": cfg.limits.max_concurrent_requests + 64,
+        "graceful_shutdown_timeout_s": cfg.graceful_shutdown_timeout_s,
+        "graceful_shutdown_wait_loop_s": 1.0,
+    }
+    if ing.autoscaling is None:
+        opts["num_replicas"] = ing.replicas
+    else:
+        a = ing.autoscaling
+        opts["autoscaling_config"] = {
+            "min_replicas": a.min_replicas, "max_replicas": a.max_replicas,
+            "initial_replicas": min(max(ing.replicas, a.min_replicas), a.max_replicas),
+            "target_ongoing_requests": a.target_ongoing_requests}
+    return opts

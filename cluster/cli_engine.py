@@ -69,6 +69,9 @@ def add_commands(sub: argparse._SubParsersAction, bench: argparse._SubParsersAct
     p.add_argument("--max-positions", type=int, default=4000)
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--repetition-files", type=int, default=0, help="also continue the first "
+                   "12 lines of this many --data files greedily for 96 tokens and report the "
+                   "share of repeated lines (the model card's demo check)")
     p.add_argument("--json", dest="json_out")
     p.set_defaults(func=_eval_mtp)
 
@@ -152,6 +155,17 @@ def _eval_mtp(args: argparse.Namespace) -> int:
 
     res = evaluate(args.model, args.data, args.max_positions, args.seq_len, args.dtype)
     print(format_report(res))
+    if args.repetition_files:
+        from pathlib import Path
+
+        from mtpserve.workers.training.data import split_files
+        from mtpserve.workers.training.evaluate import repetition_check
+
+        files = (sorted(Path(args.data).rglob("*.py")) if args.data else split_files()[1])
+        files = [f for f in files if f.stat().st_size > 2000][: args.repetition_files]
+        res["repetition"] = repetition_check(args.model, files, dtype=args.dtype)
+        print(f"greedy continuations: {res['repetition']['repeated_line_share']:.1%} of "
+              f"non-empty lines repeated ({len(files)} files)")
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(res, f, indent=2)

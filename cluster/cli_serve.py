@@ -98,9 +98,10 @@ def _wait_healthy(url: str, timeout: float, stop: threading.Event) -> bool:
 
 def _up(args: argparse.Namespace) -> int:
     import ray
+    from ray import serve
+
     from mtpserve.cluster.app import build_app
     from mtpserve.cluster.config import ClusterConfig
-    from ray import serve
 
     http, app_args = load_app_config(args.config, args.model, args.host, args.port)
     cfg = ClusterConfig(**app_args)  # fail fast, before starting anything

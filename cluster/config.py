@@ -12,8 +12,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
 
-from mtpserve.workers.paths import default_model_path
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from mtpserve.workers.paths import default_model_path
 
 
 class _Strict(BaseModel):
@@ -76,6 +77,10 @@ class PrefillSettings(_Strict):
     )
     cpus_per_rank: float = Field(1.0, ge=0, description="CPUs reserved per rank (bundle).")
     gpus_per_rank: float = Field(0.0, ge=0, description="GPUs reserved per rank (bundle).")
+    resources: dict[str, float] = Field(
+        default_factory=dict, description="Custom Ray resources each rank's bundle asks for, "
+        "e.g. {\"mtpserve-decode\": 1} to pin this role to nodes started with that resource "
+        "(role pinning: a prefill bundle cannot take a decode node's GPU).")
     autoscaling: AutoscalingSettings | None = Field(
         None, description="Autoscaling bounds; None keeps `replicas` fixed."
     )
@@ -91,9 +96,40 @@ class DecodeSettings(_Strict):
     num_kv_blocks: int = Field(1024, ge=8, description="KV blocks per decode rank.")
     cpus_per_rank: float = Field(1.0, ge=0, description="CPUs reserved per rank (bundle).")
     gpus_per_rank: float = Field(0.0, ge=0, description="GPUs reserved per rank (bundle).")
+    resources: dict[str, float] = Field(
+        default_factory=dict, description="Custom Ray resources each rank's bundle asks for, "
+        "e.g. {\"mtpserve-decode\": 1} to pin this role to nodes started with that resource "
+        "(role pinning: a prefill bundle cannot take a decode node's GPU).")
     autoscaling: AutoscalingSettings | None = Field(
         None, description="Autoscaling bounds; None keeps `replicas` fixed."
     )
+
+
+class IngressAutoscaling(_Strict):
+    """Serve's request-based autoscaling of the ingress (it is stateless: any replica serves
+    any request)."""
+
+    min_replicas: int = Field(1, ge=1, description="Fewest ingress replicas.")
+    max_replicas: int = Field(4, ge=1, description="Most ingress replicas.")
+    target_ongoing_requests: float = Field(
+        64.0, gt=0, description="Streams per ingress replica the autoscaler aims for.")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> IngressAutoscaling:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(
+                f"min_replicas ({self.min_replicas}) exceeds max_replicas ({self.max_replicas})")
+        return self
+
+
+class IngressSettings(_Strict):
+    """The OpenAI ingress deployment (tokenize, validate, orchestrate, stream). Serve's proxy
+    spreads requests over its replicas; `limits.max_concurrent_requests` applies per replica."""
+
+    replicas: int = Field(1, ge=1, description="Ingress replicas (initial, with autoscaling).")
+    cpus: float = Field(0.25, ge=0, description="CPUs reserved per ingress replica.")
+    autoscaling: IngressAutoscaling | None = Field(
+        None, description="Request-based autoscaling; None keeps `replicas` fixed.")
 
 
 class SpeculationSettings(_Strict):
@@ -266,6 +302,7 @@ class ClusterConfig(_Strict):
     block_size: int = Field(16, ge=1, description="Tokens per KV block.")
     prefill: PrefillSettings = Field(default_factory=PrefillSettings)
     decode: DecodeSettings = Field(default_factory=DecodeSettings)
+    ingress: IngressSettings = Field(default_factory=IngressSettings)
     speculation: SpeculationSettings = Field(default_factory=SpeculationSettings)
     kv_transfer: KVTransferSettings = Field(default_factory=KVTransferSettings)
     http: HTTPSettings = Field(default_factory=HTTPSettings)

@@ -18,9 +18,10 @@ from __future__ import annotations
 import hmac
 from collections.abc import Callable
 
-from mtpserve.router.errors import APIError
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
+
+from mtpserve.router.errors import APIError
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 

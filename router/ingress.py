@@ -12,10 +12,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from ray import serve
+
 from mtpserve.cluster.config import ClusterConfig
 from mtpserve.router.limits import Limits
 from mtpserve.router.orchestrator import DisaggOrchestrator, OrchestratorConfig
-from ray import serve
 
 
 @serve.deployment(name="OpenAIIngress")

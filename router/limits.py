@@ -14,9 +14,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from mtpserve.router.errors import APIError, overloaded
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from mtpserve.router.errors import APIError, overloaded
 
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 _UNGATED_PATHS = frozenset({"/health", "/metrics"})  # probes and scrapes, even draining

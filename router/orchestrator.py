@@ -4,7 +4,8 @@ prefill(request) -> first token + KVTransferParams; the first token is streamed 
 at once (TTFT), then decode(request, params) streams the rest. Closing the generator (client
 disconnect, stop string) cancels the decode call, which aborts the request and frees its KV.
 
-What survives a failure (DESIGN decision 13: a request is prompt + tokens already sent + seed):
+What survives a failure (docs/architecture.md decision 13: a request is prompt + tokens
+already sent + seed):
 - Prefill: a failed, dead or frozen prefill replica is retried once; then the request is
   recomputed on a decode replica (decode replicas recompute requests sent without KV params).
 - KV transfer: a failed pull follows `kv_transfer.failure_policy`: `recompute` on a decode

@@ -25,8 +25,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from mtpserve.router.errors import APIError
 from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
+
+from mtpserve.router.errors import APIError
 
 Int = Annotated[int, Strict()]
 Float = Annotated[float, Strict()]  # strict float still takes JSON integers

@@ -10,7 +10,7 @@ a burst spreads over replicas instead of landing on the one that looked idle a s
 A Ray Serve custom request router: the ranked list goes most- to least-preferred, so Serve
 falls back to the next replica when the first rejects (queue full).
 
-A call with the keyword `TARGET_REPLICA` (router.types) goes to exactly that replica: the
+A call with the keyword `TARGET_REPLICA` (workers.messages) goes to exactly that replica: the
 orchestrator's `PrefillServer.release` must reach the prefill replica holding the KV. When that
 replica is gone, the call goes to the least-loaded one, which holds nothing under that request
 id and answers False (a no-op; the holder's KV went with it). Serve's FIFO fulfilment hands a
@@ -22,8 +22,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from mtpserve.workers.messages import TARGET_REPLICA
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
+
+from mtpserve.workers.messages import TARGET_REPLICA
 
 # How often Serve refreshes each replica's routing stats (RequestRouterConfig).
 ROUTING_STATS_PERIOD_S = 1.0

@@ -13,8 +13,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import torch  # noqa: E402
-from mtpserve.workers.paths import default_model_path  # noqa: E402
 from tiny_models import make_tiny_checkpoint  # noqa: E402
+
+from mtpserve.workers.paths import default_model_path  # noqa: E402
 
 torch.set_num_threads(1)
 

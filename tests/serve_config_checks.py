@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from mtpserve.cluster.config import ClusterConfig
 from ray.serve.config import AutoscalingConfig
 from ray.serve.schema import DeploymentSchema, ServeDeploySchema
+
+from mtpserve.cluster.config import ClusterConfig
 
 APP_NAME = "mtpserve"
 IMPORT_PATH = "mtpserve.cluster.app:build_app"

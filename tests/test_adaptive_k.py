@@ -5,6 +5,7 @@ stay exact (greedy) or unchanged (seeded) while k moves."""
 from __future__ import annotations
 
 import torch
+
 from mtpserve.workers.adaptive_k import BANDS, AdaptiveK, band_of, best_k
 from mtpserve.workers.engine import Engine, EngineConfig
 from mtpserve.workers.perf_model import PerfModel

@@ -9,15 +9,16 @@ import subprocess
 import sys
 
 import httpx
-import mtpserve.router.auth as auth
 import pytest
+from pydantic import ValidationError
+from test_router_api import Server
+from tiny_tokenizer import make_tokenizer
+
+import mtpserve.router.auth as auth
 from mtpserve.cluster.config import AuthSettings, ClusterConfig
 from mtpserve.router.api import IngressState, create_app, redact
 from mtpserve.workers.paths import PACKAGE_ROOT as REPO_ROOT
 from mtpserve.workers.tokenizer import load_tokenizer
-from pydantic import ValidationError
-from test_router_api import Server
-from tiny_tokenizer import make_tokenizer
 
 KEY, ADMIN = "sk-user-key", "sk-admin-key"
 STATS = {"prefill": {"used_blocks": 0, "kv_addresses": ["10.1.2.3:4567"],

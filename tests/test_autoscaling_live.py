@@ -4,12 +4,12 @@ output equals the offline engine's (greedy, adaptive k on)."""
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 
 import httpx
 import pytest
+from serve_cluster import local_serve
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -18,12 +18,6 @@ serve = pytest.importorskip("ray.serve")
 
 MAX_TOKENS = 32
 CONCURRENCY = 6
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def decode_replicas() -> int:
@@ -51,11 +45,7 @@ def test_decode_scales_out_under_load_and_back_when_idle(default_model) -> None:
     want = [r.text for r in llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS,
                                                                   temperature=0))]
     del llm
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    base = f"http://127.0.0.1:{port}"
-    try:
+    with local_serve() as base:
         cfg = ClusterConfig(
             model=str(default_model),
             prefill={"cpus_per_rank": 0.5, "num_kv_blocks": 256},
@@ -107,6 +97,4 @@ def test_decode_scales_out_under_load_and_back_when_idle(default_model) -> None:
         assert desired == [2.0]
         print(f"scale-up after {up_s:.1f}s, scale-down after {down_s:.1f}s idle, "
               f"{len(results)} requests")
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+

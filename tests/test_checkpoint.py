@@ -9,10 +9,11 @@ import sys
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
+
 from mtpserve.workers.model.checkpoint import inventory
 from mtpserve.workers.model.loader import CheckpointError, load_model
 from mtpserve.workers.model_runner import ForwardBatch, ModelRunner
-from safetensors.torch import load_file, save_file
 
 
 def _rewrite(path, fn) -> None:

@@ -8,11 +8,11 @@ each must produce the single-process engine's greedy output. The 1 -> 2 app also
 from __future__ import annotations
 
 import json
-import socket
 import time
 
 import httpx
 import pytest
+from serve_cluster import local_serve
 
 pytestmark = pytest.mark.ray
 
@@ -22,21 +22,10 @@ serve = pytest.importorskip("ray.serve")
 MAX_TOKENS = 24
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ray_cluster():
-    # Logical CPUs: 4 engine ranks at 0.5 CPU each fit; they share the real cores.
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
-    ray.shutdown()
+    with local_serve() as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

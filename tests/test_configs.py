@@ -9,8 +9,9 @@ from typing import Any
 import pydantic
 import pytest
 import yaml
-from mtpserve.cluster.config import ClusterConfig
 from serve_config_checks import check_serve_config, unknown_override_keys
+
+from mtpserve.cluster.config import ClusterConfig
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 CONFIG_FILES = sorted(CONFIGS.glob("*.yaml"))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from mtpserve.workers.engine import Engine, EngineConfig
 from mtpserve.workers.model.attention_metadata import AttentionMetadata
 from mtpserve.workers.model.decode_graph import bucket, query_bucket

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+
 from mtpserve.workers.paths import default_model_path
 
 MODEL = default_model_path()

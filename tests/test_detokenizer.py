@@ -3,8 +3,9 @@ from __future__ import annotations
 import random
 
 import pytest
-from mtpserve.router.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from tiny_tokenizer import make_tokenizer
+
+from mtpserve.router.detokenizer import IncrementalDetokenizer, StopStringMatcher
 
 
 @pytest.fixture(scope="module")

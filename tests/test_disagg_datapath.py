@@ -13,6 +13,7 @@ import asyncio
 import time
 
 import pytest
+
 from mtpserve.cluster.config import ClusterConfig
 from mtpserve.workers.engine import Engine, EngineConfig
 from mtpserve.workers.messages import GenerateRequest

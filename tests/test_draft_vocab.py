@@ -9,6 +9,8 @@ import shutil
 
 import pytest
 import torch
+from test_sampling_distribution import NUM_POS, assert_matches, exact_marginals, sample_many
+
 from mtpserve.workers.engine import Engine, EngineConfig
 from mtpserve.workers.model_runner import ModelRunner
 from mtpserve.workers.sampling_params import SamplingParams
@@ -19,7 +21,6 @@ from mtpserve.workers.spec.draft_vocab import (
     write_ranking,
 )
 from mtpserve.workers.spec.sampling import processed_probs
-from test_sampling_distribution import NUM_POS, assert_matches, exact_marginals, sample_many
 
 
 def test_ranking_is_by_frequency_then_id(tmp_path) -> None:
@@ -110,9 +111,10 @@ def test_cluster_config_names_the_missing_ranking(tiny_qwen3) -> None:
 def test_cli_ranks_a_corpus(tmp_path) -> None:
     import json
 
+    from tiny_tokenizer import make_checkpoint_with_tokenizer
+
     from mtpserve.cluster.cli import main
     from mtpserve.workers.tokenizer import load_tokenizer
-    from tiny_tokenizer import make_checkpoint_with_tokenizer
 
     model = make_checkpoint_with_tokenizer(tmp_path / "m")
     corpus = tmp_path / "corpus"

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from mtpserve.workers.engine import Engine, EngineConfig
 from mtpserve.workers.model.config import ModelConfig
 from mtpserve.workers.sampling_params import SamplingParams
@@ -165,3 +166,15 @@ def test_generation_config_without_eos_changes_nothing(tmp_path, default_model) 
     (path / "generation_config.json").write_text(json.dumps({"temperature": 0.7}))
     assert (ModelConfig.from_pretrained(path).eos_token_ids
             == ModelConfig.from_pretrained(default_model).eos_token_ids)
+
+
+def test_out_of_vocabulary_stop_token_ids_are_refused(tiny_qwen3) -> None:
+    from mtpserve.workers.engine_config import EngineError
+
+    eng = engine(tiny_qwen3, 2)
+    vocab = eng.model_config.vocab_size
+    for bad in (vocab, -1):
+        with pytest.raises(EngineError, match="stop_token_ids"):
+            eng.add_request("r", [1, 2, 3], SamplingParams(max_tokens=4,
+                                                           stop_token_ids=(bad,)))
+    assert not eng.requests and eng.block_manager.num_free_blocks == eng.config.num_kv_blocks

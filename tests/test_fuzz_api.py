@@ -14,13 +14,14 @@ import pytest
 
 schemathesis = pytest.importorskip("schemathesis")
 from hypothesis import HealthCheck, settings  # noqa: E402
+from tiny_tokenizer import make_checkpoint_with_tokenizer  # noqa: E402
+
 from mtpserve.router.api import IngressState, create_app  # noqa: E402
 from mtpserve.router.limits import Limits  # noqa: E402
 from mtpserve.router.local_orchestrator import LocalOrchestrator  # noqa: E402
 from mtpserve.workers.async_engine import AsyncEngine  # noqa: E402
 from mtpserve.workers.engine import Engine, EngineConfig  # noqa: E402
 from mtpserve.workers.tokenizer import load_tokenizer  # noqa: E402
-from tiny_tokenizer import make_checkpoint_with_tokenizer  # noqa: E402
 
 EXAMPLES_PER_ENDPOINT = 150
 MAX_SECONDS_PER_CALL = 30.0

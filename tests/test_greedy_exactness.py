@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 import transformers
+
 from mtpserve.workers.engine import Engine, EngineConfig
 from mtpserve.workers.sampling_params import SamplingParams
 from mtpserve.workers.tokenizer import load_tokenizer

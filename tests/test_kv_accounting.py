@@ -4,6 +4,7 @@ prefill == one-shot prefill, preemption under memory pressure keeps outputs exac
 from __future__ import annotations
 
 import torch
+
 from mtpserve.workers.block_manager import BlockManager, blocks_for
 from mtpserve.workers.engine import Engine, EngineConfig
 from mtpserve.workers.model_runner import ForwardBatch
@@ -146,6 +147,7 @@ def test_preemption_under_memory_pressure_keeps_outputs(tiny_qwen3) -> None:
 def test_request_larger_than_cache_is_rejected(tiny_qwen3) -> None:
     eng = Engine(EngineConfig(model=str(tiny_qwen3), num_kv_blocks=8, block_size=4))
     import pytest
+
     from mtpserve.workers.engine import EngineError
 
     with pytest.raises(EngineError, match="KV blocks"):

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+
 from mtpserve.workers.kv_transfer import (
     KVReceiver,
     KVSender,

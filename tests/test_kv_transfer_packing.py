@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from mtpserve.workers.kv_transfer.packing import (
     extras_nbytes,
     gather_blocks,

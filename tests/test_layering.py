@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -80,6 +81,8 @@ def test_the_checks_see_a_violation(tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
+    # setuptools stages files in ./build/lib: a stale copy of a moved module would ship.
+    shutil.rmtree(ROOT / "build" / "lib" / "mtpserve", ignore_errors=True)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
                     "-q", "-w", str(out), str(ROOT)], check=True, timeout=300)
     (whl,) = out.glob("mtpserve-*.whl")

@@ -16,13 +16,14 @@ from collections.abc import AsyncIterator
 
 import httpx
 import pytest
+from test_router_api import Server
+from tiny_tokenizer import VOCAB_SIZE, make_tokenizer
+
 from mtpserve.router.api import IngressState, create_app
 from mtpserve.router.errors import from_exception
 from mtpserve.router.limits import Limits
 from mtpserve.workers.messages import GenerateRequest, TokenChunk
 from mtpserve.workers.tokenizer import load_tokenizer
-from test_router_api import Server
-from tiny_tokenizer import VOCAB_SIZE, make_tokenizer
 
 MAX_MODEL_LEN = 256
 
@@ -99,6 +100,13 @@ def test_caps_are_400(server) -> None:
     assert_openai_error(post(server, {"prompt": [5, VOCAB_SIZE], "max_tokens": 1}), 400,
                         "prompt")
     assert_openai_error(post(server, {"prompt": [5, 2**62], "max_tokens": 1}), 400, "prompt")
+    # So are stop token ids outside it (found by the API fuzzer: they indexed the logits).
+    for path, body in (("/v1/completions", {"prompt": "hi"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+        for bad in ([VOCAB_SIZE], [-1]):
+            r = httpx.post(server.url + path, timeout=30,
+                           json=body | {"max_tokens": 1, "stop_token_ids": bad})
+            assert_openai_error(r, 400, "stop_token_ids")
 
 
 def test_default_max_tokens_is_capped_not_the_window(server) -> None:

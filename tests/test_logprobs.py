@@ -7,14 +7,15 @@ from __future__ import annotations
 import openai
 import pytest
 import torch
+from test_router_api import Server
+from tiny_tokenizer import make_checkpoint_with_tokenizer
+
 from mtpserve.router.api import IngressState, create_app
 from mtpserve.router.local_orchestrator import LocalOrchestrator
 from mtpserve.workers.async_engine import AsyncEngine
 from mtpserve.workers.engine import Engine, EngineConfig
 from mtpserve.workers.model.loader import load_model
 from mtpserve.workers.sampling_params import SamplingParams
-from test_router_api import Server
-from tiny_tokenizer import make_checkpoint_with_tokenizer
 
 PROMPT = [12, 40, 7, 300, 9, 41]
 TOP = 4

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import httpx
+
 from mtpserve.router.api import IngressState, create_app
 from mtpserve.router.local_orchestrator import LocalOrchestrator
 from mtpserve.router.metrics_api import local_source, parse_samples, render

@@ -14,6 +14,7 @@ import inspect
 from types import SimpleNamespace
 
 import pytest
+
 from mtpserve.router.errors import APIError
 from mtpserve.router.orchestrator import DisaggOrchestrator, OrchestratorConfig, resumed
 from mtpserve.workers.async_engine import AsyncEngine

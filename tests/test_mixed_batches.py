@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from mtpserve.workers.engine import Engine, EngineConfig
 from mtpserve.workers.sampling_params import SamplingParams
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+
 from mtpserve.workers.model_runner import ForwardBatch, ModelRunner
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+
 from mtpserve.workers.engine import Engine, EngineConfig
 from mtpserve.workers.model.loader import load_model
 from mtpserve.workers.sampling_params import SamplingParams

@@ -7,6 +7,7 @@ import statistics
 import time
 
 import numpy as np
+
 from mtpserve.workers.engine import Engine, EngineConfig
 from mtpserve.workers.perf_model import PerfModel, expected_tokens, profile_rounds
 

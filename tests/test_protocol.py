@@ -1,10 +1,11 @@
 from __future__ import annotations
 
 import pytest
+from pydantic import ValidationError
+
 from mtpserve.router.chat_template import apply_chat_template, render_default
 from mtpserve.router.errors import APIError, from_exception
 from mtpserve.router.protocol import ChatCompletionRequest, CompletionRequest, MTPStats
-from pydantic import ValidationError
 
 
 def test_prompt_forms():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from mtpserve.workers.sampling_params import SamplingParams
 from mtpserve.workers.spec.keyed_random import (
     SLOT_ACCEPT,

@@ -10,10 +10,10 @@ each release landed on its holder and not on whichever replica Serve would pick.
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 
 import pytest
+from serve_cluster import call_replica, local_serve, replica_actors
 
 pytestmark = pytest.mark.ray
 
@@ -29,11 +29,6 @@ def app(default_model):
     from mtpserve.cluster.app import build_app
     from mtpserve.cluster.config import ClusterConfig
 
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    with socket.socket() as sock:  # a free port: other modules' clusters may have run
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     cfg = ClusterConfig(
         model=str(default_model),
         prefill={"replicas": 2, "cpus_per_rank": 0.5, "num_kv_blocks": 256},
@@ -41,32 +36,19 @@ def app(default_model):
         speculation={"num_speculative_tokens": 2, "adaptive": False},
         kv_transfer={"timeout_s": 10, "hold_ttl_s": 30},  # a release, never the TTL, in 1 s
     )
-    serve.run(build_app(cfg), name=APP, route_prefix="/release")
-    yield cfg
-    serve.shutdown()
-    ray.shutdown()
+    with local_serve():
+        serve.run(build_app(cfg), name=APP, route_prefix="/release")
+        yield cfg
 
 
 def prefill_replicas() -> dict[str, object]:
     """Replica id -> actor handle of the live prefill replicas."""
-    prefix = f"SERVE_REPLICA::{APP}#PrefillServer#"
-    return {a["name"][len(prefix):]: ray.get_actor(a["name"], namespace=a["namespace"])
-            for a in ray.util.list_named_actors(all_namespaces=True)
-            if a["name"].startswith(prefix)}
+    return replica_actors("PrefillServer", app=APP)
 
 
 def replica_stats(actor) -> dict:
-    """`stats` of one given replica (a handle would choose the replica itself). Serve's
-    replica entry point with its request metadata: a private API, tests only."""
-    import pickle
-    import uuid
-
-    from ray.serve._private.common import RequestMetadata
-
-    rid = uuid.uuid4().hex
-    meta = RequestMetadata(request_id=rid, internal_request_id=rid, call_method="stats",
-                           app_name=APP)
-    return ray.get(actor.handle_request.remote(pickle.dumps(meta)), timeout=60)
+    """`stats` of one given replica (a handle would choose the replica itself)."""
+    return call_replica(actor, "stats", app=APP)
 
 
 def test_release_after_a_first_token_stop_reaches_the_holding_replica(app, default_model

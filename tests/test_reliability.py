@@ -18,6 +18,7 @@ import time
 
 import httpx
 import pytest
+from serve_cluster import call_replica, local_serve, replica_actors
 from sse_stream import StreamingCompletion
 
 pytestmark = pytest.mark.ray
@@ -32,22 +33,20 @@ KV_TIMEOUT_S = 3.0
 APP = "mtpserve"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def app_url(default_model):
-    from mtpserve.cluster.app import build_app
-    from mtpserve.cluster.config import ClusterConfig
 
     # Replica processes inherit the driver's environment on a local cluster.
     os.environ["MTPSERVE_ENABLE_FAULT_INJECTION"] = "1"
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    with local_serve() as url:
+        yield from _deploy(url, default_model)
+    os.environ.pop("MTPSERVE_ENABLE_FAULT_INJECTION", None)
+
+
+def _deploy(url: str, default_model):
+    from mtpserve.cluster.app import build_app
+    from mtpserve.cluster.config import ClusterConfig
+
     cfg = ClusterConfig(
         model=str(default_model),
         prefill={"replicas": 2, "cpus_per_rank": 0.5, "num_kv_blocks": 384},
@@ -58,10 +57,7 @@ def app_url(default_model):
         graceful_shutdown_timeout_s=5,
     )
     serve.run(build_app(cfg), name=APP, route_prefix="/")
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
-    ray.shutdown()
-    os.environ.pop("MTPSERVE_ENABLE_FAULT_INJECTION", None)
+    yield url
 
 
 @pytest.fixture(scope="module")
@@ -110,29 +106,6 @@ def stats(url: str) -> dict:
     r = httpx.get(f"{url}/v1/mtpserve/stats", headers=HEADERS, timeout=30)
     assert r.status_code == 200, r.text
     return r.json()
-
-
-def replica_actors(deployment: str) -> dict[str, object]:
-    """Replica id -> actor handle of one deployment's live replicas."""
-    prefix = f"SERVE_REPLICA::{APP}#{deployment}#"
-    return {a["name"][len(prefix):]: ray.get_actor(a["name"], namespace=a["namespace"])
-            for a in ray.util.list_named_actors(all_namespaces=True)
-            if a["name"].startswith(prefix)}
-
-
-def call_replica(actor, method: str, *args, **kwargs):
-    """Call a user method on one given replica (a handle would pick the replica itself). Uses
-    Serve's replica entry point with its request metadata: a private API, tests only."""
-    import pickle
-    import uuid
-
-    from ray.serve._private.common import RequestMetadata
-
-    rid = uuid.uuid4().hex
-    meta = RequestMetadata(request_id=rid, internal_request_id=rid, call_method=method,
-                           app_name=APP)
-    return ray.get(actor.handle_request.remote(pickle.dumps(meta), *args, **kwargs),
-                   timeout=60)
 
 
 def inject(deployment: str, **fault) -> None:

@@ -17,6 +17,8 @@ import httpx
 import openai
 import pytest
 import uvicorn
+from tiny_tokenizer import make_checkpoint_with_tokenizer
+
 from mtpserve.router.api import IngressState, create_app
 from mtpserve.router.chat_template import apply_chat_template
 from mtpserve.router.local_orchestrator import LocalOrchestrator
@@ -26,7 +28,6 @@ from mtpserve.workers.llm import LLM
 from mtpserve.workers.messages import GenerateRequest, TokenChunk
 from mtpserve.workers.sampling_params import SamplingParams
 from mtpserve.workers.tokenizer import load_tokenizer
-from tiny_tokenizer import make_checkpoint_with_tokenizer
 
 API_KEY = "sk-test-123"
 ADMIN_KEY = "sk-admin-456"

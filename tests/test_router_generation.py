@@ -4,10 +4,11 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import pytest
+from tiny_tokenizer import make_tokenizer
+
 from mtpserve.router.errors import APIError
 from mtpserve.router.generation import Choice, ChoiceSet
 from mtpserve.workers.messages import GenerateRequest, TokenChunk
-from tiny_tokenizer import make_tokenizer
 
 
 @pytest.fixture(scope="module")

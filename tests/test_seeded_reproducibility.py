@@ -13,6 +13,7 @@ from dataclasses import replace
 
 import torch
 import torch.multiprocessing as mp
+
 from mtpserve.workers.engine import Engine, EngineConfig, RequestOutput
 from mtpserve.workers.request import Request
 from mtpserve.workers.sampling_params import SamplingParams
@@ -128,6 +129,7 @@ def test_prefill_then_decode_equals_alone(tiny_qwen3) -> None:
 
 def _tp_rank(rank: int, port: int, path: str, out) -> None:
     import torch.distributed as dist
+
     from mtpserve.workers.tp_group import RankCore, RankSpec, TPDriver, worker_loop
 
     torch.set_num_threads(1)

@@ -4,11 +4,12 @@ linears, vocab-parallel embedding and head) over their paged KV shards."""
 from __future__ import annotations
 
 import shutil
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+from serve_cluster import free_port
+
 from mtpserve.workers.model_runner import ForwardBatch, ModelRunner
 from mtpserve.workers.spec.draft_vocab import write_ranking
 
@@ -28,6 +29,7 @@ def _rank(rank: int, port: int, path: str, out, draft_vocab: int | None = None) 
     import os
 
     import torch.distributed as dist
+
     from mtpserve.workers.model.parallel import set_tp
 
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
@@ -60,7 +62,7 @@ def test_tp2_equals_tp1(tiny_qwen3, tmp_path, draft_vocab: int | None) -> None:
         write_ranking(path, list(range(vocab))[::-1], "test")
     single = ModelRunner(path, num_blocks=8, block_size=4, draft_vocab_size=draft_vocab)
     want = [single.execute(b) for b in batches()]
-    port = _free_port()
+    port = free_port()
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     procs = [ctx.Process(target=_rank, args=(r, port, str(path), out, draft_vocab))
@@ -78,7 +80,7 @@ def test_tp2_equals_tp1(tiny_qwen3, tmp_path, draft_vocab: int | None) -> None:
         assert want[1].argmax(-1).item() >= vocab - draft_vocab
 
 
-# The control/data split of a TP group (DESIGN.md decision 10) ----------------------------------
+# The control/data split of a TP group (docs/architecture.md decision 10) -----------------------
 
 _OBJECT_COLLECTIVES = ("broadcast_object_list", "all_gather_object", "gather_object",
                        "scatter_object_list", "send_object_list", "recv_object_list")
@@ -91,6 +93,7 @@ def install_plane_checker(device: str) -> dict:
     collective, a host tensor, an integer flag) or any data on the control group (a float
     tensor, a device tensor) raises at once. Returns call counters per plane."""
     import torch.distributed as dist
+
     from mtpserve.workers.model import parallel
 
     seen = {"control": 0, "data": 0}
@@ -175,18 +178,12 @@ def _greedy_tokens(runner, path: str, prompts: list[list[int]]) -> list[list[int
     return got
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_tp2_engine_keeps_control_and_data_planes_apart(tiny_qwen3) -> None:
 
     prompts = [PROMPT, [9, 8, 7, 6, 5, 4, 3]]
     want = _greedy_tokens(None, str(tiny_qwen3), prompts)
     ctx = mp.get_context("spawn")
-    out, port = ctx.Queue(), _free_port()
+    out, port = ctx.Queue(), free_port()
     procs = [ctx.Process(target=_split_rank, args=(r, port, str(tiny_qwen3), prompts, out))
              for r in range(2)]
     for p in procs:
@@ -250,7 +247,7 @@ def test_killed_tp_worker_fails_check_health_within_its_deadline(tiny_qwen3) -> 
 
     ctx = mp.get_context("spawn")
     to_parent, to_rank0 = ctx.Queue(), ctx.Queue()
-    port, deadline = _free_port(), 5.0
+    port, deadline = free_port(), 5.0
     rank0 = ctx.Process(target=_health_rank, args=(0, port, str(tiny_qwen3),
                                                    _Duplex(to_parent, to_rank0), deadline))
     rank1 = ctx.Process(target=_health_rank, args=(1, port, str(tiny_qwen3),

@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
+
 from mtpserve.workers.model.checkpoint import inventory
 from mtpserve.workers.model.loader import load_model
 from mtpserve.workers.training.trainer import TrainConfig, train
-from safetensors.torch import load_file
 
 DATA = str(Path(sysconfig.get_paths()["stdlib"]) / "json")
 

@@ -6,9 +6,10 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
+
 from mtpserve.workers.model.checkpoint import expected_shape, expected_tensors
 from mtpserve.workers.model.config import ModelConfig
-from safetensors.torch import save_file
 
 FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),

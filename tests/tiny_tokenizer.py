@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from mtpserve.workers.training.tokenizer import save_tokenizer, train_tokenizer
 from tiny_models import make_tiny_checkpoint
+
+from mtpserve.workers.training.tokenizer import save_tokenizer, train_tokenizer
 
 WORDS = ["def", "return", "self", "import", "class", "for", "in", "print", "value", "hello",
          "world", "café", "naïve", "€uro", "日本語", "テスト", "😀 emoji"]

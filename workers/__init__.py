@@ -12,7 +12,7 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name: str):
-    # Lazy so that `import workers.kv_transfer` does not pull in the whole engine.
+    # Lazy so that `import mtpserve.workers.kv_transfer` does not pull in the whole engine.
     if name == "LLM":
         from mtpserve.workers.llm import LLM
 

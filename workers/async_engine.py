@@ -111,7 +111,7 @@ class AsyncEngine:
 
     def fail(self, rid: str, message: str, kind: str = ERROR_ENGINE) -> None:
         """Engine thread: end a request's stream with an error (its engine state is gone);
-        `kind` tells the orchestrator what failed (router.types.ERROR_*)."""
+        `kind` tells the orchestrator what failed (workers.messages.ERROR_*)."""
         self._publish(rid, TokenChunk([], finished=True, finish_reason="error", error=message,
                                       error_kind=kind))
 

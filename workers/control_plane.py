@@ -1,6 +1,6 @@
 """The control plane of a TP group: commands from rank 0 to every rank over a gloo (CPU) group.
 
-A TP replica has two process groups (DESIGN.md decision 10, vLLM's `cpu_group` /
+A TP replica has two process groups (docs/architecture.md decision 10, vLLM's `cpu_group` /
 `device_group`): this *control* group carries commands, flags and decisions as CPU tensors; the
 *data* group (NCCL on GPUs, gloo on CPU) carries only the model's activations on the engine's
 device. Every forward's `ForwardBatch` travels as one int64 tensor (`encode_batch`): a fixed
@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
 from mtpserve.workers.model_runner import ForwardBatch
 
 # Opcodes (header[0]).

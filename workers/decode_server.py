@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
+from ray import serve
+
 from mtpserve.workers.async_engine import sampling_params
 from mtpserve.workers.block_manager import blocks_for
 from mtpserve.workers.engine import Engine, EngineError
@@ -21,7 +23,6 @@ from mtpserve.workers.replica import EngineReplica
 from mtpserve.workers.request import Request
 from mtpserve.workers.scheduler import decode_slots
 from mtpserve.workers.tp_group import ProbeKV
-from ray import serve
 
 
 class KVTransferFailed(RuntimeError):

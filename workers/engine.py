@@ -18,24 +18,24 @@ from __future__ import annotations
 import dataclasses
 import time
 
-import torch
 from mtpserve.workers.adaptive_k import AdaptiveK
 from mtpserve.workers.block_manager import BlockManager, blocks_for
 from mtpserve.workers.engine_config import DTYPES, EngineConfig, EngineError
 from mtpserve.workers.model_runner import ForwardBatch, ModelRunner
-from mtpserve.workers.outputs import RequestOutput, append_tokens, request_output, token_logprobs
+from mtpserve.workers.outputs import RequestOutput, append_tokens
 from mtpserve.workers.request import Request, RequestStatus
+from mtpserve.workers.round_outcomes import RoundOutcomes
 from mtpserve.workers.sampling_params import SamplingParams
-from mtpserve.workers.scheduler import PrefillChunk, Scheduler, draft_slots
-from mtpserve.workers.spec.keyed_random import SLOT_FINAL, uniforms_for
-from mtpserve.workers.spec.mtp_proposer import MTPExtend, MTPProposer
+from mtpserve.workers.scheduler import PrefillChunk, Scheduler
+from mtpserve.workers.spec.mtp_proposer import MTPProposer
 from mtpserve.workers.spec.rejection_sampler import RejectionSampler
-from mtpserve.workers.spec.sampling import processed_probs, sample_with_uniforms, suppress_tokens
 
 __all__ = ["DTYPES", "Engine", "EngineConfig", "EngineError", "RequestOutput"]
 
 
-class Engine:
+class Engine(RoundOutcomes):
+    """Scheduler + model runner + MTP proposer + rejection sampler (module docstring)."""
+
     def __init__(self, config: EngineConfig, runner: ModelRunner | None = None) -> None:
         self.config = config
         self.runner = runner or ModelRunner(
@@ -86,6 +86,8 @@ class Engine:
         vocab = self.model_config.vocab_size
         if min(prompt_token_ids + resume) < 0 or max(prompt_token_ids + resume) >= vocab:
             raise EngineError(f"prompt token ids must be in [0, {vocab})")
+        if any(t < 0 or t >= vocab for t in params.stop_token_ids):
+            raise EngineError(f"stop_token_ids must be in [0, {vocab})")
         k = self.config.num_speculative_tokens
         if params.num_speculative_tokens is not None:
             k = min(k, params.num_speculative_tokens)
@@ -239,87 +241,6 @@ class Engine:
                 self._after_prefill(c.request)
         return outputs
 
-    def _greedy_round(self, reqs: list[Request]) -> list[RequestOutput] | None:
-        """The round as one compiled graph (ModelRunner.greedy_round) when every row is greedy
-        with the same k and nothing per-token applies (logprobs, a min_tokens mask, adaptive
-        k); None otherwise, or when no graph fits. Same tokens and drafts as step by step."""
-        K = len(reqs[0].draft_token_ids)
-        if (not getattr(self.runner, "fuses_greedy_rounds", False) or K == 0
-                or self.adaptive.enabled
-                or self.model_config.num_mtp_modules != 1
-                or any(len(r.draft_token_ids) != K or self._k(r) != K or not r.params.greedy
-                       or r.params.logprobs is not None
-                       or r.num_output_tokens < r.params.min_tokens for r in reqs)):
-            return None
-        # Drafts the next round may make if this one accepts nothing (it emits one token).
-        room = [self._room(r) - 1 for r in reqs]
-        res = self.runner.greedy_round(
-            [[r.output_token_ids[-1]] + r.draft_token_ids for r in reqs],
-            [r.num_computed_tokens for r in reqs], [r.block_ids for r in reqs], room)
-        if res is None:
-            return None
-        outputs = []
-        for r, acc, bonus, drafts in zip(reqs, *res, strict=True):
-            n = r.num_computed_tokens
-            emitted = self._append(r, r.draft_token_ids[:acc] + [bonus])
-            self._count_round(r, K, min(acc, len(emitted)), emitted)
-            r.draft_token_ids, r.draft_probs = [], None
-            if not r.finished:
-                r.num_computed_tokens = n + acc + 1
-                self.block_manager.truncate(r, draft_slots(r))
-                r.draft_token_ids = drafts[: self._num_drafts(r)]
-            outputs.append(request_output(r, emitted))
-        for r in reqs:
-            if r.finished:
-                self._finish(r)
-        return outputs
-
-    def _count_round(self, r: Request, k_used: int, a: int, emitted: list[int]) -> None:
-        """Per-position and engine counters of one verified round (a: accepted drafts that
-        were emitted; drafts cut off by a stop condition never were)."""
-        for i in range(k_used):
-            r.drafted_per_position[i] += 1
-            r.accepted_per_position[i] += i < a
-        r.num_rounds += 1
-        self.totals["rounds"] += 1
-        self.totals["drafted"] += k_used
-        self.totals["accepted"] += a
-        self.totals["emitted"] += len(emitted)
-        self.adaptive.observe(k_used, a)
-
-    def _prefilled_chunks(self, chunks: list[PrefillChunk], logits: torch.Tensor,
-                          last: list[int], chunk_rows: list[list[int]], W: int
-                          ) -> tuple[list[RequestOutput], list[MTPExtend]]:
-        """Bookkeeping after the forward that computed `chunks` (logits [len(last), V]: the
-        rows of the chunks that complete a prompt): first tokens and MTP extends."""
-        # A recompute (preempted / resumed request) stops one token short of the end and
-        # samples nothing: its last emitted token is verified next round with fresh drafts.
-        fresh = [i for i, j in enumerate(last) if not chunks[j].request.output_token_ids]
-        first = dict(zip(fresh, self._sample(logits[fresh], [chunks[last[i]].request
-                                                             for i in fresh]), strict=True))
-        for c in chunks:
-            c.request.num_computed_tokens = c.end
-        outputs: list[RequestOutput] = []
-        extends = []
-        for j, c in enumerate(chunks):
-            req = c.request
-            if c.is_last and last.index(j) in fresh:
-                i = last.index(j)
-                emitted = self._append(req, [first[i]])
-                self.totals["emitted"] += len(emitted)
-                lp = token_logprobs(logits[i : i + 1], emitted, req.params.logprobs)
-                outputs.append(request_output(req, emitted, lp))
-            if req.num_speculative_tokens == 0 or req.finished:
-                continue
-            tokens = req.all_token_ids[c.start + 1 : c.end + 1]
-            # One MTP entry row per main row (same split), drafts from the last one.
-            for p in range(0, len(tokens), W):
-                q = min(p + W, len(tokens))
-                drafts = self._num_drafts(req) if c.is_last and q == len(tokens) else 0
-                extends.append(MTPExtend(req, c.start + p, tokens[p:q], chunk_rows[j][p:q],
-                                         drafts))
-        return outputs, extends
-
     def _after_prefill(self, req: Request) -> None:
         if req.finished:
             self._finish(req)
@@ -330,42 +251,6 @@ class Engine:
             self.prefilled[req.request_id] = self.requests.pop(req.request_id)
         else:
             self.scheduler.finish_prefill(req)
-
-    def _verify(self, reqs: list[Request], raw: torch.Tensor, S: int, W: int
-                ) -> tuple[list[RequestOutput], list[MTPExtend], list[Request]]:
-        """Rejection-sample a round (raw [R * S, V]: row b * S + s; main rows b * W + s) and
-        update the requests. Returns outputs, MTP extends and the requests that finished."""
-        # Row (b, s) decides the token at position n_b + 1 + s; min_tokens masks it like q.
-        first_pos = [r.num_computed_tokens + 1 for r in reqs]
-        logits = suppress_tokens(raw, [self._banned(r, first_pos[b] + s)
-                                       for b, r in enumerate(reqs) for s in range(S)])
-        result = self.sampler(logits.view(len(reqs), S, -1), [r.draft_token_ids for r in reqs],
-                              [r.draft_probs for r in reqs], [r.params for r in reqs],
-                              [r.seed for r in reqs], first_pos)
-        outputs, extends = [], []
-        emitted_rows: list[list[int]] = []
-        for b, r in enumerate(reqs):
-            k_used = len(r.draft_token_ids)
-            n = r.num_computed_tokens
-            emitted = self._append(r, result.output_token_ids[b])
-            emitted_rows.append(emitted)
-            # Drafts cut off by EOS / a stop token / the length limit were never emitted.
-            a = min(result.num_accepted[b], len(emitted))
-            self._count_round(r, k_used, a, emitted)
-            r.draft_token_ids, r.draft_probs = [], None
-            if r.finished:
-                continue
-            r.num_computed_tokens = n + a + 1  # main KV: last token + accepted drafts
-            self.block_manager.truncate(r, draft_slots(r))  # roll back rejected slots
-            if r.num_speculative_tokens:
-                extends.append(MTPExtend(r, n, emitted, [b * W + i for i in range(a + 1)],
-                                         self._num_drafts(r)))
-        for b, r in enumerate(reqs):
-            # Row (b, s) of the verify forward is the plain forward's row for emitted token s.
-            lp = token_logprobs(raw[b * S : b * S + len(emitted_rows[b])], emitted_rows[b],
-                                r.params.logprobs)
-            outputs.append(request_output(r, emitted_rows[b], lp))
-        return outputs, extends, [r for r in reqs if r.finished]
 
     # Helpers -----------------------------------------------------------------------------
     def _k(self, req: Request) -> int:
@@ -388,22 +273,6 @@ class Engine:
         if position - len(req.prompt_token_ids) >= p.min_tokens:
             return []
         return list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(self.eos_ids))
-
-    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> list[int]:
-        """The first token of each request (logits [R, V]), keyed at its position."""
-        if not reqs:
-            return []
-        pos = [r.num_tokens for r in reqs]
-        logits = suppress_tokens(logits, [self._banned(r, p) for r, p in zip(reqs, pos,
-                                                                             strict=True)])
-        tokens = logits.argmax(dim=-1)
-        rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
-        if rows:
-            p = processed_probs(logits[rows], [reqs[i].params for i in rows])
-            u = uniforms_for([reqs[i].seed for i in rows], [pos[i] for i in rows], SLOT_FINAL,
-                             logits.device)
-            tokens[torch.tensor(rows, device=tokens.device)] = sample_with_uniforms(p, u)
-        return tokens.tolist()
 
     def _append(self, req: Request, tokens: list[int]) -> list[int]:
         return append_tokens(req, tokens, self.eos_ids, self.max_model_len)

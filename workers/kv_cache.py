@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from mtpserve.workers.model.config import ModelConfig
 from mtpserve.workers.model.parallel import get_tp
 

@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+
 from mtpserve.workers.messages import TokenLogprobs
 from mtpserve.workers.request import Request, RequestStatus
 

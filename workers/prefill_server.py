@@ -6,6 +6,8 @@ from __future__ import annotations
 import time
 
 import torch
+from ray import serve
+
 from mtpserve.workers.engine import Engine
 from mtpserve.workers.kv_transfer.arrivals import PrefillHolds
 from mtpserve.workers.messages import GenerateRequest, KVTransferParams
@@ -13,7 +15,6 @@ from mtpserve.workers.metrics import EMA, attach_replica_metrics
 from mtpserve.workers.replica import EngineReplica, replica_tag
 from mtpserve.workers.scheduler import draft_slots
 from mtpserve.workers.tp_group import HoldKV
-from ray import serve
 
 
 @serve.deployment(name="PrefillServer")
@@ -37,7 +38,7 @@ class PrefillServer(EngineReplica):
         """Free a held request's KV at once (decode will not pull it: the first token ended
         the request, the client left between stages, or decode refused). False if the
         request is not held here (already pulled, released or unknown). `target_replica`
-        (router.types.TARGET_REPLICA) is the routing hint that brought the call here."""
+        (workers.messages.TARGET_REPLICA) is the routing hint that brought the call here."""
         return await self.engine.acall(lambda e: self.poller.release(request_id))
 
     async def inject_fault(self, send_delay_s: float = 0.0, count: int = 1) -> None:

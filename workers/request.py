@@ -7,6 +7,7 @@ import secrets
 from dataclasses import dataclass, field
 
 import torch
+
 from mtpserve.workers.sampling_params import SamplingParams
 from mtpserve.workers.spec.keyed_random import fold_seed
 

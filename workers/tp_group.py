@@ -25,6 +25,7 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+
 from mtpserve.workers.control_plane import (
     OP_FORWARD,
     OP_OBJECT,

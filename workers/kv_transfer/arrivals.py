@@ -1,4 +1,4 @@
-"""Engine-thread side of asynchronous KV movement (DESIGN.md decision 11).
+"""Engine-thread side of asynchronous KV movement (docs/architecture.md decision 11).
 
 `KVArrivals` (decode): a transferred request is parked as waiting-for-KV; when the scheduler
 admits it (a sequence slot and blocks free) its pulls start on every rank's transfer thread;

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
 from mtpserve.workers.kv_transfer.mailbox import QueueReader, post
 from mtpserve.workers.kv_transfer.packing import as_bytes
 
@@ -86,6 +87,32 @@ class PairChannel:
         self._interface = interface or os.environ.get("GLOO_SOCKET_IFNAME") or "lo"
         self._group: Any = None
         self._inbox: QueueReader | None = None
+
+    @classmethod
+    def for_pair(
+        cls,
+        store: dist.Store,
+        receiver_id: str,
+        rank: int,
+        *,
+        peer: str,
+        backend: str,
+        interface: str | None,
+        generation: int,
+    ) -> PairChannel:
+        """This side (`rank`) of the channel between a KVSender and decode rank `receiver_id`.
+
+        Both sides name the pair here, so they always meet in the same namespace.
+        """
+        return cls(
+            store,
+            f"pair/{receiver_id}",
+            rank,
+            peer=peer,
+            backend=backend,
+            interface=interface,
+            generation=generation,
+        )
 
     # -- lifecycle -------------------------------------------------------------------------------
 

@@ -11,6 +11,9 @@ import torch
 
 _ALIGN = 64  # byte alignment of the extras blob inside a pull payload
 
+# What `pack_payload` returns: (payload [nbytes] uint8, kv view of its head, extras meta).
+Packed = tuple[torch.Tensor, torch.Tensor, list[list]]
+
 
 def gather_blocks(
     kv_layers: list[torch.Tensor],  # each [2, num_blocks, block_size, H_local, D]
@@ -62,18 +65,13 @@ def pack_payload(
     extras: dict[str, torch.Tensor] | None,
     device: torch.device | str = "cpu",
     buffer: torch.Tensor | None = None,  # [>= nbytes] uint8 on the cache device, reused
-) -> tuple[torch.Tensor, torch.Tensor, list[list]]:  # (payload uint8, kv view, extras meta)
+) -> Packed:
     """Gather the KV blocks and pack the extras (None: none sent) into one byte buffer laid
     out as `payload_layout` says, with a single allocation (none when `buffer` fits and the
     payload stays on the cache device); `kv` is a view of its head."""
     first = kv_layers[0]
     shape = gathered_shape(kv_layers, len(block_ids), heads)
-    meta: list[list] = []
-    parts: list[torch.Tensor] = []
-    for name, t in (extras or {}).items():
-        t = t.detach().contiguous()
-        meta.append([name, list(t.shape), dtype_name(t.dtype)])
-        parts.append(as_bytes(t))
+    meta, parts = _extras_parts(extras or {})
     kv_nbytes, offset = payload_layout(list(shape), first.dtype, meta)
     total = offset + sum(p.numel() for p in parts)
     if buffer is not None and buffer.numel() >= total and buffer.device == first.device:
@@ -146,14 +144,24 @@ def pack_extras(
 
     `meta` lists `[name, shape, dtype]` in blob order; it travels as JSON.
     """
+    meta, parts = _extras_parts(extras)
+    parts = [p.to(device) for p in parts]
+    blob = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=device)
+    return meta, blob
+
+
+def _extras_parts(
+    extras: dict[str, torch.Tensor],
+) -> tuple[list[list], list[torch.Tensor]]:  # (meta, raw bytes of each tensor)
+    """The meta and raw bytes of `extras`, in order: the one place the extras layout is made,
+    so `pack_payload`'s tail and `pack_extras`'s blob always agree with `unpack_extras`."""
     meta: list[list] = []
     parts: list[torch.Tensor] = []
     for name, t in extras.items():
         t = t.detach().contiguous()
         meta.append([name, list(t.shape), dtype_name(t.dtype)])
-        parts.append(as_bytes(t).to(device))
-    blob = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=device)
-    return meta, blob
+        parts.append(as_bytes(t))
+    return meta, parts
 
 
 def extras_nbytes(meta: list[list]) -> int:

@@ -1,5 +1,6 @@
 """KVPuller: a decode rank's transfer thread. Receives requests' KV into blocks rank 0 has
-already allocated, so the engine thread never waits on the network (DESIGN.md decision 11).
+already allocated, so the engine thread never waits on the network (docs/architecture.md,
+decision 11).
 
 Pulls run one after another in submission order on one thread (one ordered stream per pair,
 as NCCL needs); each lands in a reused grow-only buffer and is scattered into the cache on
@@ -18,9 +19,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
 from mtpserve.workers.kv_transfer.packing import scatter_blocks
 from mtpserve.workers.kv_transfer.receiver import KVReceiver
-from mtpserve.workers.kv_transfer.resharding import head_range, pull_plan
+from mtpserve.workers.kv_transfer.resharding import head_range, pull_slices
 
 logger = logging.getLogger(__name__)
 
@@ -123,15 +125,13 @@ class KVPuller:
 
     def _pull(self, job: Any) -> dict[str, torch.Tensor]:
         """Receive this rank's KV heads of `job` into its blocks; returns the extras."""
-        deadline = time.monotonic() + job.timeout_s
-        plan = pull_plan(job.num_kv_heads, len(job.sender_addresses), self.tp_size, self.rank)
         local0 = head_range(job.num_kv_heads, self.tp_size, self.rank)[0]
         extras: dict[str, torch.Tensor] = {}
-        for i, step in enumerate(plan):
-            kv, got = self.receiver.pull(
-                job.sender_addresses[step.src_rank], job.request_id, step.head_start,
-                step.head_end, timeout_s=max(deadline - time.monotonic(), 1e-3),
-                with_extras=i == 0, buffer=self._buffer)
+        steps = pull_slices(
+            self.receiver, job.sender_addresses, job.request_id, job.num_kv_heads,
+            self.tp_size, self.rank, job.timeout_s, buffer=lambda: self._buffer,
+        )
+        for i, (step, kv, got) in enumerate(steps):
             self._keep_buffer(kv)
             heads = slice(step.head_start - local0, step.head_end - local0)
             if self._stream is not None:

@@ -7,7 +7,7 @@ exactly its own head range, from every prefill rank whose range overlaps it.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -55,6 +55,38 @@ def pull_plan(num_kv_heads: int, src_tp: int, dst_tp: int, dst_rank: int) -> lis
     return plan
 
 
+def pull_slices(
+    receiver: KVReceiver,
+    sender_addresses: Sequence[str],  # by prefill rank
+    request_id: str,
+    num_kv_heads: int,
+    dst_tp: int,
+    dst_rank: int,
+    timeout_s: float = 30.0,
+    buffer: Callable[[], torch.Tensor | None] = lambda: None,
+) -> Iterator[tuple[HeadPull, torch.Tensor, dict[str, torch.Tensor]]]:
+    """Pull this decode rank's KV heads of a request, one `pull_plan` step at a time.
+
+    Yields (step, kv [n_layers, 2, n_blocks, block_size, h, head_dim], extras) in head order.
+    Extras are replicated across prefill ranks, so only the first step fetches them (later
+    steps yield {}). Pulls run one after another under one deadline; `buffer()` is read
+    before each pull (see `KVReceiver.pull`), so a consumer may swap it between steps.
+    """
+    deadline = time.monotonic() + timeout_s
+    plan = pull_plan(num_kv_heads, len(sender_addresses), dst_tp, dst_rank)
+    for i, step in enumerate(plan):
+        kv, extras = receiver.pull(
+            sender_addresses[step.src_rank],
+            request_id,
+            step.head_start,
+            step.head_end,
+            timeout_s=max(deadline - time.monotonic(), 1e-3),
+            with_extras=i == 0,
+            buffer=buffer(),
+        )
+        yield step, kv, extras
+
+
 def pull_resharded(
     receiver: KVReceiver,
     sender_addresses: Sequence[str],  # by prefill rank
@@ -66,23 +98,14 @@ def pull_resharded(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Pull this decode rank's KV heads of a request from the prefill group.
 
-    Returns (kv [n_layers, 2, n_blocks, block_size, H/dst_tp, head_dim], extras). Extras are
-    replicated across prefill ranks, so they are fetched from the first pull only. Pulls run
-    one after another under one deadline.
+    Returns (kv [n_layers, 2, n_blocks, block_size, H/dst_tp, head_dim], extras), the slices
+    of `pull_slices` concatenated along the head axis.
     """
-    deadline = time.monotonic() + timeout_s
-    plan = pull_plan(num_kv_heads, len(sender_addresses), dst_tp, dst_rank)
     parts: list[torch.Tensor] = []
     extras: dict[str, torch.Tensor] = {}
-    for i, step in enumerate(plan):
-        kv, got = receiver.pull(
-            sender_addresses[step.src_rank],
-            request_id,
-            step.head_start,
-            step.head_end,
-            timeout_s=max(deadline - time.monotonic(), 1e-3),
-            with_extras=i == 0,
-        )
+    for _, kv, got in pull_slices(
+        receiver, sender_addresses, request_id, num_kv_heads, dst_tp, dst_rank, timeout_s
+    ):
         parts.append(kv)  # [L, 2, n_blocks, block_size, h, D]
         extras = extras or got
     kv = parts[0] if len(parts) == 1 else torch.cat(parts, dim=4)

@@ -1,4 +1,9 @@
-"""KVSender: the prefill side. Holds finished requests' KV until the decode side pulls it."""
+"""KVSender: the prefill side. Holds finished requests' KV until the decode side pulls it.
+
+This module owns the holds (TTL expiry, packing ahead, release accounting) and the pairs'
+lifecycle (accepting announced decode ranks, interrupting replaced pairs); the pull protocol
+of each pair runs on its own thread in `pair_server.PairServer`.
+"""
 
 from __future__ import annotations
 
@@ -6,28 +11,19 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
 
 import torch
 import torch.distributed as dist
-from mtpserve.workers.kv_transfer.channel import (
-    MAX_PROBE_BYTES,
-    SENDER_RANK,
-    KVTransferError,
-    PairChannel,
-    connect_store,
-)
+
+from mtpserve.workers.kv_transfer.channel import SENDER_RANK, PairChannel, connect_store
 from mtpserve.workers.kv_transfer.mailbox import MAILBOX, QueueReader, post
-from mtpserve.workers.kv_transfer.packing import dtype_name, extras_nbytes, pack_payload
+from mtpserve.workers.kv_transfer.packing import Packed, pack_payload
+from mtpserve.workers.kv_transfer.pair_server import IDLE_WAIT_S, PairServer
 
 logger = logging.getLogger(__name__)
-
-# Idle threads re-check their stop flag this often. Stop messages wake them at once; this only
-# bounds odd cases, and each timed-out store wait logs a c10d warning, so keep it long.
-_IDLE_WAIT_S = 60.0
 
 # "acked" / "expired" / "failed" count releases by reason. `bytes_sent` is the KV + extras
 # payload of acked transfers; bandwidth probes count apart in `probes` / `probe_bytes_sent`.
@@ -50,7 +46,9 @@ ReleaseCallback = Callable[[str, str], None]
 
 
 @dataclass
-class _Held:
+class Held:
+    """A request held for pulls; its transfer state changes under the KVSender's lock."""
+
     kv_layers: list[torch.Tensor]  # each [2, num_blocks, block_size, H_local, D]
     block_ids: list[int]
     num_tokens: int
@@ -63,16 +61,8 @@ class _Held:
     failed: bool = False
     # (payload, kv view, extras meta) of all held heads + extras, packed right after the hold,
     # so a pull of the whole range only sends (the gather is off the pull's critical path).
-    packed: tuple[torch.Tensor, torch.Tensor, list[list]] | None = None
+    packed: Packed | None = None
     packing: threading.Event | None = None  # set once packing ahead has ended
-
-
-@dataclass
-class _PairServer:
-    channel: PairChannel
-    store: dist.TCPStore  # the pair thread's own client: its waits block only this connection
-    stop: threading.Event
-    thread: threading.Thread | None = None
 
 
 class KVSender:
@@ -114,13 +104,12 @@ class KVSender:
         )
         self.address = f"{host}:{self._store.port}"
         self._lock = threading.Condition()  # guards everything below; notified on hold/close
-        self._holds: dict[str, _Held] = {}
-        self._servers: dict[str, _PairServer] = {}
+        self._holds: dict[str, Held] = {}
+        self._servers: dict[str, PairServer] = {}  # by receiver id
         self._closed = False
         self._stats = dict.fromkeys(_STAT_KEYS, 0)
         self._probe_buf: torch.Tensor | None = None  # grow-only, shared by all pairs (read-only)
         self._fault_delay_s, self._fault_count = 0.0, 0  # test-only: see inject_fault
-        self._local = threading.local()  # per pair thread: its reusable pack buffer
         self._prepack: queue.Queue[str | None] | None = queue.Queue() if prepack else None
         self._threads = [
             threading.Thread(target=self._accept_loop, name=f"{name}-kv-accept", daemon=True),
@@ -151,7 +140,7 @@ class KVSender:
         block_size = kv_layers[0].shape[2]
         if not 0 < num_tokens <= len(block_ids) * block_size:
             raise ValueError(f"{num_tokens} tokens do not fit {len(block_ids)} blocks")
-        held = _Held(
+        held = Held(
             kv_layers=list(kv_layers),
             block_ids=list(block_ids),
             num_tokens=num_tokens,
@@ -189,13 +178,6 @@ class KVSender:
         with self._lock:
             self._fault_delay_s, self._fault_count = send_delay_s, count
 
-    def _fault_delay(self) -> float:
-        with self._lock:
-            if self._fault_count <= 0:
-                return 0.0
-            self._fault_count -= 1
-            return self._fault_delay_s
-
     def held_request_ids(self) -> list[str]:
         with self._lock:
             return list(self._holds)
@@ -216,7 +198,7 @@ class KVSender:
         if self._prepack is not None:
             self._prepack.put(None)
         for server in servers:
-            self._interrupt(server)
+            server.interrupt(self._store)
         for t in [*self._threads, *(s.thread for s in servers)]:
             t.join(timeout=self.transfer_timeout_s + 1.0)  # a pair may be mid-send or building
         with self._lock:
@@ -235,7 +217,7 @@ class KVSender:
         mailbox = QueueReader(store, MAILBOX)
         while True:
             try:
-                msg = mailbox.get(_IDLE_WAIT_S)
+                msg = mailbox.get(IDLE_WAIT_S)
             except TimeoutError:
                 if self._closed:
                     return
@@ -243,208 +225,30 @@ class KVSender:
             if msg["op"] == "stop":
                 return
             receiver_id, generation = msg["receiver"], int(msg["generation"])
+            # The pair thread's own client: its waits block only this connection.
             pair_store = connect_store(self.address, self.transfer_timeout_s)
-            server = _PairServer(
-                channel=PairChannel(
-                    pair_store,
-                    f"pair/{receiver_id}",
-                    SENDER_RANK,
-                    peer=f"decode {receiver_id}",
-                    backend=self.backend,
-                    interface=self._interface,
-                    generation=generation,
-                ),
-                store=pair_store,
-                stop=threading.Event(),
+            channel = PairChannel.for_pair(
+                pair_store,
+                receiver_id,
+                SENDER_RANK,
+                peer=f"decode {receiver_id}",
+                backend=self.backend,
+                interface=self._interface,
+                generation=generation,
             )
-            server.thread = threading.Thread(
-                target=self._serve_pair,
-                args=(receiver_id, server),
-                name=f"{self.name}-kv-pair-{receiver_id}",
-                daemon=True,
-            )
+            server = PairServer(self, receiver_id, channel)
             with self._lock:
                 if self._closed:
                     return
                 old = self._servers.get(receiver_id)
                 self._servers[receiver_id] = server
                 self._stats["channel_builds" if old is None else "channel_rebuilds"] += 1
-                server.thread.start()  # under the lock, so close() never joins an unstarted one
+                server.start()  # under the lock, so close() never joins an unstarted one
             if old is not None:  # the decode side gave up on the old generation
-                self._interrupt(old)
-
-    def _serve_pair(self, receiver_id: str, server: _PairServer) -> None:
-        """Answer one decode rank's pulls, in order, until stopped or the channel breaks."""
-        channel = server.channel
-        try:
-            channel.connect(self.transfer_timeout_s)
-            last_used = time.monotonic()
-            while not server.stop.is_set():
-                msg = channel.poll(min(_IDLE_WAIT_S, self.pair_idle_s), "a pull")
-                if msg is None:
-                    if time.monotonic() - last_used >= self.pair_idle_s:
-                        # Decode ranks that died never say goodbye. A live one reads this as
-                        # the reply to its next pull, reconnects and pulls again.
-                        channel.put({"status": "error", "retry": True, "error": "idle pair"})
-                        return
-                    continue
-                last_used = time.monotonic()
-                op = msg.get("op")
-                if op == "pull":
-                    self._serve_pull(channel, msg)
-                elif op == "probe":
-                    self._serve_probe(channel, msg)
-                elif op in ("stop", "close"):
-                    return
-                else:
-                    raise KVTransferError(f"unexpected message from {receiver_id}: {msg}")
-        except KVTransferError as e:
-            if not server.stop.is_set():
-                logger.warning("%s: %s", self.name, e)
-                with self._lock:
-                    self._stats["channel_failures"] += 1
-                try:  # let the decode side fail its next pull at once instead of timing out
-                    channel.put({"status": "error", "broken": True, "error": str(e)})
-                except KVTransferError:
-                    pass
-        except Exception:  # a serving thread must never die silently
-            logger.exception("%s: KV pair thread for %s crashed", self.name, receiver_id)
-        finally:
-            channel.close()
-            with self._lock:
-                if self._servers.get(receiver_id) is server:
-                    del self._servers[receiver_id]
-
-    def _serve_pull(self, channel: PairChannel, msg: dict[str, Any]) -> None:
-        request_id = msg["request_id"]
-        head_start, head_end = int(msg["head_start"]), int(msg["head_end"])
-        with self._lock:
-            held = self._holds.get(request_id)
-            if held is None:
-                error = f"request {request_id!r} is not held by {self.name} (unknown or released)"
-            elif not held.head_start <= head_start < head_end <= held.head_start + held.num_heads:
-                error = (
-                    f"heads [{head_start}, {head_end}) of request {request_id!r} are not in "
-                    f"[{held.head_start}, {held.head_start + held.num_heads}) held by {self.name}"
-                )
-            else:
-                error = None
-                held.in_flight += 1
-            if error is not None:
-                self._stats["pulls_rejected"] += 1
-        if error is not None:
-            channel.put({"status": "error", "request_id": request_id, "error": error})
-            return
-        acked = False
-        nbytes = 0
-        try:
-            try:
-                heads = slice(head_start - held.head_start, head_end - held.head_start)
-                extras = held.extras if msg.get("extras", True) else None
-                whole = (head_start == held.head_start and extras is not None
-                         and head_end == held.head_start + held.num_heads)
-                with self._lock:
-                    packing = held.packing if whole else None
-                if packing is not None:  # packing ahead is done or under way: never pack twice
-                    packing.wait(self.transfer_timeout_s)
-                with self._lock:
-                    packed = held.packed if whole else None
-                if packed is not None:
-                    payload, kv, meta = packed
-                else:
-                    # KV + extras in one buffer, one send: [L, 2, n, bs, h, D] + blob. Each
-                    # pair thread packs into its own grow-only buffer: one pull at a time per
-                    # pair, and the send has completed before the next pack.
-                    payload, kv, meta = pack_payload(
-                        held.kv_layers, held.block_ids, heads, extras, self._device,
-                        getattr(self._local, "buffer", None),
-                    )
-                if packed is None and payload.device == held.kv_layers[0].device:
-                    storage = payload.untyped_storage()
-                    self._local.buffer = torch.empty(
-                        0, dtype=torch.uint8, device=payload.device).set_(storage)
-            except Exception as e:  # e.g. a malformed hold: fail the request, not the channel
-                logger.exception("%s: packing request %r failed", self.name, request_id)
-                error = f"{self.name} could not pack request {request_id!r}: {e}"
-                channel.put({"status": "error", "request_id": request_id, "error": error})
-                return
-            channel.put(
-                {
-                    "status": "ok",
-                    "request_id": request_id,
-                    "num_tokens": held.num_tokens,
-                    "kv_shape": list(kv.shape),
-                    "kv_dtype": dtype_name(kv.dtype),
-                    "extras": meta,
-                }
-            )
-            delay = self._fault_delay()
-            if delay:
-                time.sleep(delay)
-            if payload.numel():
-                channel.send(payload, self.transfer_timeout_s, f"KV of request {request_id!r}")
-            nbytes = kv.numel() * kv.element_size() + extras_nbytes(meta)  # padding not counted
-            reply = channel.take(self.transfer_timeout_s, f"ack of request {request_id!r}")
-            acked = reply.get("op") == "ack" and reply.get("request_id") == request_id
-            if not acked:
-                raise KVTransferError(f"expected ack of {request_id!r}, got {reply}")
-        finally:
-            self._finish_pull(request_id, held, range(head_start, head_end), acked, nbytes)
-
-    def _serve_probe(self, channel: PairChannel, msg: dict[str, Any]) -> None:
-        """Send `num_bytes` raw bytes down the pair, exactly as KV bytes travel (no packing)."""
-        probe_id, num_bytes = msg.get("probe_id"), msg.get("num_bytes")
-        try:
-            if not isinstance(num_bytes, int) or not 0 < num_bytes <= MAX_PROBE_BYTES:
-                raise ValueError(f"probe size must be in (0, {MAX_PROBE_BYTES}], got {num_bytes}")
-            buf = self._probe_buffer(num_bytes)
-        except (ValueError, RuntimeError) as e:  # e.g. out of memory: refuse, keep the channel
-            channel.put({"status": "error", "probe_id": probe_id, "error": f"{self.name}: {e}"})
-            return
-        channel.put({"status": "ok", "probe_id": probe_id, "num_bytes": num_bytes})
-        channel.send(buf, self.transfer_timeout_s, f"probe {probe_id}")
-        with self._lock:
-            self._stats["probes"] += 1
-            self._stats["probe_bytes_sent"] += num_bytes
-
-    def _probe_buffer(self, num_bytes: int) -> torch.Tensor:
-        """A [num_bytes] uint8 prefix of a buffer on the send device, allocated once per new
-        maximum size so that repeated probes time the channel, not the allocator."""
-        with self._lock:
-            buf = self._probe_buf
-            if buf is None or buf.numel() < num_bytes:
-                self._probe_buf = buf = None  # let the old one go first: sizes go up to 1 GiB
-        if buf is None:
-            # Outside the lock (a 1 GiB fill must not stall hold()); two pairs racing here
-            # each allocate once, harmlessly. Zeros, not empty: never ship stale memory.
-            buf = torch.zeros(num_bytes, dtype=torch.uint8, device=self._device)
-            with self._lock:
-                self._probe_buf = buf
-        return buf[:num_bytes]
-
-    def _finish_pull(
-        self, request_id: str, held: _Held, heads: range, acked: bool, nbytes: int
-    ) -> None:
-        reason = None
-        with self._lock:
-            held.in_flight -= 1
-            if acked:
-                held.acked_heads.update(heads)
-                self._stats["transfers"] += 1
-                self._stats["bytes_sent"] += nbytes
-            else:
-                held.failed = True  # the decode group cannot use the request any more
-            done = len(held.acked_heads) == held.num_heads
-            self._lock.notify_all()  # an expiry that waited for this transfer may be due
-            if (done or held.failed) and held.in_flight == 0:
-                if self._holds.get(request_id) is held:
-                    del self._holds[request_id]
-                    reason = "failed" if held.failed else "acked"
-        if reason is not None:
-            self._release(request_id, reason)
+                old.interrupt(self._store)
 
     def _pack_loop(self) -> None:
-        """Pack each new hold's whole head range ahead of its pull (see `_Held.packed`)."""
+        """Pack each new hold's whole head range ahead of its pull (see `Held.packed`)."""
         while (request_id := self._prepack.get()) is not None:
             with self._lock:
                 held = self._holds.get(request_id)
@@ -474,23 +278,98 @@ class KVSender:
                 pending = [h.deadline for h in self._holds.values() if h.in_flight == 0]
                 if not expired:
                     # Holds in flight are re-checked when their transfer ends (notify).
-                    wait_s = min(pending, default=now + _IDLE_WAIT_S) - now
+                    wait_s = min(pending, default=now + IDLE_WAIT_S) - now
                     self._lock.wait(timeout=max(wait_s, 0.0))
                     continue
             for request_id in expired:
                 self._release(request_id, "expired")
 
-    # -- helpers ---------------------------------------------------------------------------------
+    # -- called by pair threads (pair_server.py) -------------------------------------------------
 
-    def _interrupt(self, server: _PairServer) -> None:
-        """Wake a pair thread wherever it waits on its inbox."""
-        server.stop.set()
-        channel = server.channel
-        if channel is not None:
-            try:
-                post(self._store, channel.inbox_name(), {"op": "stop"})
-            except (RuntimeError, dist.DistError):
-                pass
+    def _begin_pull(
+        self, request_id: str, head_start: int, head_end: int
+    ) -> tuple[Held | None, str | None]:
+        """(the hold, None) with a transfer of it now in flight, or (None, why it is refused)."""
+        with self._lock:
+            held = self._holds.get(request_id)
+            if held is None:
+                error = f"request {request_id!r} is not held by {self.name} (unknown or released)"
+            elif not held.head_start <= head_start < head_end <= held.head_start + held.num_heads:
+                error = (
+                    f"heads [{head_start}, {head_end}) of request {request_id!r} are not in "
+                    f"[{held.head_start}, {held.head_start + held.num_heads}) held by {self.name}"
+                )
+            else:
+                held.in_flight += 1  # _finish_pull ends it
+                return held, None
+            self._stats["pulls_rejected"] += 1
+        return None, error
+
+    def _prepacked(self, held: Held) -> Packed | None:
+        """The whole hold packed ahead by `_pack_loop`, if it was; waits for packing under way
+        so that the same bytes are never packed twice."""
+        with self._lock:
+            packing = held.packing
+        if packing is not None:
+            packing.wait(self.transfer_timeout_s)
+        with self._lock:
+            return held.packed
+
+    def _finish_pull(
+        self, request_id: str, held: Held, heads: range, acked: bool, nbytes: int
+    ) -> None:
+        reason = None
+        with self._lock:
+            held.in_flight -= 1
+            if acked:
+                held.acked_heads.update(heads)
+                self._stats["transfers"] += 1
+                self._stats["bytes_sent"] += nbytes
+            else:
+                held.failed = True  # the decode group cannot use the request any more
+            done = len(held.acked_heads) == held.num_heads
+            self._lock.notify_all()  # an expiry that waited for this transfer may be due
+            if (done or held.failed) and held.in_flight == 0:
+                if self._holds.get(request_id) is held:
+                    del self._holds[request_id]
+                    reason = "failed" if held.failed else "acked"
+        if reason is not None:
+            self._release(request_id, reason)
+
+    def _fault_delay(self) -> float:
+        with self._lock:
+            if self._fault_count <= 0:
+                return 0.0
+            self._fault_count -= 1
+            return self._fault_delay_s
+
+    def _probe_buffer(self, num_bytes: int) -> torch.Tensor:
+        """A [num_bytes] uint8 prefix of a buffer on the send device, allocated once per new
+        maximum size so that repeated probes time the channel, not the allocator."""
+        with self._lock:
+            buf = self._probe_buf
+            if buf is None or buf.numel() < num_bytes:
+                self._probe_buf = buf = None  # let the old one go first: sizes go up to 1 GiB
+        if buf is None:
+            # Outside the lock (a 1 GiB fill must not stall hold()); two pairs racing here
+            # each allocate once, harmlessly. Zeros, not empty: never ship stale memory.
+            buf = torch.zeros(num_bytes, dtype=torch.uint8, device=self._device)
+            with self._lock:
+                self._probe_buf = buf
+        return buf[:num_bytes]
+
+    def _count(self, deltas: Mapping[str, int]) -> None:
+        with self._lock:
+            for key, n in deltas.items():
+                self._stats[key] += n
+
+    def _pair_ended(self, server: PairServer) -> None:
+        """Forget a pair whose thread ends, unless a newer generation replaced it already."""
+        with self._lock:
+            if self._servers.get(server.receiver_id) is server:
+                del self._servers[server.receiver_id]
+
+    # -- helpers ---------------------------------------------------------------------------------
 
     def _release(self, request_id: str, reason: str) -> None:
         with self._lock:

@@ -12,8 +12,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from mtpserve.workers.model.config import ModelConfig
 from safetensors import safe_open
+
+from mtpserve.workers.model.config import ModelConfig
 
 # Tensors some exporters write that carry no weights.
 _IGNORABLE = re.compile(r".*rotary_emb\.inv_freq$")

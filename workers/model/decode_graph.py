@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from unittest import mock
 
 import torch
+
 from mtpserve.workers.kv_cache import KVCache
 from mtpserve.workers.model.attention_metadata import AttentionMetadata, causal_mask
 from mtpserve.workers.model.greedy_round import greedy_round_graph

@@ -20,6 +20,7 @@ into the RoPE table and every block index into the table (compiled kernels do no
 from __future__ import annotations
 
 import torch
+
 from mtpserve.workers.model.attention_metadata import AttentionMetadata, causal_mask
 from mtpserve.workers.model.transformer import CausalLM
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from mtpserve.workers.model.attention_metadata import AttentionMetadata
 from mtpserve.workers.model.config import ModelConfig
 from mtpserve.workers.model.parallel import (
@@ -12,7 +14,6 @@ from mtpserve.workers.model.parallel import (
     _plain_loader,
     get_tp,
 )
-from torch import nn
 
 
 class RMSNorm(nn.Module):

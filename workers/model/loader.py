@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+
 from mtpserve.workers.model.checkpoint import (
     expected_tensors,
     format_problems,
@@ -13,7 +15,6 @@ from mtpserve.workers.model.checkpoint import (
 )
 from mtpserve.workers.model.config import ModelConfig
 from mtpserve.workers.model.transformer import CausalLM
-from safetensors import safe_open
 
 # Checkpoint projection name -> (fused parameter, shard index).
 _FUSED = {

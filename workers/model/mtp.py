@@ -13,6 +13,8 @@ post-norm hidden for m = 0) with the embedding of token t+1+m:
 from __future__ import annotations
 
 import torch
+from torch import nn
+
 from mtpserve.workers.model.attention_metadata import AttentionMetadata
 from mtpserve.workers.model.config import ModelConfig
 from mtpserve.workers.model.layers import DecoderLayer, RMSNorm
@@ -22,7 +24,6 @@ from mtpserve.workers.model.parallel import (
     SubsetLMHead,
     VocabParallelEmbedding,
 )
-from torch import nn
 
 
 class MTPModule(nn.Module):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import copy
 
 import torch
+from torch import nn
+
 from mtpserve.workers.model.attention_metadata import AttentionMetadata
 from mtpserve.workers.model.config import ModelConfig
 from mtpserve.workers.model.layers import DecoderLayer, RMSNorm, RotaryEmbedding
@@ -15,7 +17,6 @@ from mtpserve.workers.model.parallel import (
     VocabParallelEmbedding,
     full_head_weight,
 )
-from torch import nn
 
 
 class DecoderBody(nn.Module):

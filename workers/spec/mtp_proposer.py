@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
 from mtpserve.workers.model_runner import ForwardBatch
 from mtpserve.workers.request import Request
 from mtpserve.workers.spec.keyed_random import SLOT_DRAFT, keyed_uniforms

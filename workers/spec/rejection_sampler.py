@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from mtpserve.workers.sampling_params import SamplingParams
 from mtpserve.workers.spec.keyed_random import MAX_DEPTH, SLOT_ACCEPT, SLOT_FINAL, keyed_uniforms
 from mtpserve.workers.spec.sampling import processed_probs, sample_with_uniforms

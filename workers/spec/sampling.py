@@ -8,6 +8,7 @@ with. Everything here runs on the logits' device.
 from __future__ import annotations
 
 import torch
+
 from mtpserve.workers.sampling_params import SamplingParams
 
 

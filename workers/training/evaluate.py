@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
 from mtpserve.workers.engine import Engine, EngineConfig
 from mtpserve.workers.sampling_params import SamplingParams
 from mtpserve.workers.tokenizer import load_tokenizer
@@ -99,24 +100,31 @@ def losses(model: str, ids: list[int], seq_len: int, max_tokens: int, dtype: str
 
     m = load_model(model, dtype=DTYPES[dtype])
     tot_main = tot_mtp = 0.0
-    count = 0
+    count = correct = correct_mtp = 0
     per_window = []
     for s in range(0, min(len(ids), max_tokens) - seq_len - 2, seq_len):
         w = torch.tensor([ids[s : s + seq_len + 2]])
         x = w[:, :seq_len]
         pos = torch.arange(seq_len).unsqueeze(0)
         h = m(x, pos)
-        main = F.cross_entropy(m.compute_logits(h)[0], w[0, 1 : seq_len + 1]).item()
+        logits = m.compute_logits(h)[0]
+        main = F.cross_entropy(logits, w[0, 1 : seq_len + 1]).item()
+        correct += int((logits.argmax(-1) == w[0, 1 : seq_len + 1]).sum())
         mtp = None
         if m.mtp:
             hm = m.forward_mtp(0, w[:, 1 : seq_len + 1], h, pos)
-            mtp = F.cross_entropy(m.compute_mtp_logits(0, hm)[0], w[0, 2 : seq_len + 2]).item()
+            mtp_logits = m.compute_mtp_logits(0, hm)[0]
+            mtp = F.cross_entropy(mtp_logits, w[0, 2 : seq_len + 2]).item()
+            correct_mtp += int((mtp_logits.argmax(-1) == w[0, 2 : seq_len + 2]).sum())
             tot_mtp += mtp * seq_len
         tot_main += main * seq_len
         per_window.append([main, mtp])
         count += seq_len
     return {"heldout_tokens": count, "heldout_main_loss": tot_main / count,
             "heldout_mtp_loss": tot_mtp / count if m.mtp else None,
+            # Top-1: the main model's argmax is the true next token (MTP: the one after it).
+            "heldout_main_top1": correct / count,
+            "heldout_mtp_top1": correct_mtp / count if m.mtp else None,
             "loss_per_window": per_window}
 
 
@@ -130,13 +138,39 @@ def evaluate(model: str, data: str | None, max_positions: int, seq_len: int = 51
     return res
 
 
+def repetition_check(model: str, files: list[Path], num_lines: int = 12,
+                     max_tokens: int = 96, dtype: str = "float32") -> dict:
+    """The model card's demo check: the first `num_lines` lines of each file, continued
+    greedily for `max_tokens` tokens; the share of the continuation's non-empty lines that
+    repeat an earlier non-empty line of the continuation (a looping model scores high)."""
+    from mtpserve.workers.llm import LLM
+
+    llm = LLM(model, dtype=dtype, num_speculative_tokens=0)
+    samples, repeated, total = [], 0, 0
+    texts = read_texts(files)
+    prompts = ["".join(t.splitlines(keepends=True)[:num_lines]) for t in texts]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0,
+                                                ignore_eos=True))
+    for f, prompt, out in zip(files, prompts, outs, strict=True):
+        lines = [x.strip() for x in out.text.splitlines() if x.strip()]
+        # The first line may finish the prompt's last line: count it like the rest.
+        rep = sum(1 for i, x in enumerate(lines) if x in lines[:i])
+        repeated += rep
+        total += len(lines)
+        samples.append({"file": f.name, "prompt": prompt, "continuation": out.text,
+                        "lines": len(lines), "repeated": rep})
+    return {"num_files": len(files), "num_lines": num_lines, "max_tokens": max_tokens,
+            "repeated_line_share": repeated / total if total else 0.0, "samples": samples}
+
+
 def format_report(res: dict) -> str:
     a = res["acceptance_per_position"]
     e = res["expected_tokens_per_round"]
     return "\n".join([
         f"held-out tokens: {res['heldout_tokens']}, positions: {res['num_positions']}",
         f"held-out loss (nats/token): main {res['heldout_main_loss']:.3f}, "
-        f"mtp {res['heldout_mtp_loss']:.3f}",
+        f"mtp {res['heldout_mtp_loss']:.3f}; top-1: main {res['heldout_main_top1']:.3f}, "
+        f"mtp {res['heldout_mtp_top1']:.3f}",
         "acceptance (greedy, conditional): " + ", ".join(
             f"draft {i + 1}: {x:.3f}" for i, x in enumerate(a))
         + f" (stderr of draft 1: {res['acceptance_1_stderr']:.3f})",

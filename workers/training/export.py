@@ -6,8 +6,9 @@ import json
 from pathlib import Path
 
 import torch
-from mtpserve.workers.model.transformer import CausalLM
 from safetensors.torch import save_file
+
+from mtpserve.workers.model.transformer import CausalLM
 
 
 def _unfuse(name: str, t: torch.Tensor, sizes: dict[str, list[int]]) -> dict[str, torch.Tensor]:

@@ -16,13 +16,14 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
+
 from mtpserve.workers.model.config import ModelConfig
 from mtpserve.workers.model.loader import load_model
 from mtpserve.workers.model.transformer import CausalLM
 from mtpserve.workers.training.data import read_texts, split_files
 from mtpserve.workers.training.export import save_hf
 from mtpserve.workers.training.tokenizer import EOS_TOKEN, save_tokenizer, train_tokenizer
-from tqdm import tqdm
 
 IGNORE = -100
 

@@ -1,0 +1,147 @@
+"""The ingress's state and what it checks before a request runs: model name, window, server
+caps, token ids; then the request becomes its choices (one `GenerateRequest` each)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+
+from mtpserve.router.auth import key_matches
+from mtpserve.router.errors import APIError
+from mtpserve.router.generation import Choice, ChoiceSet
+from mtpserve.router.limits import Limits
+from mtpserve.router.protocol import MTPStats, SamplingRequest, Usage
+from mtpserve.router.types import Orchestrator
+from mtpserve.workers.messages import GenerateRequest
+
+MAX_CHOICES = 64  # prompts x n in one request
+_REDACTED_KEYS = ("addr", "host", "port", "peer", "store")
+_TOKENIZE_INLINE_CHARS = 8192  # longer prompts are tokenized off the event loop
+
+
+@dataclass
+class IngressState:
+    """What the HTTP layer needs: the backend, the tokenizer and the served model's limits."""
+
+    orchestrator: Orchestrator
+    tokenizer: Any  # a `transformers` tokenizer
+    model_name: str
+    max_model_len: int
+    api_key: str | None = None
+    admin_api_key: str | None = None
+    vocab_size: int | None = None  # None: the engine checks token ids
+    limits: Limits = field(default_factory=Limits)
+    enable_kv_probe: bool = False
+    kv_probe_max_bytes: int = 16 << 20
+
+
+def ingress_state(request: Request) -> IngressState:
+    state = request.app.state.ingress
+    if state is None:
+        raise APIError("the server is starting", 503, code="service_unavailable")
+    return state
+
+
+def check_model(state: IngressState, model: str | None) -> None:
+    if model is not None and model != state.model_name:
+        raise APIError(f"the model '{model}' does not exist; this server serves "
+                       f"'{state.model_name}'", 404, param="model", code="model_not_found")
+
+
+def check_window(state: IngressState, prompt_ids: list[int], param: str) -> None:
+    if not prompt_ids:
+        raise APIError("the prompt is empty", 400, param=param)
+    cap = state.limits.max_prompt_tokens
+    if cap is not None and len(prompt_ids) > cap:
+        raise APIError(f"the prompt has {len(prompt_ids)} tokens; this server accepts at most "
+                       f"{cap}", 400, param=param, code="context_length_exceeded")
+    if len(prompt_ids) >= state.max_model_len:
+        raise APIError(
+            f"this model's maximum context length is {state.max_model_len} tokens, but the "
+            f"prompt has {len(prompt_ids)} tokens (the prompt and at least one generated token "
+            "must fit)", 400, param=param, code="context_length_exceeded")
+
+
+def check_max_tokens(state: IngressState, requested: int | None, param: str) -> None:
+    cap = state.limits.max_tokens
+    if requested is not None and requested > cap:
+        raise APIError(f"'{param}' is {requested}; this server allows at most {cap}", 400,
+                       param=param)
+
+
+def check_token_ids(state: IngressState, ids: list[int], param: str) -> None:
+    if not ids:
+        return
+    vocab = state.vocab_size
+    if min(ids) < 0 or (vocab is not None and max(ids) >= vocab):
+        what = param.replace("_", " ") if param != "prompt" else "prompt token ids"
+        raise APIError(f"{what} must be in [0, {vocab})" if vocab is not None
+                       else f"{what} must be >= 0", 400, param=param)
+
+
+async def encode_prompt(state: IngressState, text: str) -> list[int]:
+    if len(text) <= _TOKENIZE_INLINE_CHARS:
+        return list(state.tokenizer.encode(text))
+    return list(await asyncio.to_thread(state.tokenizer.encode, text))
+
+
+def max_tokens(state: IngressState, requested: int | None, prompt_len: int) -> int:
+    """Clamp to the room left in the context window (None: all of it, within the server cap)."""
+    room = state.max_model_len - prompt_len
+    return min(room, state.limits.max_tokens) if requested is None else min(requested, room)
+
+
+def is_admin(state: IngressState, request: Request) -> bool:
+    return key_matches(request.headers.get("authorization"), state.admin_api_key)
+
+
+def redact(stats: Any) -> Any:
+    """Stats without network addresses (stores, senders, peers): what a non-admin may see."""
+    if isinstance(stats, dict):
+        return {k: redact(v) for k, v in stats.items()
+                if not any(word in str(k).lower() for word in _REDACTED_KEYS)}
+    if isinstance(stats, list):
+        return [redact(v) for v in stats]
+    return stats
+
+
+def build_choices(state: IngressState, body: SamplingRequest, response_id: str,
+             prompts: list[list[int]], max_tokens: list[int]) -> list[Choice]:
+    n = body.n or 1
+    if n > state.limits.max_n:
+        raise APIError(f"'n' is {n}; this server allows at most {state.limits.max_n}", 400,
+                       param="n")
+    if len(prompts) * n > MAX_CHOICES:
+        raise APIError(f"at most {MAX_CHOICES} choices per request (prompts x n)", 400,
+                       param="n")
+    choices = []
+    for p, ids in enumerate(prompts):
+        for i in range(n):
+            index = p * n + i
+            request = GenerateRequest(
+                request_id=f"{response_id}-{index}", prompt_token_ids=ids,
+                max_tokens=max_tokens[p],
+                temperature=1.0 if body.temperature is None else body.temperature,
+                top_p=1.0 if body.top_p is None else body.top_p,
+                top_k=body.top_k or 0,
+                seed=None if body.seed is None else body.seed + index,
+                ignore_eos=bool(body.ignore_eos),
+                num_speculative_tokens=body.mtp.cap if body.mtp else None,
+                **body.generate_options(),  # stop_token_ids, min_tokens, logprobs
+            )
+            choices.append(Choice(index, request, state.tokenizer, body.stop_strings))
+    return choices
+
+
+def usage_of(prompts: list[list[int]], choices: ChoiceSet) -> Usage:
+    prompt_tokens = sum(len(p) for p in prompts)
+    completion_tokens = sum(c.num_output_tokens for c in choices.choices)
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                 total_tokens=prompt_tokens + completion_tokens)
+
+
+def total_mtp_stats(choices: ChoiceSet) -> MTPStats:
+    return MTPStats.total([c.mtp_stats() for c in choices.choices])
