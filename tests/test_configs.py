@@ -117,3 +117,29 @@ def test_serve_admission_matches_the_engine() -> None:
         assert opts["graceful_shutdown_timeout_s"] == cfg.graceful_shutdown_timeout_s
     decode = deployment_options(cfg, "decode")["max_ongoing_requests"]
     assert cfg.decode.max_num_seqs < decode <= 2 * cfg.decode.max_num_seqs
+
+
+def test_ingress_scales_out_and_roles_pin_to_their_resources() -> None:
+    """`ingress.*` sizes the OpenAI ingress (fixed or request-based autoscaling, CPU reserved);
+    `{prefill,decode}.resources` go into every TP rank's bundle (role pinning)."""
+    from pydantic import ValidationError
+
+    from mtpserve.cluster.app import deployment_options, ingress_options
+
+    base = args_of(load("local-cpu.yaml"))
+    fixed = ingress_options(ClusterConfig(**base | {"ingress": {"replicas": 3, "cpus": 1}}))
+    assert fixed["num_replicas"] == 3 and "autoscaling_config" not in fixed
+    assert fixed["ray_actor_options"]["num_cpus"] == 1
+    auto = ingress_options(ClusterConfig(**base | {"ingress": {
+        "replicas": 5, "autoscaling": {"min_replicas": 2, "max_replicas": 4}}}))
+    assert "num_replicas" not in auto
+    assert auto["autoscaling_config"]["initial_replicas"] == 4  # clamped into the bounds
+    with pytest.raises(ValidationError):
+        ClusterConfig(**base | {"ingress": {"autoscaling": {"min_replicas": 3,
+                                                            "max_replicas": 2}}})
+    pinned = ClusterConfig(**base | {"decode": base["decode"] | {"resources": {"gpu-pool-a": 1}}})
+    bundles = deployment_options(pinned, "decode")["placement_group_bundles"]
+    assert len(bundles) == pinned.decode.tp_size
+    assert all(b["gpu-pool-a"] == 1 and b["CPU"] == pinned.decode.cpus_per_rank for b in bundles)
+    assert all("gpu-pool-a" not in b
+               for b in deployment_options(pinned, "prefill")["placement_group_bundles"])
