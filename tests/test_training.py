@@ -87,3 +87,21 @@ def test_resume_equals_uninterrupted(tmp_path) -> None:
     for k, v in a["model"].items():
         assert torch.equal(v, b["model"][k]), k
     assert [h["main"] for h in a["history"]] == [h["main"] for h in b["history"]]
+
+
+def test_python_corpus_holds_out_pip_and_vendored_code() -> None:
+    """The `python` corpus: the stdlib plus permissively licensed packages, deduplicated; pip
+    (the evaluation set) and every vendored folder are never read."""
+    from mtpserve.workers.training.data import PIP_AND_VENDORED, corpus_files, corpus_sources
+
+    sources = corpus_sources("python")
+    assert sources[0].label == "stdlib" and len(sources) > 1
+    assert not {s.label.split("/")[0] for s in sources} & PIP_AND_VENDORED
+    files = corpus_files("python")
+    rels = [rel for rel, _ in files]
+    assert len(set(rels)) == len(rels)
+    assert not [r for r in rels if r.split("/")[0] in PIP_AND_VENDORED]
+    assert not [p for _, p in files if "site-packages/pip/" in p.as_posix()
+                or "_vendor" in p.parts]
+    blobs = [p.read_bytes() for _, p in files[:: max(1, len(files) // 500)]]
+    assert len(set(blobs)) == len(blobs)  # deduplicated by content

@@ -7,7 +7,14 @@ import json
 import platform
 from pathlib import Path
 
-from mtpserve.workers.training.data import HELD_OUT_PERCENT, python_files, split_files, stdlib_root
+from mtpserve.workers.training.data import (
+    HELD_OUT_PERCENT,
+    corpus_files,
+    corpus_sources,
+    python_files,
+    split_files,
+    stdlib_root,
+)
 
 
 def param_counts(path: Path) -> dict[str, int]:
@@ -45,6 +52,29 @@ def _stage(title: str, command: str, tr: dict) -> list[str]:
         + (" (MTP against the base's argmax)." if tc["freeze_base"] else "."),
         "",
     ]
+
+
+def corpus_table(corpus: str) -> list[str]:
+    """The model card's data table: each source's licence, files and bytes after dedup."""
+    files = corpus_files(corpus)
+    rows = ["| source | licence | files | MB |", "|---|---|---|---|"]
+    for src in corpus_sources(corpus):
+        mine = [p for rel, p in files
+                if (src.label == "stdlib" and p.is_relative_to(src.root))
+                or rel.startswith(src.label + "/")]
+        if mine:
+            mb = sum(p.stat().st_size for p in mine) / 1e6
+            rows.append(f"| `{src.label}` | {src.licence[:60]} | {len(mine)} | {mb:.1f} |")
+    return rows
+
+
+def pilots_table(pilots_json: Path) -> list[str]:
+    rows = ["| candidate | params | steps | tokens | minutes | held-out bits/byte |",
+            "|---|---|---|---|---|---|"]
+    for name, r in json.loads(pilots_json.read_text()).items():
+        rows.append(f"| {name} | {r['params'] / 1e6:.1f}M | {r['steps']} | {r['tokens']:,} | "
+                    f"{r['minutes']:.1f} | {r['heldout_bits_per_byte']:.3f} |")
+    return rows
 
 
 def write_card(path: Path, stages: list[tuple[str, Path]], eval_command: str,
