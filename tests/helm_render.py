@@ -2,7 +2,8 @@
 tests/test_helm_*.py files).
 
 `helm-python-sdk` runs Helm's own engine (values.schema.json, templates, `fail`); `lookup`
-returns nothing offline. Schemas are vendored under tests/data/ (see its README), so nothing
+returns nothing offline. Schemas are vendored under tests/data/ (see its README), plus two built
+here (a bare Pod from the CRD's embedded PodTemplateSpec, a PrometheusRule subset), so nothing
 here depends on files outside the repository.
 """
 
@@ -36,13 +37,10 @@ def load_values(path: Path | None) -> dict[str, Any] | None:
     return yaml.safe_load(path.read_text()) if path else None
 
 
-def render(
-    values: dict[str, Any] | None = None, *, is_upgrade: bool = False
-) -> dict[str, list[dict[str, Any]]]:
-    """Template file name -> its rendered YAML documents (empty when gated off)."""
+def _render_raw(values: dict[str, Any] | None, is_upgrade: bool) -> dict[str, str]:
     chart = helm.Chart.load(CHART)
     try:
-        out = chart.render(
+        return chart.render(
             values=values,
             name=RELEASE,
             namespace=NAMESPACE,
@@ -51,6 +49,19 @@ def render(
         )
     finally:
         chart.close()
+
+
+def render_notes(values: dict[str, Any] | None = None) -> str:
+    """The install notes (templates/NOTES.txt) as Helm prints them."""
+    (text,) = [t for p, t in _render_raw(values, False).items() if p.endswith("NOTES.txt")]
+    return text
+
+
+def render(
+    values: dict[str, Any] | None = None, *, is_upgrade: bool = False
+) -> dict[str, list[dict[str, Any]]]:
+    """Template file name -> its rendered YAML documents (empty when gated off)."""
+    out = _render_raw(values, is_upgrade)
     docs = {}
     for path, text in out.items():
         if path.endswith(".yaml"):
@@ -128,9 +139,68 @@ def crd_validator() -> jsonschema.Draft7Validator:
 
 
 @functools.cache
+def pod_validator() -> jsonschema.Draft7Validator:
+    """A bare v1 Pod (the `helm test` hook), strictly: its metadata and spec schemas are the
+    PodTemplateSpec that the KubeRay CRD embeds (Kubernetes' own PodSpec, vendored with it)."""
+    with gzip.open(DATA / "kuberay-rayservice-v1.7.0.schema.json.gz", "rt") as f:
+        crd = json.load(f)["openAPIV3Schema"]
+    template = crd["properties"]["spec"]["properties"]["rayClusterConfig"]["properties"][
+        "headGroupSpec"]["properties"]["template"]["properties"]
+    schema = strict({
+        "type": "object",
+        "required": ["apiVersion", "kind", "metadata", "spec"],
+        "properties": {"apiVersion": {"const": "v1"}, "kind": {"const": "Pod"},
+                       "metadata": template["metadata"], "spec": template["spec"]},
+    })
+    return jsonschema.Draft7Validator(schema)
+
+
+_STR_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
+_DURATION = {"type": "string", "pattern": "^([0-9]+(ms|s|m|h|d|w|y))+$"}
+# Hand-written strict subset of the Prometheus Operator's PrometheusRule (monitoring.coreos.com/v1),
+# from its CRD's field names, like tests/data/minimal-crd-schemas.json.
+PROMETHEUS_RULE_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "apiVersion": {"const": "monitoring.coreos.com/v1"},
+        "kind": {"const": "PrometheusRule"},
+        "metadata": {"type": "object", "additionalProperties": False, "required": ["name"],
+                     "properties": {"name": {"type": "string"}, "namespace": {"type": "string"},
+                                    "labels": _STR_MAP, "annotations": _STR_MAP}},
+        "spec": {"type": "object", "additionalProperties": False, "required": ["groups"],
+                 "properties": {"groups": {"type": "array", "items": {
+                     "type": "object", "additionalProperties": False,
+                     "required": ["name", "rules"],
+                     "properties": {
+                         "name": {"type": "string", "minLength": 1},
+                         "interval": _DURATION,
+                         "rules": {"type": "array", "minItems": 1, "items": {
+                             "type": "object", "additionalProperties": False,
+                             "required": ["expr"],
+                             "oneOf": [{"required": ["alert"]}, {"required": ["record"]}],
+                             "properties": {
+                                 "alert": {"type": "string", "pattern": "^[A-Za-z][A-Za-z0-9_]*$"},
+                                 "record": {"type": "string"},
+                                 "expr": {"type": "string", "minLength": 1},
+                                 "for": _DURATION,
+                                 "keep_firing_for": _DURATION,
+                                 "labels": _STR_MAP,
+                                 "annotations": _STR_MAP}}}}}}}},
+    },
+}
+
+
+@functools.cache
 def kind_validators() -> dict[str, jsonschema.protocols.Validator]:
     """`apiVersion/kind` -> validator, for every kind the chart may render."""
-    out: dict[str, jsonschema.protocols.Validator] = {"ray.io/v1/RayService": crd_validator()}
+    out: dict[str, jsonschema.protocols.Validator] = {
+        "ray.io/v1/RayService": crd_validator(),
+        "v1/Pod": pod_validator(),
+        "monitoring.coreos.com/v1/PrometheusRule":
+            jsonschema.Draft202012Validator(PROMETHEUS_RULE_SCHEMA),
+    }
     for name in ("k8s-schemas-v1.30.json", "minimal-crd-schemas.json"):
         bundle = json.loads((DATA / name).read_text())
         for kind, schema in bundle["kinds"].items():

@@ -65,11 +65,12 @@ def test_production_autoscales_with_auth() -> None:
 
 
 def test_gpu_node_and_production_share_engine_settings() -> None:
-    """gpu-node.yaml is production.yaml minus autoscaling, auth and replica counts."""
+    """gpu-node.yaml is production.yaml minus autoscaling, auth, ingress and replica counts."""
 
     def engine(args: dict[str, Any]) -> dict[str, Any]:
         args = copy.deepcopy(args)
         args.pop("auth", None)
+        args.pop("ingress", None)
         for role in ("prefill", "decode"):
             args[role].pop("autoscaling", None)
             args[role].pop("replicas", None)

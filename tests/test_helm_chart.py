@@ -36,9 +36,10 @@ from helm_render import (
     render_case,
     serve_config,
 )
-from mtpserve.cluster.config import ClusterConfig
 from ray.serve.schema import DeploymentSchema
 from serve_config_checks import check_serve_config
+
+from mtpserve.cluster.config import ClusterConfig
 
 SEVERITY_WARNING = 2
 K8S_VALUES = {"resources", "podSecurityContext", "containerSecurityContext", "prometheus",
@@ -172,10 +173,24 @@ def test_non_default_http_port_flows_everywhere() -> None:
     assert rs["spec"]["serveService"]["spec"]["ports"][0]["port"] == 9000
 
 
+# What the chart's defaults add to configs/production.yaml's args: role pinning (the worker
+# groups advertise these custom resources; a bare Ray cluster's nodes do not).
+CHART_ONLY_ARGS = {"prefill": {"resources": {"mtpserve-prefill": 1}},
+                   "decode": {"resources": {"mtpserve-decode": 1}}}
+
+
 def test_default_render_equals_production_config() -> None:
-    """`helm install` with defaults runs exactly `serve deploy configs/production.yaml`."""
+    """`helm install` with defaults runs `serve deploy configs/production.yaml`, plus exactly
+    the Kubernetes-only args above."""
     production = yaml.safe_load((REPO / "configs" / "production.yaml").read_text())
-    assert serve_config(rayservice(render_case(None))) == production
+    cfg = serve_config(rayservice(render_case(None)))
+    args = cfg["applications"][0]["args"]
+    for key, extra in CHART_ONLY_ARGS.items():
+        for sub, value in extra.items():
+            assert args[key].pop(sub) == value, f"{key}.{sub}"
+        if not args[key]:
+            del args[key]
+    assert cfg == production
 
 
 def test_values_flow_into_args() -> None:
@@ -217,6 +232,8 @@ def test_worker_pods_hold_whole_tp_groups(values_file: Path | None) -> None:
 
 @pytest.mark.parametrize("values_file", CASES, ids=CASE_IDS)
 def test_every_pod_has_shm_and_the_model(values_file: Path | None) -> None:
+    """Every pod that runs replicas mounts the model; the head, which advertises no CPUs and so
+    runs none, does not (and downloads nothing)."""
     values = load_values(values_file) or {}
     model = values.get("model", {})
     source = model.get("source", "image")
@@ -227,8 +244,10 @@ def test_every_pod_has_shm_and_the_model(values_file: Path | None) -> None:
         mounts = {m["name"]: m for m in pod["spec"]["containers"][0]["volumeMounts"]}
         assert vols["dshm"]["emptyDir"]["medium"] == "Memory", role
         assert mounts["dshm"]["mountPath"] == "/dev/shm", role
-        if source == "image":
-            assert "model" not in vols, role
+        if source == "image" or role == "head":
+            assert "model" not in vols and "model" not in mounts, role
+            assert "model-download" not in {c["name"] for c in pod["spec"].get(
+                "initContainers", [])}, role
             continue
         assert path.startswith(mounts["model"]["mountPath"] + "/"), role
         assert mounts["model"]["readOnly"] is True, role
@@ -236,11 +255,27 @@ def test_every_pod_has_shm_and_the_model(values_file: Path | None) -> None:
             assert vols["model"]["persistentVolumeClaim"]["claimName"] == model["pvc"]["claimName"]
 
 
+def _workers(rs: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {r: p for r, p in pod_templates(rs).items() if r != "head"}
+
+
 def test_model_from_host_path() -> None:
     values = {"model": {"source": "hostPath", "hostPath": "/mnt/models"}}
-    for pod in pod_templates(rayservice(render(values))).values():
+    for pod in _workers(rayservice(render(values))).values():
         vols = {v["name"]: v for v in pod["spec"]["volumes"]}
         assert vols["model"]["hostPath"]["path"] == "/mnt/models"
+
+
+def test_head_gets_the_model_only_when_it_runs_replicas() -> None:
+    hf = {"model": {"source": "hf", "hf": {"repo": "org/m"}}}
+    head = pod_templates(rayservice(render(hf)))["head"]
+    assert "initContainers" not in head["spec"]
+    assert "ephemeral-storage" not in head["spec"]["containers"][0]["resources"]["requests"]
+    # A head that advertises CPUs may get (ingress) replicas: it downloads like a worker.
+    busy = {**hf, "head": {"noReplicas": False}}
+    head = pod_templates(rayservice(render(busy)))["head"]
+    assert _download(head)["name"] == "model-download"
+    assert {v["name"] for v in head["spec"]["volumes"]} >= {"model", "dshm"}
 
 
 def _download(pod: dict[str, Any]) -> dict[str, Any]:
@@ -257,10 +292,15 @@ def test_hf_download_into_a_created_pvc() -> None:
     assert pvc["spec"]["accessModes"] == ["ReadWriteOnce"]
     assert pvc["spec"]["resources"]["requests"]["storage"] == "50Gi"
     assert pvc["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
-    for role, pod in pod_templates(rs).items():
+    for role, pod in _workers(rs).items():
         init = _download(pod)
         env = {e["name"]: e for e in init["env"]}
         assert env["MTPSERVE_HF_REPO"]["value"] == "my-org/code-mtp-1b"
+        # Only what the server reads: weights, configs, tokenizer files.
+        patterns = json.loads(env["MTPSERVE_HF_ALLOW_PATTERNS"]["value"])
+        assert {"*.safetensors", "*.json", "*.model", "*.txt"} <= set(patterns)
+        assert not {"*.bin", "*.pth", "*.gguf", "*"} & set(patterns)
+        assert "allow_patterns=json.loads(" in init["command"][-1]
         assert env["MTPSERVE_HF_REVISION"]["value"] == "2f0c4b1"
         assert env["MTPSERVE_MODEL_DIR"]["value"] == model_dir
         assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf-token",
@@ -276,10 +316,23 @@ def test_hf_download_into_a_created_pvc() -> None:
 def test_hf_download_into_empty_dir_of_a_public_repo() -> None:
     docs = render({"model": {"source": "hf", "hf": {"repo": "org/m", "cache": "emptyDir"}}})
     assert docs["persistentvolumeclaim.yaml"] == []
-    for pod in pod_templates(rayservice(docs)).values():
+    for pod in _workers(rayservice(docs)).values():
         assert "HF_TOKEN" not in {e["name"] for e in _download(pod)["env"]}
         vol = {v["name"]: v for v in pod["spec"]["volumes"]}["model"]
         assert vol["emptyDir"]["sizeLimit"] == "100Gi"
+        # The download lands on the node's disk: the scheduler must see it.
+        requests = pod["spec"]["containers"][0]["resources"]["requests"]
+        assert requests["ephemeral-storage"] == "100Gi"
+    given = render({"model": {"source": "hf", "hf": {"repo": "org/m",
+                                                     "ephemeralStorageRequest": "120Gi"}}})
+    for pod in _workers(rayservice(given)).values():
+        assert pod["spec"]["containers"][0]["resources"]["requests"][
+            "ephemeral-storage"] == "120Gi"
+    # A shared PVC cache takes nothing from the node's disk.
+    pvc = render_case(GPU_NODE)
+    for pod in pod_templates(rayservice(pvc)).values():
+        assert "ephemeral-storage" not in pod["spec"]["containers"][0]["resources"].get(
+            "requests", {})
 
 
 def test_pvc_source_can_create_its_claim() -> None:

@@ -5,6 +5,7 @@ RDMA settings, disruption budgets), as rendered for the default values and the c
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -16,16 +17,17 @@ from helm_render import (
     GPU_NODE,
     MULTI,
     RELEASE,
+    load_values,
     pod_templates,
     rayservice,
     render,
     render_case,
     serve_config,
 )
+from serve_config_checks import check_serve_config
+
 from mtpserve.cluster.app import deployment_options
 from mtpserve.cluster.config import ClusterConfig
-from ray._private.label_utils import validate_node_labels
-from serve_config_checks import check_serve_config
 
 
 def _containers(pod: dict[str, Any]) -> list[dict[str, Any]]:
@@ -117,8 +119,11 @@ def test_network_policy_denies_by_default() -> None:
     # dashboard from the operator only; GCS (6379) and Ray client (10001) from no one else.
     monitoring = [{"namespaceSelector": {"matchLabels": {
         "kubernetes.io/metadata.name": "monitoring"}}}]
-    # The serve port: clients (None: any source) and Prometheus (GET /metrics, no key).
-    assert by_port[8000] == [None, monitoring]
+    # The serve port: clients (None: any source), the `helm test` pod, and Prometheus (GET
+    # /metrics, no key).
+    helm_test = [{"podSelector": {"matchLabels": {"app.kubernetes.io/instance": RELEASE,
+                                                  "app.kubernetes.io/component": "helm-test"}}}]
+    assert by_port[8000] == [None, helm_test, monitoring]
     assert by_port[8080] == by_port[44217] == by_port[44227] == [monitoring]
     assert by_port[8265] == [[{"namespaceSelector": {}, "podSelector": {"matchLabels": {
         "app.kubernetes.io/name": "kuberay-operator"}}}]]
@@ -134,7 +139,8 @@ def test_prometheus_reaches_metrics_on_the_serve_port_when_clients_are_limited()
     prometheus = [{"podSelector": {"matchLabels": {"app": "prometheus"}}}]
     docs = render({"networkPolicy": {"clients": clients, "prometheus": prometheus},
                    "serve": {"args": {"http": {"port": 9000}}},
-                   "monitoring": {"podMonitor": {"enabled": True}}})
+                   "monitoring": {"podMonitor": {"enabled": True}},
+                   "helmTest": {"enabled": False}})
     (np,) = docs["networkpolicy.yaml"]
     assert _peers_by_port(np)[9000] == [clients, prometheus]
     (pm,) = docs["podmonitor.yaml"]
@@ -156,11 +162,26 @@ def _peers_by_port(np: dict[str, Any]) -> dict[int, list[Any]]:
 
 
 def test_network_policy_egress_when_asked() -> None:
+    """Restricted egress keeps DNS and intra-release traffic, and opens the API server (what
+    values.yaml promises) for the head's autoscaler only, in a second policy."""
     extra = [{"to": [{"ipBlock": {"cidr": "10.0.0.1/32"}}], "ports": [{"port": 443}]}]
-    (np,) = render({"networkPolicy": {"egress": extra}})["networkpolicy.yaml"]
+    api = [{"ipBlock": {"cidr": "172.20.0.1/32"}}]
+    np, apiserver = render({"networkPolicy": {"egress": extra, "apiServer": {"peers": api}}})[
+        "networkpolicy.yaml"]
     assert np["spec"]["policyTypes"] == ["Ingress", "Egress"]
     ports = [p["port"] for r in np["spec"]["egress"] for p in r.get("ports", [])]
     assert ports == [53, 53, 443]
+    assert apiserver["metadata"]["name"] == f"{RELEASE}-mtpserve-apiserver"
+    assert apiserver["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "head"
+    assert apiserver["spec"]["policyTypes"] == ["Egress"]
+    assert apiserver["spec"]["egress"] == [{"to": api, "ports": [
+        {"port": 443, "protocol": "TCP"}, {"port": 6443, "protocol": "TCP"}]}]
+    # Without the autoscaler the head calls no API: no second policy.
+    fixed = render({"networkPolicy": {"egress": extra}, "autoscaler": {"enabled": False},
+                    "serve": {"args": {"prefill": {"autoscaling": None},
+                                       "decode": {"autoscaling": None},
+                                       "ingress": {"autoscaling": None}}}})
+    assert len(fixed["networkpolicy.yaml"]) == 1
 
 
 # ---------------------------------------------------------------------------- auth
@@ -233,34 +254,65 @@ def test_incremental_upgrade_options() -> None:
 
 @pytest.mark.parametrize("values_file", CASES, ids=CASE_IDS)
 def test_grace_period_covers_the_drain(values_file: Path | None) -> None:
+    """Workers: the preStop drain (replacement start + Serve's graceful shutdown), `ray stop`
+    and 10 s of slack (the hook's timeout, `ray stop` itself); the head: Serve's graceful
+    shutdown + 30 s."""
     rs = rayservice(render_case(values_file))
     drain = ClusterConfig.model_validate(_args(rs)).graceful_shutdown_timeout_s
-    for role, pod in pod_templates(rs).items():
-        assert pod["spec"]["terminationGracePeriodSeconds"] >= drain + 30, role
+    pods = pod_templates(rs)
+    assert pods["head"]["spec"]["terminationGracePeriodSeconds"] == drain + 30
+    for role in ("prefill", "decode"):
+        assert pods[role]["spec"]["terminationGracePeriodSeconds"] == 120 + drain + 15 + 10, role
 
 
 # ---------------------------------------------------------------------------- production knobs
 
 
-def test_role_pinning_matches_the_builder() -> None:
-    rs = rayservice(render_case(MULTI))
-    cfg = serve_config(rs)
-    cc = check_serve_config(cfg)
+@pytest.mark.parametrize("values_file", CASES, ids=CASE_IDS)
+def test_role_pinning_matches_the_builder(values_file: Path | None) -> None:
+    """Each worker group advertises its role's custom resource, as many as the TP-rank bundles
+    its pods hold, in the form both KubeRay and the Ray autoscaler parse; the builder puts the
+    same resource in every bundle of that role, and the other group offers none of it."""
+    rs = rayservice(render_case(values_file))
+    cc = check_serve_config(serve_config(rs))
     groups = {g["groupName"]: g for g in rs["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
-    deps = {d["name"]: d for d in cfg["applications"][0]["deployments"]}
-    for role, name in (("prefill", "PrefillServer"), ("decode", "DecodeServer")):
-        assert groups[role]["labels"] == {"mtpserve.io/role": role}
-        assert validate_node_labels(groups[role]["labels"]) is None  # Ray's own check
-        dep = deps[name]
-        assert dep["placement_group_bundle_label_selector"] == [{"mtpserve.io/role": role}]
-        # Serve takes a selector only next to the bundles; they must be the builder's.
-        built = deployment_options(cc, role)
-        assert dep["placement_group_bundles"] == built["placement_group_bundles"]
-        assert dep["placement_group_strategy"] == built["placement_group_strategy"]
-    assert deps["OpenAIIngress"]["max_ongoing_requests"] == 256  # user override kept
-    assert rs["spec"]["rayClusterConfig"]["autoscalerOptions"]["version"] == "v2"
-    default = rayservice(render_case(None))["spec"]["rayClusterConfig"]["workerGroupSpecs"]
-    assert all("labels" not in g for g in default)
+    offered = {}
+    for role in ("prefill", "decode"):
+        raw = groups[role]["rayStartParams"]["resources"]
+        assert raw.startswith("'") and raw.endswith("'")  # shell-quoted JSON for `ray start`
+        assert _autoscaler_custom_resources(groups[role]) == json.loads(raw.strip("'"))
+        offered[role] = json.loads(raw.strip("'"))
+        assert "labels" not in groups[role]  # no label selectors (they need autoscaler v2)
+    for role, other in (("prefill", "decode"), ("decode", "prefill")):
+        side = getattr(cc, role)
+        bundles = deployment_options(cc, role)["placement_group_bundles"]
+        assert all(b.items() >= side.resources.items() for b in bundles)
+        limits = groups[role]["template"]["spec"]["containers"][0]["resources"]["limits"]
+        per_pod = side.tp_size * (int(limits.get("nvidia.com/gpu", "0")) // max(
+            1, side.tp_size * int(side.gpus_per_rank)) if side.gpus_per_rank else
+            int(float(limits["cpu"]) // (side.tp_size * side.cpus_per_rank)))
+        assert offered[role] == {k: int(v * per_pod) for k, v in side.resources.items()}, role
+        assert not set(side.resources) & set(offered[other]), role
+    assert not any("placement_group_bundle_label_selector" in d for d in
+                   serve_config(rs)["applications"][0].get("deployments", []))
+
+
+def _autoscaler_custom_resources(group: dict[str, Any]) -> dict[str, int]:
+    """What Ray's KubeRay autoscaler reads from a group spec (Ray 2.60's own parser)."""
+    from ray.autoscaler._private.kuberay.autoscaling_config import _get_custom_resources
+
+    return _get_custom_resources({}, group["rayStartParams"], group["groupName"])
+
+
+def test_role_pinning_can_be_turned_off() -> None:
+    off = {"rolePinning": {"enabled": False},
+           "serve": {"args": {"prefill": {"resources": {"mtpserve-prefill": None}},
+                              "decode": {"resources": {"mtpserve-decode": None}}}}}
+    rs = rayservice(render(off))
+    for g in rs["spec"]["rayClusterConfig"]["workerGroupSpecs"]:
+        assert "resources" not in g["rayStartParams"]
+    cc = check_serve_config(serve_config(rs))
+    assert cc.prefill.resources == cc.decode.resources == {}
 
 
 def test_multi_node_knobs() -> None:
@@ -308,9 +360,19 @@ def test_extra_volumes_and_init_containers() -> None:
 @pytest.mark.parametrize("values_file", CASES, ids=CASE_IDS)
 def test_disruption_budgets_select_the_pods(values_file: Path | None) -> None:
     docs = render_case(values_file)
+    values = load_values(values_file) or {}
+    gcs_ft = values.get("gcsFaultTolerance", {}).get("enabled", False)
     pdbs = {p["metadata"]["name"].rsplit("-", 1)[1]: p for p in docs["poddisruptionbudget.yaml"]}
-    assert pdbs["head"]["spec"]["maxUnavailable"] == 0
+    # The head may go only when a restarted head recovers the cluster (GCS state in Redis).
+    assert pdbs["head"]["spec"]["maxUnavailable"] == (1 if gcs_ft else 0)
     for role, pod in pod_templates(rayservice(docs)).items():
         sel = pdbs[role]["spec"]["selector"]["matchLabels"]
         assert sel.items() <= pod["metadata"]["labels"].items(), role
-        assert pdbs[role]["spec"]["maxUnavailable"] == (0 if role == "head" else 1)
+        assert "mtpserve.io/cluster-spec" in sel, role  # one RayCluster's pods only
+        if role != "head":
+            assert pdbs[role]["spec"]["maxUnavailable"] == 1
+    given = render({"podDisruptionBudget": {"headMaxUnavailable": 0},
+                    "gcsFaultTolerance": {"enabled": True, "redisAddress": "r:6379"}})
+    head = [p for p in given["poddisruptionbudget.yaml"] if p["metadata"]["name"].endswith(
+        "-head")]
+    assert head[0]["spec"]["maxUnavailable"] == 0

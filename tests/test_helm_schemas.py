@@ -1,8 +1,10 @@
 """Every object helm/mtpserve renders validates against its kind's schema, strictly.
 
-The RayService against KubeRay v1.7.0's CRD, built-in kinds against Kubernetes v1.30's OpenAPI,
-PodMonitor/HTTPRoute against hand-written subsets; unknown keys are errors everywhere (the API
-server would silently prune them). All schemas are vendored in tests/data/, so nothing skips.
+The RayService against KubeRay v1.7.0's CRD, the `helm test` Pod against the PodTemplateSpec
+that CRD embeds, built-in kinds against Kubernetes v1.30's OpenAPI, PodMonitor/HTTPRoute/
+PrometheusRule against hand-written subsets; unknown keys are errors everywhere (the API server
+would silently prune them). All schemas are vendored (tests/data/, tests/helm_render.py), so
+nothing skips.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import pytest
 from helm_render import (
     CASE_IDS,
     CASES,
+    MULTI,
     crd_validator,
     objects,
     pod_templates,
@@ -31,14 +34,16 @@ EVERYTHING: dict[str, Any] = {
               "pvc": {"create": True, "storageClassName": "fast"}},
     "httpRoute": {"enabled": True, "parentRefs": [{"name": "gw", "namespace": "gateways"}],
                   "hostnames": ["llm.example.com"], "annotations": {"a": "b"}},
-    "monitoring": {"podMonitor": {"enabled": True}, "grafanaDashboard": {"enabled": True}},
+    "monitoring": {"podMonitor": {"enabled": True}, "grafanaDashboard": {"enabled": True},
+                   "prometheusRule": {"enabled": True, "labels": {"release": "prom"}}},
     "networkPolicy": {"egress": [{"to": [{"ipBlock": {"cidr": "10.0.0.0/8"}}]}],
-                      "extraIngress": [{"from": [{"ipBlock": {"cidr": "10.1.0.0/16"}}]}]},
+                      "extraIngress": [{"from": [{"ipBlock": {"cidr": "10.1.0.0/16"}}]}],
+                      "apiServer": {"peers": [{"ipBlock": {"cidr": "172.20.0.1/32"}}]}},
     "serviceAccount": {"annotations": {"iam.gke.io/gcp-service-account": "x@y.iam"}},
-    "gcsFaultTolerance": {"enabled": True, "redisAddress": "redis:6379",
-                          "externalStorageNamespace": "mtpserve"},
+    "gcsFaultTolerance": {"enabled": True, "redisAddress": "redis:6379"},
+    "rayService": {"annotations": {"ray.io/initializing-timeout": "30m"},
+                   "labels": {"team": "llm"}},
     "rayAuth": {"secretName": "ray-token"},
-    "rolePinning": {"enabled": True},
     "autoscaler": {"version": "v2"},
     "rdma": {"resourceName": "rdma/hca"},
     "priorityClassName": "high",
@@ -71,7 +76,7 @@ def test_everything_renders_every_kind() -> None:
     kinds |= {d["kind"] for d in objects(render(INGRESS))}
     assert kinds == {"RayService", "Secret", "ServiceAccount", "NetworkPolicy",
                      "PodDisruptionBudget", "PersistentVolumeClaim", "HTTPRoute", "Ingress",
-                     "PodMonitor", "ConfigMap"}
+                     "PodMonitor", "ConfigMap", "PrometheusRule", "Pod"}
 
 
 def _crd_errors(doc: dict[str, Any]) -> list[str]:
@@ -118,19 +123,28 @@ def test_crd_check_catches_bad_manifests(mutate: Any, where: str) -> None:
         ("secret.yaml", lambda d: d.update(typ="Opaque"), "typ"),
         ("serviceaccount.yaml", lambda d: d.update(automountServiceAccountToken="no"),
          "automountServiceAccountToken"),
+        ("test-api.yaml", lambda d: d["spec"]["containers"][0]["securityContext"].update(
+            runAsNonRoot="yes"), "securityContext"),
+        ("test-api.yaml", lambda d: d["spec"].update(restartPolicyy="Never"), "restartPolicyy"),
+        ("prometheusrule.yaml", lambda d: d["spec"]["groups"][0]["rules"][0].update(
+            **{"for": "ten minutes"}), "rules/0/for"),
+        ("prometheusrule.yaml", lambda d: d["spec"]["groups"][1]["rules"][0].update(
+            severity="page"), "severity"),
     ],
-    ids=["networkpolicy", "pdb", "secret", "serviceaccount"],
+    ids=["networkpolicy", "pdb", "secret", "serviceaccount", "test-pod-bool", "test-pod-typo",
+         "rule-duration", "rule-unknown-key"],
 )
 def test_k8s_schemas_catch_bad_manifests(template: str, mutate: Any, where: str) -> None:
-    doc = render_case(None)[template][0]
+    # The multi-GPU set renders the PrometheusRule; the defaults the API key Secret.
+    doc = render_case(MULTI if template == "prometheusrule.yaml" else None)[template][0]
     mutate(doc)
     errors = schema_errors(doc)
     assert errors and any(where in e for e in errors), errors
 
 
 def test_unknown_kinds_are_errors() -> None:
-    assert schema_errors({"apiVersion": "v1", "kind": "Pod"}) == [
-        "v1/Pod: no schema vendored for this kind"
+    assert schema_errors({"apiVersion": "v1", "kind": "ReplicationController"}) == [
+        "v1/ReplicationController: no schema vendored for this kind"
     ]
     route = render({"httpRoute": {"enabled": True, "parentRefs": [{"name": "gw"}]}})
     (doc,) = route["httproute.yaml"]

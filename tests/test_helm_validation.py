@@ -29,6 +29,16 @@ CHART_VALUES_ERRORS = [
     ({"serveService": {"type": "External"}}, "/serveService/type"),
     ({"replicaCount": 3}, "replicaCount"),
     ({"service": {"enabled": True}}, "service"),
+    ({"rolePinning": {"labelKey": "mtpserve.io/role"}}, "labelKey"),
+    ({"upgrade": {"incremental": {"featureGateEnabled": "yes"}}},
+     "/upgrade/incremental/featureGateEnabled"),
+    ({"serve": {"args": {"decode": {"resources": {"mtpserve-decode": "one"}}}}},
+     "/serve/args/decode/resources/mtpserve-decode"),
+    ({"serve": {"args": {"ingress": {"replica": 2}}}}, "replica"),
+    ({"model": {"hf": {"allowPatterns": []}}}, "/model/hf/allowPatterns"),
+    ({"monitoring": {"prometheusRule": {"kvCacheFor": "10 minutes"}}},
+     "/monitoring/prometheusRule/kvCacheFor"),
+    ({"helmTest": {"url": "llm.example.com"}}, "/helmTest/url"),
 ]
 
 
@@ -50,6 +60,13 @@ CHART_VALUES_ERRORS = [
         "bad-service-type",
         "unknown-top",
         "removed-head-service",
+        "removed-label-pinning",
+        "string-feature-gate",
+        "string-custom-resource",
+        "typo-ingress-args",
+        "no-download-patterns",
+        "bad-alert-duration",
+        "test-url-without-scheme",
     ],
 )
 def test_values_schema_rejects_bad_values(values: dict[str, Any], where: str) -> None:
@@ -176,27 +193,58 @@ RUNTIME_FAILURES = {
                                     "graceful_shutdown_timeout_s": 900}]}},
         "graceful_shutdown_timeout_s would replace",
     ),
+    "incremental-without-feature-gate": (
+        {"upgrade": {"strategy": "NewClusterWithIncrementalUpgrade",
+                     "incremental": {"gatewayClassName": "istio"}}},
+        'without it KubeRay treats this strategy as "no upgrades"',
+    ),
     "incremental-without-gateway": (
-        {"upgrade": {"strategy": "NewClusterWithIncrementalUpgrade"}},
+        {"upgrade": {"strategy": "NewClusterWithIncrementalUpgrade",
+                     "incremental": {"featureGateEnabled": True}}},
         "needs upgrade.incremental.gatewayClassName",
+    ),
+    "incremental-with-ingress": (
+        {"ingress": {"enabled": True},
+         "upgrade": {"strategy": "NewClusterWithIncrementalUpgrade",
+                     "incremental": {"gatewayClassName": "istio", "featureGateEnabled": True}}},
+        "the Ingress would point at demo-mtpserve-serve-svc, which KubeRay does not create",
+    ),
+    "incremental-step-above-surge": (
+        {"upgrade": {"strategy": "NewClusterWithIncrementalUpgrade",
+                     "incremental": {"gatewayClassName": "istio", "featureGateEnabled": True,
+                                     "maxSurgePercent": 10, "stepSizePercent": 20}}},
+        "stepSizePercent exceeds maxSurgePercent",
+    ),
+    # Drains: the preStop hook must have time to hand replicas over.
+    "drain-deadline-below-shutdown": (
+        {"drain": {"deadlineSeconds": 20}},
+        "the worker drain deadline (20 s",
+    ),
+    "grace-shorter-than-prestop": (
+        {"terminationGracePeriodSeconds": 100, "drain": {"deadlineSeconds": 80}},
+        "terminationGracePeriodSeconds=100 does not cover the worker preStop",
+    ),
+    "grace-leaves-no-drain": (
+        {"terminationGracePeriodSeconds": 45},
+        "is below serve.args.graceful_shutdown_timeout_s=30",
     ),
     "incremental-without-autoscaler": (
         {"autoscaler": {"enabled": False},
          "serve": {"args": {"prefill": {"autoscaling": None}, "decode": {"autoscaling": None}}},
          "upgrade": {"strategy": "NewClusterWithIncrementalUpgrade",
-                     "incremental": {"gatewayClassName": "istio"}}},
+                     "incremental": {"gatewayClassName": "istio", "featureGateEnabled": True}}},
         "NewClusterWithIncrementalUpgrade needs autoscaler.enabled",
     ),
     "incremental-with-load-balancer": (
         {"serveService": {"type": "LoadBalancer"},
          "upgrade": {"strategy": "NewClusterWithIncrementalUpgrade",
-                     "incremental": {"gatewayClassName": "istio"}}},
+                     "incremental": {"gatewayClassName": "istio", "featureGateEnabled": True}}},
         "KubeRay then ignores spec.serveService",
     ),
     "incremental-with-own-route": (
         {"httpRoute": {"enabled": True, "parentRefs": [{"name": "gw"}]},
          "upgrade": {"strategy": "NewClusterWithIncrementalUpgrade",
-                     "incremental": {"gatewayClassName": "istio"}}},
+                     "incremental": {"gatewayClassName": "istio", "featureGateEnabled": True}}},
         "a second route would bypass the traffic split",
     ),
     # Model delivery.
@@ -214,9 +262,70 @@ RUNTIME_FAILURES = {
     ),
     # Production knobs.
     "gcs-ft-without-redis": ({"gcsFaultTolerance": {"enabled": True}}, "needs gcsFaultTolerance"),
-    "pinning-with-autoscaler-v1": (
-        {"rolePinning": {"enabled": True}},
-        "rolePinning with the autoscaler needs autoscaler.version v2",
+    "external-storage-namespace": (
+        {"gcsFaultTolerance": {"enabled": True, "redisAddress": "redis:6379",
+                               "externalStorageNamespace": "mtpserve"}},
+        "a fixed Redis namespace makes the old and new RayCluster of an upgrade share",
+    ),
+    "external-storage-namespace-annotation": (
+        {"rayService": {"annotations": {"ray.io/external-storage-namespace": "x"}}},
+        "KubeRay copies it to every RayCluster",
+    ),
+    "bad-initializing-timeout": (
+        {"rayService": {"annotations": {"ray.io/initializing-timeout": "soon"}}},
+        'ray.io/initializing-timeout]="soon": KubeRay wants a Go duration',
+    ),
+    "egress-without-api-server": (
+        {"networkPolicy": {"egress": [{"to": [{"ipBlock": {"cidr": "10.0.0.0/8"}}]}]}},
+        "the head's autoscaler sidecar could not reach the Kubernetes API server",
+    ),
+    "alerts-without-scrape": (
+        {"monitoring": {"prometheusRule": {"enabled": True}}},
+        "monitoring.prometheusRule needs monitoring.podMonitor",
+    ),
+    # Role pinning: bundles that no pod offers never get placed; shared ones pin nothing.
+    "pinning-without-resources": (
+        {"serve": {"args": {"decode": {"resources": {"mtpserve-decode": None}}}}},
+        "rolePinning.enabled but serve.args.decode.resources is empty",
+    ),
+    "pinning-shared-resource": (
+        {"serve": {"args": {"prefill": {"resources": {"mtpserve-decode": 1}}}}},
+        'both ask for "mtpserve-decode"',
+    ),
+    "pinning-fractional-offer": (
+        {"serve": {"args": {"prefill": {"resources": {"mtpserve-prefill": 0.5}}}}},
+        "workers.prefill pods would advertise mtpserve-prefill=0.5",
+    ),
+    "pinning-and-own-resources-param": (
+        {"workers": {"decode": {"rayStartParams": {"resources": "'{\"x\": 1}'"}}}},
+        "workers.decode.rayStartParams.resources: with rolePinning the chart sets it",
+    ),
+    "resources-nobody-offers": (
+        {"rolePinning": {"enabled": False}},
+        'serve.args.prefill.resources asks for "mtpserve-prefill", which no worker group',
+    ),
+    # Sizing: the object store must fit /dev/shm, the ingress the pods' spare CPUs.
+    "shm-below-headroom": (
+        {"sharedMemory": {"sizeLimit": "1Gi"}},
+        "Ray's object store would get 0 MiB",
+    ),
+    "object-store-above-shm": (
+        {"sharedMemory": {"sizeLimit": "8Gi"},
+         "workers": {"decode": {"rayStartParams": {"object-store-memory": "8000000000"}}}},
+        "workers.decode.rayStartParams.object-store-memory=8000000000 does not fit",
+    ),
+    "no-memory-to-size-from": (
+        {"workers": {"prefill": {"resources": {"limits": {"memory": None},
+                                               "requests": {"memory": None}}}}},
+        "workers.prefill has no memory limit or request",
+    ),
+    "unreadable-memory": (
+        {"head": {"resources": {"limits": {"memory": "8GB"}}}},
+        '"8GB" is not a memory quantity',
+    ),
+    "ingress-beyond-spare-cpus": (
+        {"serve": {"args": {"ingress": {"cpus": 4, "autoscaling": {"max_replicas": 40}}}}},
+        "serve.args.ingress: 40 replicas × 4 CPUs exceed",
     ),
     "ingress-and-route": (
         {"ingress": {"enabled": True}, "httpRoute": {"enabled": True, "parentRefs": []}},
@@ -246,6 +355,73 @@ def test_render_fails_for_runtime_only_failures(values: dict[str, Any], match: s
 def test_the_cpu_base_of_the_cases_renders() -> None:
     """The guards fire on the change each case makes, not on its CPU base."""
     render(_cpu())
+
+
+# Keys of the builder's options (cluster/app.py) a deployment override may still tune: they
+# replace a fixed value, not something derived from serve.args.
+TUNABLE = {"health_check_period_s", "health_check_timeout_s", "graceful_shutdown_wait_loop_s"}
+SAMPLE = {"num_replicas": 2, "autoscaling_config": {"max_replicas": 2},
+          "ray_actor_options": {"num_cpus": 1}, "placement_group_bundles": [{"CPU": 1}],
+          "placement_group_strategy": "PACK", "max_ongoing_requests": 10,
+          "max_queued_requests": 10, "graceful_shutdown_timeout_s": 5,
+          "request_router_config": {"request_routing_stats_period_s": 5}}
+
+
+def _builder_keys() -> dict[str, set[str]]:
+    """Deployment name -> the option keys the builder sets, for the default values (with the
+    ingress both fixed and autoscaled, so num_replicas and autoscaling_config both appear)."""
+    from helm_render import rayservice, serve_config
+
+    from mtpserve.cluster.app import deployment_options, ingress_options
+    from mtpserve.cluster.config import ClusterConfig
+
+    args = serve_config(rayservice(render()))["applications"][0]["args"]
+    cc = ClusterConfig.model_validate(args)
+    fixed = cc.model_copy(update={
+        role: getattr(cc, role).model_copy(update={"autoscaling": None})
+        for role in ("ingress", "prefill", "decode")})
+    keys = {"OpenAIIngress": set(ingress_options(cc)) | set(ingress_options(fixed)),
+            "PrefillServer": set(deployment_options(cc, "prefill"))
+            | set(deployment_options(fixed, "prefill")),
+            "DecodeServer": set(deployment_options(cc, "decode"))
+            | set(deployment_options(fixed, "decode"))}
+    return keys
+
+
+@pytest.mark.parametrize("name", ["OpenAIIngress", "PrefillServer", "DecodeServer"])
+def test_overrides_of_what_the_builder_derives_are_refused(name: str) -> None:
+    """Every option the builder derives from serve.args is refused as an override (the guard
+    follows cluster/app.py: a new derived option fails here until _validate.tpl knows it)."""
+    derived = _builder_keys()[name] - TUNABLE
+    assert {"num_replicas", "autoscaling_config", "ray_actor_options"} <= derived
+    for key in sorted(derived):
+        with pytest.raises(helm.HelmRenderError,
+                           match=re.escape(f"serve.deployments[{name}].{key} would replace")):
+            render({"serve": {"deployments": [{"name": name, key: SAMPLE[key]}]}})
+    for key in sorted(TUNABLE & _builder_keys()[name]):
+        render({"serve": {"deployments": [{"name": name, key: 7}]}})
+
+
+def test_override_messages_name_the_args_knob() -> None:
+    cases = {("OpenAIIngress", "num_replicas"): "set serve.args.ingress.replicas",
+             ("OpenAIIngress", "max_ongoing_requests"): "serve.args.limits.max_concurrent_requests",
+             ("DecodeServer", "max_ongoing_requests"): "set serve.args.decode.max_num_seqs",
+             ("PrefillServer", "autoscaling_config"): "set serve.args.prefill.autoscaling",
+             ("DecodeServer", "max_replicas_per_node"): "next to placement group bundles"}
+    for (name, key), knob in cases.items():
+        with pytest.raises(helm.HelmRenderError, match=re.escape(knob)):
+            render({"serve": {"deployments": [{"name": name, key: SAMPLE.get(key, 1)}]}})
+
+
+def test_overrides_the_builder_does_not_set_pass() -> None:
+    """The guard refuses only what fights the builder: spreading the ingress over nodes, or a
+    user_config, renders and reaches the Serve config."""
+    from helm_render import rayservice, serve_config
+
+    deps = [{"name": "OpenAIIngress", "max_replicas_per_node": 1},
+            {"name": "DecodeServer", "health_check_timeout_s": 120}]
+    rs = rayservice(render({"serve": {"deployments": deps}}))
+    assert serve_config(rs)["applications"][0]["deployments"] == deps
 
 
 def test_generated_key_is_never_rotated_on_upgrade() -> None:

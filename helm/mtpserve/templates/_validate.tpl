@@ -66,6 +66,78 @@ case for each.
 {{- end }}
 {{- end }}
 
+{{/*
+Role pinning: what each role's bundles ask (serve.args.<role>.resources) must be offered by its
+own worker group only, in whole numbers (the Ray autoscaler reads integers).
+*/}}
+{{- define "mtpserve.validatePinning" -}}
+{{- $v := .Values }}
+{{- range $role := list "prefill" "decode" }}
+{{- $other := ternary "decode" "prefill" (eq $role "prefill") }}
+{{- $side := get $v.serve.args $role | default dict }}
+{{- $want := $side.resources | default dict }}
+{{- $group := get $v.workers $role }}
+{{- $params := $group.rayStartParams | default dict }}
+{{- if $v.rolePinning.enabled }}
+{{- if not $want }}
+{{- fail (printf "rolePinning.enabled but serve.args.%s.resources is empty: %s bundles could land on %s pods (e.g. {mtpserve-%s: 1})" $role $role $other $role) }}
+{{- end }}
+{{- if hasKey $params "resources" }}
+{{- fail (printf "workers.%s.rayStartParams.resources: with rolePinning the chart sets it from serve.args.%s.resources" $role $role) }}
+{{- end }}
+{{- range $k, $amount := $want }}
+{{- if hasKey ((get $v.serve.args $other | default dict).resources | default dict) $k }}
+{{- fail (printf "serve.args.prefill.resources and serve.args.decode.resources both ask for %q: role pinning needs a resource per role" $k) }}
+{{- end }}
+{{- if le (float64 $amount) 0.0 }}
+{{- fail (printf "serve.args.%s.resources.%s=%v: role pinning needs a positive amount" $role $k $amount) }}
+{{- end }}
+{{- end }}
+{{- range $k, $n := include "mtpserve.pinnedResources" (dict "root" $ "role" $role) | fromJson }}
+{{- if ne (float64 $n) (floor (float64 $n)) }}
+{{- fail (printf "workers.%s pods would advertise %s=%v (serve.args.%s.resources.%s × TP-rank bundles per pod): the Ray autoscaler reads whole numbers only" $role $k $n $role $k) }}
+{{- end }}
+{{- end }}
+{{- else }}
+{{- range $k, $amount := $want }}
+{{- if not (contains (printf "\"%s\"" $k) (get $params "resources" | default "" | replace "\\" "")) }}
+{{- fail (printf "serve.args.%s.resources asks for %q, which no worker group offers (rolePinning is off and workers.%s.rayStartParams.resources lacks it): the replicas would never be placed" $role $k $role) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+The ingress replicas (serve.args.ingress) take CPUs next to the prefill and decode replicas on
+the worker pods (and on the head when it advertises CPUs): at their most they must fit in what
+those pods have left over.
+*/}}
+{{- define "mtpserve.validateIngress" -}}
+{{- $v := .Values }}
+{{- $ing := $v.serve.args.ingress | default dict }}
+{{- $cpus := $ing.cpus | default 0.25 | float64 }}
+{{- $n := $ing.replicas | default 1 | int }}
+{{- with $ing.autoscaling }}{{ $n = .max_replicas | default 4 | int }}{{ end }}
+{{- $spare := 0.0 }}
+{{- $unknown := false }}
+{{- range $role := list "prefill" "decode" }}
+{{- $group := get $v.workers $role }}
+{{- $side := get $v.serve.args $role | default dict }}
+{{- $podCpu := include "mtpserve.podCpus" $group | float64 }}
+{{- if lt $podCpu 0.0 }}{{ $unknown = true }}{{ end }}
+{{- $perPod := include "mtpserve.replicasPerPod" (dict "root" $ "role" $role) | float64 }}
+{{- $pods := ternary $group.maxReplicas $group.replicas $v.autoscaler.enabled | float64 }}
+{{- $want := $side.replicas | default 1 | float64 }}
+{{- with $side.autoscaling }}{{ $want = .max_replicas | default 1 | float64 }}{{ end }}
+{{- $used := mulf (minf (mulf $pods $perPod) $want) ($side.tp_size | default 1) ($side.cpus_per_rank | default 1) }}
+{{- $spare = addf $spare (maxf 0.0 (subf (mulf $pods $podCpu) $used)) }}
+{{- end }}
+{{- if and (not $unknown) (not (include "mtpserve.headRunsReplicas" .)) (gt (mulf $n $cpus) $spare) }}
+{{- fail (printf "serve.args.ingress: %d replicas × %v CPUs exceed the %v CPUs the worker pods have left next to the prefill and decode replicas; lower ingress.cpus or the replica count, or give the pods more CPUs" $n $cpus $spare) }}
+{{- end }}
+{{- end }}
+
 {{- define "mtpserve.validate" -}}
 {{- $v := .Values }}
 {{- $args := $v.serve.args }}
@@ -80,12 +152,30 @@ case for each.
 {{- range $role := list "prefill" "decode" }}
 {{- include "mtpserve.validateRole" (dict "root" $ "role" $role) }}
 {{- end }}
+{{- include "mtpserve.validateIngress" . }}
 
-{{- /* Overrides that replace, not merge, what the builder computed. */}}
+{{- /* Overrides that replace, not merge, what the builder computed (cluster/app.py
+deployment_options, ingress_options): each has a knob in serve.args instead. */}}
+{{- $roles := dict "OpenAIIngress" "ingress" "PrefillServer" "prefill" "DecodeServer" "decode" }}
 {{- range $dep := $v.serve.deployments }}
-{{- range $key := list "ray_actor_options" "graceful_shutdown_timeout_s" "placement_group_bundles" "placement_group_strategy" "placement_group_bundle_label_selector" "autoscaling_config" "num_replicas" "max_replicas_per_node" }}
+{{- $role := get $roles $dep.name }}
+{{- $fix := dict
+  "num_replicas" (printf "serve.args.%s.replicas / serve.args.%s.autoscaling" $role $role)
+  "autoscaling_config" (printf "serve.args.%s.autoscaling" $role)
+  "ray_actor_options" (ternary "serve.args.ingress.cpus" (printf "serve.args.%s.cpus_per_rank / gpus_per_rank / resources" $role) (eq $role "ingress"))
+  "placement_group_bundles" (printf "serve.args.%s (the builder makes one bundle per TP rank)" $role)
+  "placement_group_strategy" (printf "serve.args.%s (the builder packs a replica's TP ranks)" $role)
+  "placement_group_bundle_label_selector" "rolePinning (custom resources)"
+  "graceful_shutdown_timeout_s" "serve.args.graceful_shutdown_timeout_s"
+  "max_ongoing_requests" (get (dict "ingress" "serve.args.limits.max_concurrent_requests (Serve's cap sits 64 above it)" "decode" "serve.args.decode.max_num_seqs" "prefill" "serve.args.prefill.max_num_batched_tokens") $role)
+  "max_queued_requests" "serve.args.limits.max_queued_requests" }}
+{{- if ne $role "ingress" }}
+{{- $_ := set $fix "request_router_config" "nothing: the builder's load-aware router (router/routing.py) must stay" }}
+{{- $_ := set $fix "max_replicas_per_node" "nothing: Serve refuses it next to placement group bundles" }}
+{{- end }}
+{{- range $key := keys $fix | sortAlpha }}
 {{- if hasKey $dep $key }}
-{{- fail (printf "serve.deployments[%s].%s would replace the builder's %s (Serve overrides do not merge); set resources, replicas and autoscaling in serve.args, pinning in rolePinning" $dep.name $key $key) }}
+{{- fail (printf "serve.deployments[%s].%s would replace the builder's %s (Serve overrides do not merge); set %s" $dep.name $key $key (get $fix $key)) }}
 {{- end }}
 {{- end }}
 {{- end }}
@@ -118,10 +208,24 @@ case for each.
 {{- fail (printf "upgrade.rayClusterDeletionDelaySeconds=%v is below serve.args.request_timeout_s=%v: the old cluster would be deleted under running requests" $v.upgrade.rayClusterDeletionDelaySeconds $timeout) }}
 {{- end }}
 {{- $drain := $args.graceful_shutdown_timeout_s | default 30 | float64 }}
-{{- if lt (include "mtpserve.gracePeriod" . | float64) $drain }}
+{{- if lt (include "mtpserve.gracePeriod" (dict "root" . "head" true) | float64) $drain }}
 {{- fail (printf "terminationGracePeriodSeconds=%v is below serve.args.graceful_shutdown_timeout_s=%v: pods would be killed mid-drain" $v.terminationGracePeriodSeconds $drain) }}
 {{- end }}
+{{- $deadline := include "mtpserve.drainDeadline" . | float64 }}
+{{- if lt $deadline $drain }}
+{{- fail (printf "the worker drain deadline (%v s: drain.deadlineSeconds, or what terminationGracePeriodSeconds leaves after drain.stopSeconds + 10) is below serve.args.graceful_shutdown_timeout_s=%v: Serve would stop the replicas of a drained pod without their graceful shutdown" $deadline $drain) }}
+{{- end }}
+{{- $workerGrace := include "mtpserve.gracePeriod" (dict "root" . "head" false) | float64 }}
+{{- if lt $workerGrace (addf $deadline $v.drain.stopSeconds 10) }}
+{{- fail (printf "terminationGracePeriodSeconds=%v does not cover the worker preStop: drain.deadlineSeconds=%v + drain.stopSeconds=%v + 10" $v.terminationGracePeriodSeconds $deadline $v.drain.stopSeconds) }}
+{{- end }}
 {{- if eq $v.upgrade.strategy "NewClusterWithIncrementalUpgrade" }}
+{{- if not $v.upgrade.incremental.featureGateEnabled }}
+{{- fail "upgrade.strategy NewClusterWithIncrementalUpgrade needs the KubeRay operator's RayServiceIncrementalUpgrade feature gate (Beta and on by default in KubeRay v1.7; Alpha and off in v1.5-v1.6): without it KubeRay treats this strategy as \"no upgrades\" and pod-template changes never roll out. Check the operator (--feature-gates, or featureGates in its chart) and set upgrade.incremental.featureGateEnabled=true, or use NewCluster" }}
+{{- end }}
+{{- if gt (int $v.upgrade.incremental.stepSizePercent) (int $v.upgrade.incremental.maxSurgePercent) }}
+{{- fail "upgrade.incremental.stepSizePercent exceeds maxSurgePercent: KubeRay rejects the RayService" }}
+{{- end }}
 {{- if not $v.upgrade.incremental.gatewayClassName }}
 {{- fail "upgrade.strategy NewClusterWithIncrementalUpgrade needs upgrade.incremental.gatewayClassName (KubeRay splits traffic through a Gateway)" }}
 {{- end }}
@@ -133,6 +237,9 @@ case for each.
 {{- end }}
 {{- if $v.httpRoute.enabled }}
 {{- fail "httpRoute.enabled with NewClusterWithIncrementalUpgrade: KubeRay creates the Gateway route itself; a second route would bypass the traffic split" }}
+{{- end }}
+{{- if $v.ingress.enabled }}
+{{- fail (printf "ingress.enabled with NewClusterWithIncrementalUpgrade: the Ingress would point at %s, which KubeRay does not create in this mode (traffic enters through its Gateway %s-gateway); expose the Gateway instead" (include "mtpserve.serveServiceName" .) (include "mtpserve.fullname" .)) }}
 {{- end }}
 {{- end }}
 
@@ -171,8 +278,24 @@ case for each.
 {{- if and $v.gcsFaultTolerance.enabled (not $v.gcsFaultTolerance.redisAddress) }}
 {{- fail "gcsFaultTolerance.enabled needs gcsFaultTolerance.redisAddress" }}
 {{- end }}
-{{- if and $v.rolePinning.enabled $v.autoscaler.enabled (ne $v.autoscaler.version "v2") }}
-{{- fail "rolePinning with the autoscaler needs autoscaler.version v2 (v1 ignores label selectors and never adds the pinned pods)" }}
+{{- if $v.gcsFaultTolerance.externalStorageNamespace }}
+{{- fail "gcsFaultTolerance.externalStorageNamespace: a fixed Redis namespace makes the old and new RayCluster of an upgrade share one GCS keyspace (and the old cluster's cleanup deletes the new one's state); leave it empty so KubeRay uses each cluster's UID" }}
+{{- end }}
+{{- with $v.rayService.annotations }}
+{{- if hasKey . "ray.io/external-storage-namespace" }}
+{{- fail "rayService.annotations[ray.io/external-storage-namespace]: KubeRay copies it to every RayCluster, so old and new clusters would share one GCS keyspace in Redis; remove it" }}
+{{- end }}
+{{- $t := get . "ray.io/initializing-timeout" | default "" | toString }}
+{{- if and $t (not (regexMatch "^([0-9]+(\\.[0-9]+)?(ns|us|µs|ms|s|m|h))+$" $t)) (not (regexMatch "^[1-9][0-9]*$" $t)) }}
+{{- fail (printf "rayService.annotations[ray.io/initializing-timeout]=%q: KubeRay wants a Go duration (30m, 1h) or whole seconds" $t) }}
+{{- end }}
+{{- end }}
+{{- include "mtpserve.validatePinning" . }}
+{{- if and $v.networkPolicy.enabled $v.networkPolicy.egress $v.autoscaler.enabled (not $v.networkPolicy.apiServer.peers) }}
+{{- fail "networkPolicy.egress restricts egress but networkPolicy.apiServer.peers is empty: the head's autoscaler sidecar could not reach the Kubernetes API server; add its endpoints (e.g. [{ipBlock: {cidr: 10.0.0.1/32}}])" }}
+{{- end }}
+{{- if and $v.monitoring.prometheusRule.enabled (not $v.monitoring.podMonitor.enabled) }}
+{{- fail "monitoring.prometheusRule needs monitoring.podMonitor: its rules select the labels (namespace, ray_cluster) that the PodMonitor's scrape adds" }}
 {{- end }}
 {{- if and $v.ingress.enabled $v.httpRoute.enabled }}
 {{- fail "ingress.enabled and httpRoute.enabled: pick one entry point" }}

@@ -5,8 +5,9 @@
 Fields already in the schema keep their hand-written entry; new fields get one derived from the
 pydantic JSON schema (types, bounds, enums; nested models closed with additionalProperties:
 false; an Optional model, which pydantic writes as anyOf [{$ref}, {type: null}], becomes one
-object schema with type ["object", "null"]); fields gone from ClusterConfig are dropped, also
-inside nested models. tests/test_helm_chart.py checks the result.
+object schema with type ["object", "null"]; a dict field keeps the type of its values); fields
+gone from ClusterConfig are dropped, also inside nested models. tests/test_helm_chart.py checks
+the result.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from mtpserve.cluster.config import ClusterConfig
 from pydantic import BaseModel
+
+from mtpserve.cluster.config import ClusterConfig
 
 SCHEMA = Path(__file__).resolve().parents[1] / "values.schema.json"
 KEEP = ("type", "enum", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
@@ -50,7 +52,10 @@ def _plain(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
         }
     if "const" in node:
         return {"enum": [node["const"]]}
-    return {k: v for k, v in node.items() if k in KEEP}
+    out = {k: v for k, v in node.items() if k in KEEP}
+    if isinstance(node.get("additionalProperties"), dict):  # a dict field: type its values
+        out["additionalProperties"] = _plain(node["additionalProperties"], defs)
+    return out
 
 
 def _sync(model: type[BaseModel], node: dict[str, Any], fresh: dict[str, Any],
