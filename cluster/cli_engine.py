@@ -32,6 +32,9 @@ def add_commands(sub: argparse._SubParsersAction, bench: argparse._SubParsersAct
     p.add_argument("--stop-token-ids", type=_ints, default=(), help="comma-separated ids")
     p.add_argument("--logprobs", type=int, help="with --json: log probs + N alternatives")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
+                   help="compiled decode graphs (auto: where measured faster; "
+                   "MTPSERVE_COMPILE overrides)")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt")
     p.set_defaults(func=_generate)
 
@@ -99,7 +102,8 @@ def _generate(args: argparse.Namespace) -> int:
     from mtpserve.workers import LLM, SamplingParams
 
     prompts = [args.prompt] if args.prompt is not None else _read_prompts(args.prompts_file)
-    llm = LLM(args.model, dtype=args.dtype, num_speculative_tokens=args.num_speculative_tokens)
+    llm = LLM(args.model, dtype=args.dtype, num_speculative_tokens=args.num_speculative_tokens,
+              compile=args.compile)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                             min_tokens=args.min_tokens, stop_token_ids=args.stop_token_ids,

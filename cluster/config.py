@@ -132,6 +132,18 @@ class IngressSettings(_Strict):
         None, description="Request-based autoscaling; None keeps `replicas` fixed.")
 
 
+class EngineSettings(_Strict):
+    """How the engines run their forwards."""
+
+    compile: Literal["auto", "on", "off"] = Field(
+        "auto", description="Compiled fixed-shape decode graphs in decode replicas: auto = on "
+        "where measured faster (CPU with decode tp_size 1), on = wherever supported (TP = 1), "
+        "off = eager. The MTPSERVE_COMPILE environment variable overrides it.")
+    warmup_budget_s: float = Field(
+        90.0, ge=0, description="Seconds a decode replica may spend compiling graphs at "
+        "start, before it reports ready (likeliest buckets first; the rest run eagerly).")
+
+
 class SpeculationSettings(_Strict):
     """MTP speculative decoding."""
 
@@ -303,6 +315,7 @@ class ClusterConfig(_Strict):
     prefill: PrefillSettings = Field(default_factory=PrefillSettings)
     decode: DecodeSettings = Field(default_factory=DecodeSettings)
     ingress: IngressSettings = Field(default_factory=IngressSettings)
+    engine: EngineSettings = Field(default_factory=EngineSettings)
     speculation: SpeculationSettings = Field(default_factory=SpeculationSettings)
     kv_transfer: KVTransferSettings = Field(default_factory=KVTransferSettings)
     http: HTTPSettings = Field(default_factory=HTTPSettings)

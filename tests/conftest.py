@@ -11,6 +11,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # The test models are tiny: one thread is faster than two fighting over 2 shared cores.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# Engines compile decode graphs by default (compile: auto); the suite builds hundreds of
+# engines, so it runs them eager and tests compiled graphs where it says so (ModelRunner(
+# decode_graphs=True), compile="on" with this variable removed).
+os.environ.setdefault("MTPSERVE_COMPILE", "off")
 
 import torch  # noqa: E402
 from tiny_models import make_tiny_checkpoint  # noqa: E402

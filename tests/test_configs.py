@@ -42,8 +42,16 @@ def test_local_cpu_is_the_default_model_on_cpu() -> None:
     assert args.get("model", "models/tiny-code-mtp") == "models/tiny-code-mtp"
     cc = check_serve_config(cfg)
     assert (cc.device, cc.kv_transfer.backend) == ("cpu", "gloo")
-    assert (cc.prefill.tp_size, cc.decode.tp_size) == (1, 2)
+    assert (cc.prefill.tp_size, cc.decode.tp_size) == (1, 1)  # fastest on 2 cores (README)
+    assert cc.engine.compile == "auto"  # compiled decode graphs, warmed up at start
     assert (cc.prefill.replicas, cc.decode.replicas) == (1, 1)
+    # The whole app fits Ray's default resources on a 2-core machine.
+    ranks = (cc.prefill.tp_size * cc.prefill.cpus_per_rank
+             + cc.decode.tp_size * cc.decode.cpus_per_rank)
+    assert ranks + cc.ingress.cpus <= 2
+    tp2 = check_serve_config(load("local-cpu-tp2.yaml"))
+    assert tp2.decode.tp_size == 2
+    assert 2 * tp2.decode.cpus_per_rank + tp2.prefill.cpus_per_rank + tp2.ingress.cpus <= 2
     assert cc.prefill.gpus_per_rank == cc.decode.gpus_per_rank == 0
     assert (cc.http.host, cc.http.port) == ("127.0.0.1", 8000)
     assert cfg["http_options"] == {"host": "127.0.0.1", "port": 8000}

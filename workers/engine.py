@@ -16,11 +16,12 @@ verify round, which keeps its round structure (and so its draws) unchanged.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 
 from mtpserve.workers.adaptive_k import AdaptiveK
 from mtpserve.workers.block_manager import BlockManager, blocks_for
-from mtpserve.workers.engine_config import DTYPES, EngineConfig, EngineError
+from mtpserve.workers.engine_config import DTYPES, EngineConfig, EngineError, compile_enabled
 from mtpserve.workers.model_runner import ForwardBatch, ModelRunner
 from mtpserve.workers.outputs import RequestOutput, append_tokens
 from mtpserve.workers.request import Request, RequestStatus
@@ -32,6 +33,8 @@ from mtpserve.workers.spec.rejection_sampler import RejectionSampler
 
 __all__ = ["DTYPES", "Engine", "EngineConfig", "EngineError", "RequestOutput"]
 
+logger = logging.getLogger(__name__)
+
 
 class Engine(RoundOutcomes):
     """Scheduler + model runner + MTP proposer + rejection sampler (module docstring)."""
@@ -41,6 +44,7 @@ class Engine(RoundOutcomes):
         self.runner = runner or ModelRunner(
             config.model, config.num_kv_blocks, config.block_size,
             DTYPES[config.dtype], config.device, draft_vocab_size=config.draft_vocab_size,
+            decode_graphs=compile_enabled(config.compile, config.device),
         )
         mcfg = self.runner.config
         self.model_config = mcfg
@@ -58,9 +62,31 @@ class Engine(RoundOutcomes):
         # changes k when adaptive_k is on.
         self.adaptive = AdaptiveK(config.num_speculative_tokens, enabled=config.adaptive_k)
         self.requests: dict[str, Request] = {}
+        if config.role != "both":
+            self.warmup()  # a serving engine: before its replica reports ready
         self.prefilled: dict[str, Request] = {}  # role "prefill": KV held for transfer
         self.eos_ids = set(mcfg.eos_token_ids)  # config.json + generation_config.json
         self.totals = {"rounds": 0, "drafted": 0, "accepted": 0, "emitted": 0}
+
+    def warmup(self, max_batch: int | None = None, max_context: int | None = None,
+               budget_s: float | None = None) -> int:
+        """Compile the decode buckets requests can hit (a no-op for an eager runner) before
+        they run: batches up to `max_batch` (default max_num_seqs), verify rows of 1..k+1
+        tokens, contexts up to `max_context` (default the window). Serving engines call it at
+        start; `LLM.generate` before each batch of prompts. Bounded by `budget_s` (default
+        `warmup_budget_s`); afterwards a bucket not compiled runs eagerly."""
+        k = self.config.num_speculative_tokens
+        max_batch = min(max_batch or self.config.max_num_seqs, self.config.max_num_seqs)
+        batches = [1 << i for i in range(max_batch.bit_length())]
+        t0 = time.monotonic()
+        n = self.runner.warmup_graphs(batches, list(range(1, k + 2)),
+                                      min(max_context or self.max_model_len, self.max_model_len),
+                                      budget_s=self.config.warmup_budget_s if budget_s is None
+                                      else budget_s, log=logger.info)
+        if n:
+            logger.info("warm-up: %d decode graphs compiled in %.1f s", n,
+                        time.monotonic() - t0)
+        return n
 
     # Requests ------------------------------------------------------------------------------
     def make_request(self, request_id: str, prompt_token_ids: list[int],

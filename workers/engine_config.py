@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Literal
 
@@ -32,6 +33,40 @@ class EngineConfig:
     mixed_prefill_tokens: int = 128
     # Draft over the N most frequent tokens only (workers.spec.draft_vocab); None: all.
     draft_vocab_size: int | None = None
+    # Compiled fixed-shape decode graphs (workers/model/decode_graph.py): "auto" turns them on
+    # where they were measured faster (see `compile_enabled`); MTPSERVE_COMPILE overrides.
+    compile: Literal["auto", "on", "off"] = "auto"
+    # Warm-up compiles the likeliest decode buckets first, within this many seconds; a bucket
+    # it did not reach runs eagerly (nothing compiles inside a request).
+    warmup_budget_s: float = 90.0
+
+
+CompileMode = Literal["auto", "on", "off"]
+
+
+def compile_mode(mode: str) -> str:
+    """The configured mode unless `MTPSERVE_COMPILE` (auto | on | off) overrides it (the older
+    MTPSERVE_DECODE_GRAPHS=1 means on)."""
+    env = os.environ.get("MTPSERVE_COMPILE")
+    if env is None and os.environ.get("MTPSERVE_DECODE_GRAPHS") == "1":
+        env = "on"
+    mode = env or mode
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"compile mode {mode!r}: expected auto | on | off")
+    return mode
+
+
+def compile_enabled(mode: str, device: str, tp_size: int = 1) -> bool:
+    """Whether decode forwards run as compiled graphs. `MTPSERVE_COMPILE` (auto | on | off)
+    overrides the configured mode (and the older MTPSERVE_DECODE_GRAPHS=1 means on).
+
+    auto: on for CPU with TP = 1, where graphs were measured 1.3-2x faster per decode step
+    (README, engine benchmarks); off for TP > 1 (this code does not put collectives inside a
+    graph) and on CUDA (not yet measured here)."""
+    mode = compile_mode(mode)
+    if tp_size > 1:
+        return False
+    return mode == "on" or (mode == "auto" and device == "cpu")
 
 
 class EngineError(ValueError):

@@ -9,13 +9,18 @@ rank and are selected by row indices, never shipped.
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 import torch
 
+from mtpserve.workers.engine_config import compile_enabled
 from mtpserve.workers.kv_cache import KVCache
 from mtpserve.workers.model.attention_metadata import AttentionMetadata
+from mtpserve.workers.model.config import ModelConfig
 from mtpserve.workers.model.decode_graph import DecodeGraphs
 from mtpserve.workers.model.loader import load_model
 from mtpserve.workers.model.parallel import get_tp
@@ -63,7 +68,34 @@ def column_major_linears(model: torch.nn.Module) -> None:
             mod.weight.data = mod.weight.data.t().contiguous().t()
 
 
+@runtime_checkable
+class Runner(Protocol):
+    """What the engine drives: `ModelRunner` in one process, `TPDriver` (workers/tp_group.py)
+    for a TP group, which mirrors each call to every rank. Both implement all of it, so a
+    capability (graphs, warm-up, fused rounds) cannot vanish when serving
+    (tests/test_tensor_parallel.py enumerates this protocol on both)."""
+
+    config: ModelConfig
+    kv_cache: KVCache
+
+    def execute(self, batch: ForwardBatch) -> torch.Tensor: ...
+
+    def warmup_graphs(self, batch_sizes: list[int], query_lens: list[int], max_context: int,
+                      mtp_modules: int | None = None, budget_s: float | None = None,
+                      log: Callable[[str], None] | None = None) -> int: ...
+
+    @property
+    def fuses_greedy_rounds(self) -> bool: ...
+
+    def greedy_round(self, input_ids: list[list[int]], starts: list[int],
+                     tables: list[list[int]], room: list[int]
+                     ) -> tuple[list[int], list[int], list[list[int]]] | None: ...
+
+
 class ModelRunner:
+    """The `Runner` of one process: the model (or its TP shard), its paged KV cache and, when
+    compiled, the decode graphs."""
+
     def __init__(
         self,
         model_path: str | Path,
@@ -93,8 +125,8 @@ class ModelRunner:
         # Hidden states of the last forward of each kind: (flat [rows, hidden], S, Sp), rows
         # laid out b * Sp + s (Sp = the graph bucket's query length, S the batch's).
         self._hidden: dict[str, tuple[torch.Tensor, int, int]] = {}
-        if decode_graphs is None:
-            decode_graphs = os.environ.get("MTPSERVE_DECODE_GRAPHS", "0") == "1"
+        if decode_graphs is None:  # the engine's default (compile: auto), env overrides
+            decode_graphs = compile_enabled("auto", self.device.type, get_tp().size)
         # Collectives inside a compiled graph are not supported here: TP > 1 stays eager.
         if greedy_rounds is None:
             greedy_rounds = os.environ.get("MTPSERVE_GREEDY_ROUNDS", "0") == "1"
@@ -104,12 +136,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warmup_graphs(self, batch_sizes: list[int], query_lens: list[int], max_context: int,
-                      mtp_modules: int | None = None) -> int:
-        """Compile the decode graphs these shapes can hit (no-op without graphs)."""
+                      mtp_modules: int | None = None, budget_s: float | None = None,
+                      log: Callable[[str], None] | None = None) -> int:
+        """Compile the decode graphs these shapes can hit, likeliest first, within `budget_s`
+        seconds (no-op without graphs); returns how many were compiled."""
         if self.graphs is None:
             return 0
         n = self.config.num_mtp_modules if mtp_modules is None else mtp_modules
-        return self.graphs.warmup(batch_sizes, query_lens, max_context, n)
+        deadline = None if budget_s is None else time.monotonic() + budget_s
+        return self.graphs.warmup(batch_sizes, query_lens, max_context, n, log, deadline)
 
     @property
     def fuses_greedy_rounds(self) -> bool:

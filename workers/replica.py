@@ -45,7 +45,7 @@ class EngineReplica:
             device=cfg.device, kv_backend=kv.backend, kv_host=host, kv_interface=interface,
             kv_timeout_s=kv.timeout_s, kv_hold_ttl_s=kv.hold_ttl_s,
             num_threads=max(1, int(side.cpus_per_rank)),
-            draft_vocab_size=cfg.speculation.draft_vocab_size,
+            draft_vocab_size=cfg.speculation.draft_vocab_size, compile=cfg.engine.compile,
         )
         self.driver, self.workers, self.kv_addresses = start_group(
             spec, side.cpus_per_rank, side.gpus_per_rank)
@@ -56,8 +56,9 @@ class EngineReplica:
             block_size=cfg.block_size, num_kv_blocks=side.num_kv_blocks,
             max_num_seqs=getattr(side, "max_num_seqs", 64),
             max_num_batched_tokens=getattr(side, "max_num_batched_tokens", 512),
-            max_model_len=cfg.max_model_len, role=self.role,
-        ), runner=self.driver)
+            max_model_len=cfg.max_model_len, role=self.role, compile=cfg.engine.compile,
+            warmup_budget_s=cfg.engine.warmup_budget_s,
+        ), runner=self.driver)  # warms up the decode graphs before Serve sees it ready
         self.poller = self._make_poller()
         self.poller.engine = engine
         self.engine = AsyncEngine(engine, self.poller)

@@ -34,6 +34,7 @@ from mtpserve.workers.control_plane import (
     OP_SHUTDOWN,
     ControlPlane,
 )
+from mtpserve.workers.engine_config import compile_enabled
 from mtpserve.workers.model.parallel import set_tp
 from mtpserve.workers.model_runner import ForwardBatch, ModelRunner
 
@@ -65,6 +66,7 @@ class RankSpec:
     data_timeout_s: float = 600.0  # one model collective on the data group
     num_threads: int | None = None
     draft_vocab_size: int | None = None
+    compile: str = "auto"  # EngineConfig.compile
 
 
 @dataclass
@@ -156,8 +158,12 @@ class RankCore:
                 backend="nccl" if spec.device == "cuda" else "gloo",
                 timeout=timedelta(seconds=spec.data_timeout_s))
             set_tp(rank, spec.tp_size, self.data_group)
+        # Graphs pay off in decode rounds; a prefill replica runs long chunks (eager anyway),
+        # so it skips the warm-up a graph runner needs.
+        graphs = spec.role == "decode" and compile_enabled(spec.compile, spec.device,
+                                                           spec.tp_size)
         self.runner = ModelRunner(spec.model, spec.num_kv_blocks, spec.block_size,
-                                  DTYPES[spec.dtype], spec.device,
+                                  DTYPES[spec.dtype], spec.device, decode_graphs=graphs,
                                   draft_vocab_size=spec.draft_vocab_size)
         cfg = self.runner.config
         self.head_start = rank * cfg.num_key_value_heads // spec.tp_size
@@ -342,6 +348,25 @@ class TPDriver:
         if self.tp_size > 1:
             self._send(lambda: self.core.control.send_forward(batch))
         return self.core.runner.execute(batch)
+
+    # Compiled graphs exist only at TP = 1 (`compile_enabled`), where rank 0 is the group:
+    # these calls then need no broadcast. A TP > 1 runner has none, so they are no-ops.
+    def warmup_graphs(self, batch_sizes: list[int], query_lens: list[int], max_context: int,
+                      mtp_modules: int | None = None, budget_s: float | None = None,
+                      log: Callable[[str], None] | None = None) -> int:
+        assert self.tp_size == 1 or self.runner.graphs is None
+        return self.runner.warmup_graphs(batch_sizes, query_lens, max_context, mtp_modules,
+                                         budget_s, log)
+
+    @property
+    def fuses_greedy_rounds(self) -> bool:
+        return self.tp_size == 1 and self.runner.fuses_greedy_rounds
+
+    def greedy_round(self, input_ids: list[list[int]], starts: list[int],
+                     tables: list[list[int]], room: list[int]
+                     ) -> tuple[list[int], list[int], list[list[int]]] | None:
+        return self.runner.greedy_round(input_ids, starts, tables, room) if (
+            self.tp_size == 1) else None
 
     def ping(self) -> None:
         """Raise unless every rank answers and none has failed (collective)."""

@@ -246,44 +246,66 @@ class DecodeGraphs:
                          inp.slots, inp.tables, inp.logit_rows, self.kv.buffers)
 
     def warmup(self, batch_sizes: list[int], query_lens: list[int], max_context: int,
-               mtp_modules: int, log: Callable[[str], None] | None = None) -> int:
-        """Compile every bucket these batch sizes / query lengths / contexts can hit; writes
-        only the scratch block. Returns the number of graphs compiled now."""
+               mtp_modules: int, log: Callable[[str], None] | None = None,
+               deadline: float | None = None) -> int:
+        """Compile the buckets these batch sizes / query lengths / contexts can hit, likeliest
+        first (small batches, short contexts), until `deadline` (time.monotonic()); writes
+        only the scratch block. Afterwards a bucket not compiled runs eagerly. Returns the
+        number of graphs compiled now."""
+        import time
+
+        keys = self.warmup_keys(batch_sizes, query_lens, max_context, mtp_modules)
+        hidden = self.model.config.hidden_size
+        dtype = next(self.model.parameters()).dtype
+        done = 0
+        for key in keys:
+            if key in self.compiled:
+                continue
+            if deadline is not None and time.monotonic() > deadline:
+                if log:
+                    log(f"warm-up budget spent: {len(keys) - len(self.compiled & set(keys))} "
+                        "bucket(s) left to run eagerly")
+                break
+            table = [self.kv.scratch_block] * key.num_blocks
+            B, S = key.batch, key.query_len
+            if key.kind == "round":
+                inp = self.prepare(key, [[0] * S] * B, [0] * B, [table] * B, [])
+                self.run(inp, torch.zeros(B, dtype=torch.long, device=self.device))
+            else:
+                inp = self.prepare(key, [[0] * S] * B, [0] * B, [table] * B,
+                                   list(range(B * S)))
+                self.run(inp, torch.zeros(B, S, hidden, dtype=dtype, device=self.device))
+            done += 1
+            if log:
+                log(f"compiled {key} ({len(self.compiled & set(keys))}/{len(keys)})")
+        self.warmed = True
+        return done
+
+    def warmup_keys(self, batch_sizes: list[int], query_lens: list[int], max_context: int,
+                    mtp_modules: int) -> list[GraphKey]:
+        """Every bucket warm-up may compile, in the order it compiles them: contexts up to
+        the smallest block-table bucket first for every batch (most requests fit there), then
+        longer ones; within a (table, batch) bucket the forwards every round runs first (the
+        widest verify row, the MTP extend and draft steps), the single-token main forward
+        (k = 0, or no room to draft) last."""
         bs = self.block_size
         nbs, nb = [], self.min_blocks
         while nb <= min(bucket(-(-max_context // bs), self.min_blocks), self.max_blocks):
             nbs.append(nb)
             nb *= 2
-        hidden = self.model.config.hidden_size
-        dtype = next(self.model.parameters()).dtype
-        done = 0
+        queries = sorted({query_bucket(s) for s in query_lens if s <= self.max_query_len})
         kinds = [("main", 0)] + [("mtp", m) for m in range(mtp_modules)]
-        for kind, module in kinds:
-            for B in sorted({bucket(b) for b in batch_sizes}):
-                for S in sorted({query_bucket(s) for s in query_lens
-                                 if s <= self.max_query_len}):
-                    for nb in nbs:
-                        key = GraphKey(kind, module, B, S, nb)
-                        if key in self.compiled:
-                            continue
-                        table = [self.kv.scratch_block] * nb
-                        inp = self.prepare(key, [[0] * S] * B, [0] * B, [table] * B,
-                                           list(range(B * S)))
-                        prev = torch.zeros(B, S, hidden, dtype=dtype, device=self.device)
-                        self.run(inp, prev)
-                        done += 1
-                        if log:
-                            log(f"compiled {key}")
-        if self.greedy_rounds and mtp_modules == 1:
-            for B in sorted({bucket(b) for b in batch_sizes}):
-                for k in [1] if any(s >= 2 for s in query_lens) else []:
-                    for nb in nbs:
-                        key = GraphKey("round", 0, B, k + 1, nb)
-                        if key in self.compiled:
-                            continue
-                        table = [self.kv.scratch_block] * nb
-                        inp = self.prepare(key, [[0] * (k + 1)] * B, [0] * B, [table] * B, [])
-                        self.run(inp, torch.zeros(B, dtype=torch.long, device=self.device))
-                        done += 1
-        self.warmed = True
-        return done
+        fused = self.greedy_rounds and mtp_modules == 1 and any(s >= 2 for s in query_lens)
+        batches = sorted({bucket(b) for b in batch_sizes})
+        rare = len(queries) > 1  # speculating: a 1-token main forward is the exception
+        keys = []
+        for nb in nbs:
+            for B in batches:
+                if fused:
+                    keys.append(GraphKey("round", 0, B, 2, nb))
+                keys += [GraphKey(kind, module, B, S, nb) for kind, module in kinds
+                         for S in sorted(queries, reverse=True)
+                         if not (rare and kind == "main" and S == 1)]
+            if rare:
+                keys += [GraphKey("main", 0, B, 1, nb) for B in batches]
+        return keys

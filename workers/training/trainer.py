@@ -196,7 +196,11 @@ def train(tc: TrainConfig) -> dict:
     start, history = 0, []
     if state_file.is_file():
         st = torch.load(state_file, weights_only=False)
-        if st["config"] != asdict(tc) | {"stop_after": st["config"]["stop_after"]}:
+        # How a run executes may change between pieces (threads, compile, where it pauses);
+        # what it computes may not.
+        free = ("stop_after", "threads", "compile", "save_every")
+        if ({k: v for k, v in st["config"].items() if k not in free}
+                != {k: v for k, v in asdict(tc).items() if k not in free}):
             raise ValueError(f"{state_file} was written with a different configuration")
         model.load_state_dict(st["model"])
         opt.load_state_dict(st["optimizer"])

@@ -1,0 +1,156 @@
+"""Which local topology serves fastest: `mtpserve up` with variants of a Serve config, one after
+another in one run, each measured by streaming clients (1 and 4 at a time) next to the offline
+engine at the same k. Prints a table and writes JSON.
+
+    python -m mtpserve.benchmarks.topology_bench --json benchmarks/results/topology-cpu.json
+
+Replica start time is the time from `mtpserve up` to a healthy server (Ray start, model load,
+graph warm-up); a second start of a compiled variant shows the on-disk compile cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import yaml
+
+from mtpserve.benchmarks.serve_bench import ServeBenchArgs, run
+from mtpserve.workers.paths import config_path
+
+VARIANTS = {
+    # name: overrides of the config's args
+    "decode-tp2-eager": {"decode": {"tp_size": 2, "cpus_per_rank": 0.5},
+                         "engine": {"compile": "off"}},  # configs/local-cpu-tp2.yaml
+    "decode-tp1-eager": {"decode": {"tp_size": 1}, "engine": {"compile": "off"}},
+    "decode-tp1-compiled": {"decode": {"tp_size": 1}, "engine": {"compile": "auto"}},
+    "decode-tp1-compiled-again": {"decode": {"tp_size": 1}, "engine": {"compile": "auto"}},
+}
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        out[k] = _merge(out.get(k, {}), v) if isinstance(v, dict) else v
+    return out
+
+
+def _config(base: Path, over: dict, k: int, port: int) -> dict:
+    cfg = yaml.safe_load(base.read_text())
+    app = cfg["applications"][0]
+    app["args"] = _merge(app["args"], over | {"speculation": {"num_speculative_tokens": k,
+                                                              "adaptive": False}})
+    app["args"]["http"] = {"host": "127.0.0.1", "port": port}
+    cfg["http_options"] = {"host": "127.0.0.1", "port": port}
+    return cfg
+
+
+def _offline(k: int, prompts: int, max_tokens: int, prompt_tokens: int, compile: str) -> float:
+    """Decode tokens/s of the offline engine, batch 1, on one thread like the decode replica
+    (cpus_per_rank 1): the reference the served stream is compared with."""
+    import torch
+
+    from mtpserve.workers.llm import LLM
+    from mtpserve.workers.sampling_params import SamplingParams
+    from mtpserve.workers.training.prompts import held_out_prompts
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        llm = LLM(num_speculative_tokens=k, compile=compile)
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        tokens = seconds = 0.0
+        for p in held_out_prompts(prompts, num_chars=4 * prompt_tokens):
+            r = llm.generate([p], params)[0]
+            tokens += len(r.output_token_ids) - 1
+            seconds += r.decode_seconds
+        return tokens / seconds
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _serve(cfg: dict, port: int, bench: list[ServeBenchArgs], timeout_s: float) -> dict:
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+        yaml.safe_dump(cfg, f)
+    env = {k: v for k, v in os.environ.items() if k != "MTPSERVE_COMPILE"}
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "mtpserve.cluster.cli", "up", "--config",
+                             f.name], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=env, start_new_session=True)
+    try:
+        for line in proc.stdout:
+            if "is serving" in line:
+                break
+            if time.perf_counter() - t0 > timeout_s:
+                raise TimeoutError("server did not start")
+        else:
+            raise RuntimeError(f"mtpserve up exited with {proc.wait()}")
+        start_s = time.perf_counter() - t0
+        # Keep reading the server's output so a full pipe never blocks it.
+        threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
+        out = {"start_seconds": start_s}
+        for b in bench:
+            res = asyncio.run(run(b))
+            out[f"c{b.concurrency}"] = res
+        return out
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        Path(f.name).unlink(missing_ok=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--config", default=str(config_path("local-cpu.yaml")))
+    ap.add_argument("--variants", nargs="*", default=list(VARIANTS))
+    ap.add_argument("--k", type=int, default=2)
+    ap.add_argument("--port", type=int, default=8765)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--json", dest="json_out")
+    args = ap.parse_args()
+    url = f"http://127.0.0.1:{args.port}"
+    bench = [ServeBenchArgs(url=url, concurrency=1, num_requests=4, max_tokens=args.max_tokens,
+                            prompt_tokens=args.prompt_tokens),
+             ServeBenchArgs(url=url, concurrency=4, num_requests=12,
+                            max_tokens=args.max_tokens, prompt_tokens=args.prompt_tokens)]
+    offline = {mode: _offline(args.k, 4, args.max_tokens, args.prompt_tokens, mode)
+               for mode in ("off", "on")}
+    rows = {"k": args.k, "offline_decode_tokens_per_s": offline, "variants": {}}
+    for name in args.variants:
+        cfg = _config(Path(args.config), VARIANTS[name], args.k, args.port)
+        rows["variants"][name] = _serve(cfg, args.port, bench, args.timeout)
+        print(name, json.dumps({k: v for k, v in rows["variants"][name].items()
+                                if k == "start_seconds"}), flush=True)
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(rows, indent=2) + "\n")
+    print(f"k={args.k}; offline engine, batch 1, one thread: eager {offline['off']:.1f}, "
+          f"compiled {offline['on']:.1f} decode tok/s")
+    print("| variant | start s | 1 stream: tok/s (1/TPOT p50) | vs offline (same mode) | "
+          "TTFT p50 ms | 4 streams: output tok/s | TPOT p50 ms | TTFT p50 ms |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, r in rows["variants"].items():
+        one, four = r["c1"], r["c4"]
+        tps = 1000 / one["tpot_ms_p50"]
+        ref = offline["off" if "eager" in name else "on"]
+        print(f"| {name} | {r['start_seconds']:.0f} | {tps:.1f} | {tps / ref:.2f}x | "
+              f"{one['ttft_ms_p50']:.0f} | {four['output_tokens_per_s']:.1f} | "
+              f"{four['tpot_ms_p50']:.1f} | {four['ttft_ms_p50']:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
