@@ -169,8 +169,9 @@ class KVTransferSettings(_Strict):
     timeout_s: float = Field(30.0, gt=0, description="Timeout of one transfer; on expiry the "
                              "request fails and the channel is rebuilt.")
     hold_ttl_s: float = Field(
-        60.0, gt=0, description="Prefill frees a request's KV blocks after this long without an "
-        "acknowledgement from decode."
+        120.0, gt=0, description="Prefill frees a request's KV blocks after this long without "
+        "an acknowledgement from decode. Above the first-chunk wait (migration.stall_timeout_s "
+        "+ timeout_s) so a busy decode deployment can still take the KV instead of recomputing."
     )
     failure_policy: Literal["recompute", "fail"] = Field(
         "recompute", description="When a KV pull fails or times out: 'recompute' the request "

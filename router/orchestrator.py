@@ -16,7 +16,9 @@ already sent + seed):
   on with no token lost or repeated. At most `max_migrations` times; then an error.
 - Serve may still route to a dead replica for a moment, and every replica may be busy: such
   attempts (no chunk received) are retried with exponential back-off within `retry_window_s`
-  and do not count as migrations.
+  and do not count as migrations. Backpressure is not failure: while every decode replica is
+  busy, the prefill replica keeps holding the KV (until shortly before `kv_hold_ttl_s`) and
+  the same transfer is offered again, so a full decode queue never costs a recompute.
 - Every wait has a deadline: the request's `request_timeout_s` end to end, and
   `stall_timeout_s` per wait on a replica (plus the KV timeout before the first decode chunk).
 """
@@ -63,6 +65,7 @@ class OrchestratorConfig:
     stall_timeout_s: float = 60.0
     retry_backoff_s: float = 0.2
     retry_window_s: float = 30.0
+    kv_hold_ttl_s: float = 120.0  # how long a prefill replica keeps a request's KV for decode
 
     @classmethod
     def of(cls, cfg: Any) -> OrchestratorConfig:
@@ -71,7 +74,8 @@ class OrchestratorConfig:
         return cls(request_timeout_s=cfg.request_timeout_s, max_migrations=m.max_migrations,
                    kv_failure_policy=cfg.kv_transfer.failure_policy,
                    kv_timeout_s=cfg.kv_transfer.timeout_s, stall_timeout_s=m.stall_timeout_s,
-                   retry_backoff_s=m.retry_backoff_s, retry_window_s=m.retry_window_s)
+                   retry_backoff_s=m.retry_backoff_s, retry_window_s=m.retry_window_s,
+                   kv_hold_ttl_s=cfg.kv_transfer.hold_ttl_s)
 
 
 class _Stalled(Exception):
@@ -156,12 +160,16 @@ class DisaggOrchestrator:
         self.num_migrations = 0  # totals, for stats
         self.num_prefill_retries = 0
         self.num_kv_recomputes = 0
+        self.num_busy_retries = 0  # a busy decode deployment refused; the KV hold was kept
 
     # Public ----------------------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
         deadline = time.monotonic() + self.config.request_timeout_s
         progress = _Progress(request)
         params = await self._prefill(request, deadline)
+        # A busy decode deployment may keep the prefill's KV waiting until shortly before
+        # the hold expires (the pull itself then still has its timeout).
+        hold_until = time.monotonic() + self.config.kv_hold_ttl_s - self.config.kv_timeout_s
         held = params is not None and not params.finished
         try:
             if params is not None:
@@ -173,7 +181,7 @@ class DisaggOrchestrator:
                 yield progress.emit(first)
                 if params.finished:
                     return
-            async for chunk in self._decode(progress, params, deadline):
+            async for chunk in self._decode(progress, params, deadline, hold_until):
                 held = False  # the decode side has the KV (it acknowledged the pull)
                 yield chunk
         finally:
@@ -191,7 +199,8 @@ class DisaggOrchestrator:
         return {"prefill": p, "decode": d,
                 "orchestrator": {"num_migrations": self.num_migrations,
                                  "num_prefill_retries": self.num_prefill_retries,
-                                 "num_kv_recomputes": self.num_kv_recomputes}}
+                                 "num_kv_recomputes": self.num_kv_recomputes,
+                                 "num_busy_retries": self.num_busy_retries}}
 
     async def kv_probe(self, num_bytes: int) -> dict:
         """Raw send/recv of num_bytes between a prefill rank-0 sender and a decode rank 0,
@@ -230,7 +239,7 @@ class DisaggOrchestrator:
 
     # Decode ----------------------------------------------------------------------------------
     async def _decode(self, progress: _Progress, params: KVTransferParams | None,
-                      deadline: float) -> AsyncIterator[TokenChunk]:
+                      deadline: float, hold_until: float) -> AsyncIterator[TokenChunk]:
         cfg = self.config
         request = progress.request
         migrations = attempt = 0
@@ -274,10 +283,18 @@ class DisaggOrchestrator:
                     _cancel(gen)  # aborts the request there and frees its KV blocks
             # The attempt failed: decide whether and how to go on.
             assert failure is not None
-            if use_params and not got_chunk:
-                await self._release_now(params)  # decode failed before pulling
             names = _names(failure)
             detail = _short(failure)
+            if (use_params and not got_chunk and names & _BUSY
+                    and time.monotonic() + backoff < min(retry_until, hold_until)):
+                # Backpressure is not failure: every decode replica is busy, the prefill still
+                # holds the KV. Wait and offer the same transfer again; nothing is recomputed.
+                self.num_busy_retries += 1
+                await self._sleep(backoff, deadline)
+                backoff = min(2 * backoff, _MAX_BACKOFF_S)
+                continue
+            if use_params and not got_chunk:
+                await self._release_now(params)  # decode failed before pulling
             if names & _CLIENT_ERRORS and not use_params and not progress.sent:
                 raise failure  # the request itself is invalid (a 400)
             retry_quietly = not got_chunk and bool(names & (_BUSY | _UNAVAILABLE))

@@ -363,3 +363,50 @@ def test_seeded_sampling_survives_migration(engine, prompts) -> None:
     got = run(collect(orch, request(0, prompts[2], **kw)))
     assert orch.num_migrations >= 1
     assert got == want
+
+
+def test_busy_decode_keeps_the_prefill_hold(engine, prompts, offline) -> None:
+    """Backpressure is not failure: while every decode replica refuses with BackPressureError,
+    the prefill keeps the KV and the same transfer is offered again (no release, no
+    recompute, no migration)."""
+    orch, prefill, (a, b) = build(engine, retry_window_s=5.0)
+    busy = {"n": 3}
+    offered: list[KVTransferParams | None] = []
+    real = a.generate
+
+    async def refuse_then_serve(req, params):
+        offered.append(params)
+        if busy["n"]:
+            busy["n"] -= 1
+            assert prefill.held == {"r0"}  # still held while decode is busy
+            raise BackPressureError("queue full")
+        async for chunk in real(req, params):
+            yield chunk
+
+    a.generate = b.generate = refuse_then_serve
+    assert run(collect(orch, request(0, prompts[0]))) == offline[0]
+    assert len(offered) == 4 and all(p is not None and p.request_id == "r0" for p in offered)
+    assert (orch.num_busy_retries, orch.num_kv_recomputes, orch.num_migrations) == (3, 0, 0)
+    assert prefill.held == set()  # the successful pull acknowledged it
+
+
+def test_busy_decode_past_the_hold_recomputes(engine, prompts, offline) -> None:
+    """Once the hold would expire, the KV is released and the request recomputed on decode."""
+    orch, prefill, (a, b) = build(engine, retry_window_s=5.0, kv_hold_ttl_s=0.5,
+                                  kv_timeout_s=0.45)
+    busy = {"n": 6}
+    offered: list[KVTransferParams | None] = []
+    real = a.generate
+
+    async def refuse_then_serve(req, params):
+        offered.append(params)
+        if busy["n"]:
+            busy["n"] -= 1
+            raise BackPressureError("queue full")
+        async for chunk in real(req, params):
+            yield chunk
+
+    a.generate = b.generate = refuse_then_serve
+    assert run(collect(orch, request(0, prompts[0]))) == offline[0]
+    assert offered[0] is not None and offered[-1] is None  # recomputed without the KV
+    assert prefill.held == set() and orch.num_migrations == 0
