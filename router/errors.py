@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -40,6 +41,15 @@ _UNAVAILABLE_NAMES = {
 }
 RETRY_AFTER_S = 1
 _MAX_MESSAGE_CHARS = 500
+# Internal endpoints in server-side failures (KV peers, rendezvous stores, actor addresses):
+# never shown to clients. IPv4[:port], bracketed IPv6[:port], scheme://host[:port].
+_ADDRESS = re.compile(r"[a-z]+://[^\s,;)'\"]+|\[[0-9a-fA-F:.]+\](?::\d+)?"
+                      r"|\b\d{1,3}(?:\.\d{1,3}){3}(?::\d+)?\b")
+
+
+def redact_addresses(text: str) -> str:
+    """`text` with internal network addresses replaced by `<internal>`."""
+    return _ADDRESS.sub("<internal>", text)
 
 
 class APIError(Exception):
@@ -55,7 +65,8 @@ class APIError(Exception):
         headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
-        self.message = message
+        # A server-side failure's text may quote internal peers; the client never sees them.
+        self.message = redact_addresses(message) if status >= 500 else message
         self.status = status
         self.type = type or _TYPES.get(status, "server_error" if status >= 500 else
                                        "invalid_request_error")

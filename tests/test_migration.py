@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -130,7 +131,8 @@ class Decode:
         if params is not None:
             if self.kv_fail:
                 self.kv_fail -= 1
-                message = "KV transfer of r0 failed on rank 0: timed out after 1.0s"
+                message = ("KV transfer of r0 failed on rank 0 (peer 10.0.0.1:29500): timed out "
+                           "after 1.0s")
                 if not self.kv_fail_async:
                     raise KVTransferFailed(message)
                 yield TokenChunk([], finished=True, finish_reason="error", error=message,
@@ -267,6 +269,8 @@ def test_kv_failure_policy_fail(engine, prompts, when) -> None:
     with pytest.raises(APIError) as err:
         run(collect(orch, request(0, prompts[0])))
     assert err.value.code == "kv_transfer_failed" and "timed out after 1.0s" in err.value.message
+    # The client sees no internal address (the log keeps the full text).
+    assert "10.0.0.1" not in json.dumps(err.value.body()) and "<internal>" in err.value.message
     assert prefill.held == set()
 
 
