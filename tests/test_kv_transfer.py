@@ -508,7 +508,7 @@ def test_stats_grow_by_exactly_the_payload_of_a_pull(prefill, receiver):
 
 def test_puller_receives_resharded_kv_into_its_blocks_and_reuses_its_buffer(prefill, receiver):
     from mtpserve.workers.kv_transfer.puller import KVPuller
-    from mtpserve.workers.tp_group import PullKV
+    from mtpserve.workers.tp_commands import PullKV
 
     addresses = [address for _, address in prefill]
     own = [torch.zeros(2, 8, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM) for _ in range(
@@ -537,7 +537,7 @@ def test_puller_receives_resharded_kv_into_its_blocks_and_reuses_its_buffer(pref
 
 def test_puller_reports_a_failed_pull_without_dying(prefill, receiver):
     from mtpserve.workers.kv_transfer.puller import KVPuller
-    from mtpserve.workers.tp_group import PullKV
+    from mtpserve.workers.tp_commands import PullKV
 
     own = [torch.zeros(2, 8, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM) for _ in range(
         NUM_MAIN_LAYERS + NUM_MTP_LAYERS)]

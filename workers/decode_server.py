@@ -22,7 +22,7 @@ from mtpserve.workers.metrics import EMA, attach_replica_metrics
 from mtpserve.workers.replica import EngineReplica
 from mtpserve.workers.request import Request
 from mtpserve.workers.scheduler import decode_slots
-from mtpserve.workers.tp_group import ProbeKV
+from mtpserve.workers.tp_commands import ProbeKV
 
 
 class KVTransferFailed(RuntimeError):

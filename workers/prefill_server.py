@@ -14,7 +14,7 @@ from mtpserve.workers.messages import GenerateRequest, KVTransferParams
 from mtpserve.workers.metrics import EMA, attach_replica_metrics
 from mtpserve.workers.replica import EngineReplica, replica_tag
 from mtpserve.workers.scheduler import draft_slots
-from mtpserve.workers.tp_group import HoldKV
+from mtpserve.workers.tp_commands import HoldKV
 
 
 @serve.deployment(name="PrefillServer")

@@ -78,7 +78,7 @@ class EngineReplica:
         await self.engine.ping(lambda e: self.driver.ping(), HEALTH_DEADLINE_S)
 
     async def _fault(self, delay_s: float, count: int) -> None:
-        from mtpserve.workers.tp_group import InjectFault
+        from mtpserve.workers.tp_commands import InjectFault
 
         if not fault_injection_enabled():
             raise RuntimeError("fault injection is disabled (MTPSERVE_ENABLE_FAULT_INJECTION)")

@@ -19,7 +19,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -37,6 +37,14 @@ from mtpserve.workers.control_plane import (
 from mtpserve.workers.engine_config import compile_enabled
 from mtpserve.workers.model.parallel import set_tp
 from mtpserve.workers.model_runner import ForwardBatch, ModelRunner
+from mtpserve.workers.tp_commands import (
+    HoldKV,
+    InjectFault,
+    ProbeKV,
+    PullOutcome,
+    ReleaseKV,
+    StartPulls,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -67,63 +75,6 @@ class RankSpec:
     num_threads: int | None = None
     draft_vocab_size: int | None = None
     compile: str = "auto"  # EngineConfig.compile
-
-
-@dataclass
-class HoldKV:
-    request_id: str
-    block_ids: list[int]
-    num_tokens: int
-    extras: dict[str, torch.Tensor] = field(default_factory=dict)
-
-
-@dataclass
-class ReleaseKV:
-    """Drop a hold now (decode will not pull it)."""
-
-    request_id: str
-
-
-@dataclass
-class PullKV:
-    request_id: str
-    sender_addresses: list[str]
-    block_ids: list[int]
-    num_kv_heads: int
-    timeout_s: float
-
-
-@dataclass
-class StartPulls:
-    """Start these pulls on every rank's transfer thread (one command per engine step)."""
-
-    pulls: list[PullKV]
-
-
-@dataclass
-class InjectFault:
-    """Tests only: delay the next `count` KV sends (prefill) or pulls (decode) on every rank."""
-
-    delay_s: float
-    count: int = 1
-
-
-@dataclass
-class ProbeKV:
-    """Raw send/recv of `num_bytes` on the same channel as KV pulls (bandwidth baseline)."""
-
-    sender_address: str
-    num_bytes: int
-
-
-@dataclass
-class PullOutcome:
-    """A pull that every rank has finished: ok on all ranks, or failed on at least one."""
-
-    request_id: str
-    ok: bool
-    error: str | None
-    extras: dict[str, torch.Tensor]  # rank 0's copy (replicated), on the host
 
 
 class RankCore:

@@ -17,7 +17,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from mtpserve.workers.tp_group import PullKV, ReleaseKV, StartPulls, TPDriver
+from mtpserve.workers.tp_commands import PullKV, ReleaseKV, StartPulls
+from mtpserve.workers.tp_group import TPDriver
 
 if TYPE_CHECKING:
     from mtpserve.workers.engine import Engine

@@ -1,0 +1,66 @@
+"""Commands rank 0 sends to every rank of a TP group (pickled on the control plane, rare and
+small: KV holds, releases, pull batches, probes, test faults) and what finished pulls report.
+Ray-free and torch-light, so the shells and the KV data path share them with `tp_group`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class HoldKV:
+    request_id: str
+    block_ids: list[int]
+    num_tokens: int
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class ReleaseKV:
+    """Drop a hold now (decode will not pull it)."""
+
+    request_id: str
+
+
+@dataclass
+class PullKV:
+    request_id: str
+    sender_addresses: list[str]
+    block_ids: list[int]
+    num_kv_heads: int
+    timeout_s: float
+
+
+@dataclass
+class StartPulls:
+    """Start these pulls on every rank's transfer thread (one command per engine step)."""
+
+    pulls: list[PullKV]
+
+
+@dataclass
+class InjectFault:
+    """Tests only: delay the next `count` KV sends (prefill) or pulls (decode) on every rank."""
+
+    delay_s: float
+    count: int = 1
+
+
+@dataclass
+class ProbeKV:
+    """Raw send/recv of `num_bytes` on the same channel as KV pulls (bandwidth baseline)."""
+
+    sender_address: str
+    num_bytes: int
+
+
+@dataclass
+class PullOutcome:
+    """A pull that every rank has finished: ok on all ranks, or failed on at least one."""
+
+    request_id: str
+    ok: bool
+    error: str | None
+    extras: dict[str, torch.Tensor]  # rank 0's copy (replicated), on the host
