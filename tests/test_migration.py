@@ -341,18 +341,8 @@ def test_client_leaving_after_first_token_releases_prefill(engine, prompts) -> N
 
 
 def test_busy_decode_is_retried_within_the_window(engine, prompts, offline) -> None:
-    orch, _, (a, b) = build(engine, retry_window_s=5.0)
-    busy = {"n": 3}
-    real = a.generate
-
-    async def refuse_then_serve(req, params):
-        if busy["n"]:
-            busy["n"] -= 1
-            raise BackPressureError("queue full")
-        async for chunk in real(req, params):
-            yield chunk
-
-    a.generate = b.generate = refuse_then_serve
+    orch, _, decodes = build(engine, retry_window_s=5.0)
+    _busy_then_serve(decodes, 3)
     assert run(collect(orch, request(0, prompts[0]))) == offline[0]
     assert orch.num_migrations == 0
 
@@ -369,25 +359,38 @@ def test_seeded_sampling_survives_migration(engine, prompts) -> None:
     assert got == want
 
 
-def test_busy_decode_keeps_the_prefill_hold(engine, prompts, offline) -> None:
-    """Backpressure is not failure: while every decode replica refuses with BackPressureError,
-    the prefill keeps the KV and the same transfer is offered again (no release, no
-    recompute, no migration)."""
-    orch, prefill, (a, b) = build(engine, retry_window_s=5.0)
-    busy = {"n": 3}
+def _busy_then_serve(decodes: list, refusals: int, check=None) -> list:
+    """Every decode replica refuses the first `refusals` offers with BackPressureError (calling
+    `check()` at each), then serves; returns the KV params of every offer."""
     offered: list[KVTransferParams | None] = []
-    real = a.generate
+    real = decodes[0].generate
+    left = {"n": refusals}
 
     async def refuse_then_serve(req, params):
         offered.append(params)
-        if busy["n"]:
-            busy["n"] -= 1
-            assert prefill.held == {"r0"}  # still held while decode is busy
+        if left["n"]:
+            left["n"] -= 1
+            if check:
+                check()
             raise BackPressureError("queue full")
         async for chunk in real(req, params):
             yield chunk
 
-    a.generate = b.generate = refuse_then_serve
+    for d in decodes:
+        d.generate = refuse_then_serve
+    return offered
+
+
+def test_busy_decode_keeps_the_prefill_hold(engine, prompts, offline) -> None:
+    """Backpressure is not failure: while every decode replica refuses with BackPressureError,
+    the prefill keeps the KV and the same transfer is offered again (no release, no
+    recompute, no migration)."""
+    orch, prefill, decodes = build(engine, retry_window_s=5.0)
+
+    def still_held() -> None:
+        assert prefill.held == {"r0"}
+
+    offered = _busy_then_serve(decodes, 3, still_held)
     assert run(collect(orch, request(0, prompts[0]))) == offline[0]
     assert len(offered) == 4 and all(p is not None and p.request_id == "r0" for p in offered)
     assert (orch.num_busy_retries, orch.num_kv_recomputes, orch.num_migrations) == (3, 0, 0)
@@ -396,21 +399,9 @@ def test_busy_decode_keeps_the_prefill_hold(engine, prompts, offline) -> None:
 
 def test_busy_decode_past_the_hold_recomputes(engine, prompts, offline) -> None:
     """Once the hold would expire, the KV is released and the request recomputed on decode."""
-    orch, prefill, (a, b) = build(engine, retry_window_s=5.0, kv_hold_ttl_s=0.5,
-                                  kv_timeout_s=0.45)
-    busy = {"n": 6}
-    offered: list[KVTransferParams | None] = []
-    real = a.generate
-
-    async def refuse_then_serve(req, params):
-        offered.append(params)
-        if busy["n"]:
-            busy["n"] -= 1
-            raise BackPressureError("queue full")
-        async for chunk in real(req, params):
-            yield chunk
-
-    a.generate = b.generate = refuse_then_serve
+    orch, prefill, decodes = build(engine, retry_window_s=5.0, kv_hold_ttl_s=0.5,
+                                   kv_timeout_s=0.45)
+    offered = _busy_then_serve(decodes, 6)
     assert run(collect(orch, request(0, prompts[0]))) == offline[0]
     assert offered[0] is not None and offered[-1] is None  # recomputed without the KV
     assert prefill.held == set() and orch.num_migrations == 0
