@@ -105,13 +105,17 @@ def with_hysteresis(current: int, up: int, down: int, now: float, state: dict,
     largest `down` seen meanwhile (answered every tick from then until it is applied)."""
     state = dict(state)
     if up > current:
-        state.pop("down_since", None)
-        state.pop("down_max", None)
+        for key in ("down_since", "down_max", "down_from"):
+            state.pop(key, None)
         return up, state
-    if down >= current:
-        state.pop("down_since", None)
-        state.pop("down_max", None)
-        return current, state
+    if down >= current or state.get("down_from", current) != current:
+        # No slack, or the count changed since the hold began (the scale-down was applied, or
+        # replicas came and went): a new hold starts from the count there is now.
+        for key in ("down_since", "down_max", "down_from"):
+            state.pop(key, None)
+        if down >= current:
+            return current, state
+    state.setdefault("down_from", current)
     since = state.setdefault("down_since", now)
     state["down_max"] = max(state.get("down_max", down), down)
     if now - since >= hold_s:

@@ -173,3 +173,24 @@ def test_prefill_sizes_from_arrivals_compute_and_queue() -> None:
         w.observe(0.1, 0.12)
     pol = PrefillPolicy(target_ttft_ms=1000, window_s=30.0, publish=False)
     assert pol(ctx({"a": w.report(queue=0)}, 1, clock))[0] == 2
+
+
+def test_hysteresis_scales_down_step_after_step() -> None:
+    """Each scale-down starts a new hold from the count it left. The simulator found the
+    policy stuck after its first step down: the old hold (and the largest count it had seen)
+    kept answering the new count for ever while the load went on falling."""
+    from mtpserve.cluster.autoscaling_policy import with_hysteresis
+
+    state: dict = {}
+    n, t = 4, 0.0
+    n_seen = []
+    for _ in range(30):  # load falls: 2 replicas are enough at first, then 1
+        want, state = with_hysteresis(n, n, 2 if t < 5 else 1, t, state, hold_s=5.0)
+        n_seen.append(want)
+        n, t = want, t + 1.0  # Serve applies every decision at once here
+    assert n_seen[:5] == [4] * 5 and n_seen[5] == 2  # held 5 s, then down to 2
+    assert n == 1  # and down again after a new hold, not stuck at 2
+    assert n_seen.index(1) == 11  # the new hold began at t=6, when the count was 2
+    # The count going back up resets the hold too.
+    want, state = with_hysteresis(3, 3, 1, t, state, hold_s=5.0)
+    assert want == 3 and state["down_from"] == 3
