@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
         cli_serve = None
     if cli_serve is not None:
         cli_serve.add_commands(sub, bench_sub, str(default_model_path()))
+    from mtpserve.cluster.sim import cli as cli_sim
+
+    cli_sim.add_commands(sub)
     return parser
 
 

@@ -1,0 +1,127 @@
+"""What one simulation runs: `SimConfig` (scenario, policy, hardware, SLOs) and the cluster's
+`ClusterConfig` (cluster/config.py, Ray-free), from which the Serve options of the two
+deployments are derived exactly as cluster/app.py derives them.
+
+cluster/app.py imports Ray, so this module repeats its autoscaling-options code
+(`_autoscaling`, `_max_ongoing`) instead of importing it; tests/test_sim.py asserts that both
+give identical dicts for the simulated config, so the two cannot drift apart silently.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mtpserve.cluster.config import AutoscalingSettings, ClusterConfig
+
+POLICY_MODULE = "mtpserve.cluster.autoscaling_policy"
+
+
+@dataclass
+class SimConfig:
+    scenario: str = "burst"
+    policy: str = "mtpserve"  # mtpserve | serve-default | slo-planner
+    hardware: str = "h200"
+    model_config: str = "mimo-7b-like"  # shipped name or a config.json path
+    profile: str | None = None  # a fitted profile JSON instead of the roofline
+    tp: int | None = None  # default: the model config's mtpserve_sim.tp
+    mtp_depth: int | None = None  # k_max; default: mtpserve_sim.mtp_depth
+    max_num_seqs: int | None = None
+    seed: int = 0
+    rate_scale: float = 1.0
+    duration_s: float | None = None  # default: the scenario's
+    ttft_slo_ms: float = 500.0  # configs/production.yaml's prefill target
+    tpot_slo_ms: float = 8.0
+    prefill_replicas: tuple[int, int, int] = (1, 1, 8)  # initial, min, max
+    decode_replicas: tuple[int, int, int] = (2, 1, 16)
+    upscale_delay_s: float = 10.0  # configs/production.yaml
+    downscale_delay_s: float = 120.0
+    metrics_interval_s: float = 1.0
+    window_s: float = 30.0
+    graceful_shutdown_timeout_s: float = 30.0
+    max_num_batched_tokens: int = 8192
+    # Serve's controller ticks every 0.1 s; replicas report every metrics_interval_s, so a
+    # coarser tick only delays a decision by < control_interval_s (delays are timed).
+    control_interval_s: float = 1.0
+    timeline_interval_s: float = 10.0
+    # serve-default: target_ongoing_requests of (decode, prefill) replicas; None: profiled
+    # (policies.profiled_serve_targets).
+    serve_target_ongoing: tuple[float, float] | None = None
+    # slo-planner: Dynamo's defaults (throughput-based every 180 s; load-based 10 s).
+    planner_interval_s: float = 180.0
+    planner_reactive_s: float = 10.0
+    max_drain_s: float = 1800.0  # after the last arrival; then unfinished requests count
+
+
+def cluster_config(sim: SimConfig, tp: int, k_max: int, max_num_seqs: int,
+                   prefill_kv_tokens: int, decode_kv_tokens: int) -> ClusterConfig:
+    """The ClusterConfig a GPU deployment of the simulated cluster would use (the shape of
+    configs/production.yaml, sized for the model)."""
+    block = 16
+
+    def scaling(bounds: tuple[int, int, int], **slo: float) -> dict:
+        return {"min_replicas": bounds[1], "max_replicas": bounds[2],
+                "upscale_delay_s": sim.upscale_delay_s,
+                "downscale_delay_s": sim.downscale_delay_s, "window_s": sim.window_s,
+                "metrics_interval_s": sim.metrics_interval_s, **slo}
+
+    return ClusterConfig(
+        # Not a folder: the config's checks of the checkpoint's head counts do not apply.
+        model=f"sim:{sim.model_config}", dtype="bfloat16", device="cuda", block_size=block,
+        graceful_shutdown_timeout_s=sim.graceful_shutdown_timeout_s,
+        prefill={"replicas": sim.prefill_replicas[0], "tp_size": tp,
+                 "max_num_batched_tokens": sim.max_num_batched_tokens,
+                 "num_kv_blocks": max(8, prefill_kv_tokens // block), "gpus_per_rank": 1,
+                 "autoscaling": scaling(sim.prefill_replicas, target_ttft_ms=sim.ttft_slo_ms)},
+        decode={"replicas": sim.decode_replicas[0], "tp_size": tp,
+                "max_num_seqs": max_num_seqs,
+                "num_kv_blocks": max(8, decode_kv_tokens // block), "gpus_per_rank": 1,
+                "autoscaling": scaling(sim.decode_replicas, target_tpot_ms=sim.tpot_slo_ms)},
+        ingress={"replicas": 2},
+        speculation={"num_speculative_tokens": k_max, "adaptive": True},
+        kv_transfer={"backend": "nccl"},
+    )
+
+
+# Mirrors of cluster/app.py (which imports Ray) --------------------------------------------------
+def _autoscaling(a: AutoscalingSettings, initial: int, policy: str, kwargs: dict) -> dict:
+    kwargs = kwargs | {"downscale_hold_s": a.downscale_delay_s,
+                       "max_age_s": max(5.0, 4 * a.metrics_interval_s)}
+    return {
+        "min_replicas": a.min_replicas, "max_replicas": a.max_replicas,
+        "initial_replicas": min(max(initial, a.min_replicas), a.max_replicas),
+        "metrics_interval_s": a.metrics_interval_s,
+        "look_back_period_s": 5 * a.metrics_interval_s,
+        "upscale_delay_s": a.upscale_delay_s, "downscale_delay_s": 1.0,
+        "policy": {"policy_function": f"{POLICY_MODULE}:{policy}", "policy_kwargs": kwargs},
+    }
+
+
+def autoscaling_config(cfg: ClusterConfig, role: str) -> dict:
+    """= cluster.app.deployment_options(cfg, role)["autoscaling_config"]."""
+    if role == "decode":
+        a = cfg.decode.autoscaling
+        return _autoscaling(a, cfg.decode.replicas, "DecodePolicy",
+                            {"target_tpot_ms": a.target_tpot_ms})
+    a = cfg.prefill.autoscaling
+    return _autoscaling(a, cfg.prefill.replicas, "PrefillPolicy",
+                        {"target_ttft_ms": a.target_ttft_ms, "window_s": a.window_s})
+
+
+def max_ongoing(cfg: ClusterConfig, role: str) -> int:
+    """= cluster.app.deployment_options(cfg, role)["max_ongoing_requests"]."""
+    if role == "decode":
+        n = cfg.decode.max_num_seqs
+        return n + max(2, n // 4)
+    return max(16, 4 * cfg.prefill.max_num_batched_tokens // 256)
+
+
+def serve_default_config(cfg: ClusterConfig, role: str, target_ongoing: float) -> dict:
+    """Serve's default request-based policy on the same deployment, as `mtpserve bench
+    autoscale --deploy default` configures it: our options without `policy`, the scale-down
+    patience our policy holds itself, and a target of ongoing requests per replica."""
+    side = cfg.decode if role == "decode" else cfg.prefill
+    ac = dict(autoscaling_config(cfg, role))
+    ac.pop("policy")
+    ac["downscale_delay_s"] = side.autoscaling.downscale_delay_s
+    ac["target_ongoing_requests"] = target_ongoing
+    return ac
