@@ -38,6 +38,7 @@ _BAD_REQUEST_NAMES = {"EngineError"}
 _BUSY_NAMES = {"BackPressureError"}  # Serve's max_queued_requests is full
 _UNAVAILABLE_NAMES = {
     "DeploymentUnavailableError", "RayActorError", "ActorDiedError", "ActorUnavailableError",
+    "ReplicaUnavailableError",
 }
 RETRY_AFTER_S = 1
 _MAX_MESSAGE_CHARS = 500

@@ -288,3 +288,41 @@ def test_forward_batch_encoding_round_trips() -> None:
     for b in batches() + [ForwardBatch("main", [[1, 2, 3], [4]], [0, 7], [[0, 1], [2]],
                                        logit_rows=[2, 3])]:
         assert decode_batch(encode_batch(b)) == b
+
+
+def test_a_rank0_exception_mid_forward_fails_the_group_at_once() -> None:
+    """Rank 0 raising inside a forward it already broadcast leaves the other ranks in that
+    forward's collectives: the driver marks the group failed, starts no further collective
+    (no desynchronised pairing), fails its health check, and the replica refuses new work."""
+    from types import SimpleNamespace
+
+    from mtpserve.workers.replica import EngineReplica, ReplicaUnavailableError
+    from mtpserve.workers.tp_group import TPDriver
+
+    sent: list[str] = []
+
+    class Runner:
+        config = kv_cache = None
+
+        def execute(self, batch):
+            raise RuntimeError("out of memory in layer 3")
+
+    control = SimpleNamespace(send_forward=lambda b: sent.append("forward"),
+                              send_op=lambda *a: sent.append("op"),
+                              send_object=lambda o: sent.append("object"))
+    core = SimpleNamespace(runner=Runner(), spec=SimpleNamespace(tp_size=2), control=control,
+                           failed=False, num_pending=1, close=lambda: None)
+    driver = TPDriver(core)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        driver.execute(ForwardBatch("main", [[1]], [0], [[0]], [0]))
+    assert driver.failed and sent == ["forward"]
+    for call in (lambda: driver.execute(ForwardBatch("main", [[1]], [0], [[0]], [0])),
+                 driver.ping, lambda: driver.run("hold")):
+        with pytest.raises(RuntimeError, match="failed earlier"):
+            call()
+    assert driver.poll() == []  # nothing completes any more, and the engine loop never spins
+    assert sent == ["forward"]  # nothing more went to the other ranks
+    replica = EngineReplica.__new__(EngineReplica)
+    replica.driver = driver
+    with pytest.raises(ReplicaUnavailableError):
+        replica._check_alive()

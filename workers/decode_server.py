@@ -80,6 +80,7 @@ class DecodeServer(EngineReplica):
                        ) -> AsyncIterator[TokenChunk]:
         """Stream tokens after the first one (which the prefill side produced). Without
         `params` the request is recomputed here from its prompt and resumed tokens."""
+        self._check_alive()
         add = None if params is None else (lambda e: self._add_transferred(e, req, params))
         # Routing load in expected tokens: what requests typically generate here, capped by
         # max_tokens (a chat request without max_tokens carries the whole window).

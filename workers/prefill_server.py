@@ -48,6 +48,7 @@ class PrefillServer(EngineReplica):
 
     async def prefill(self, req: GenerateRequest) -> KVTransferParams:
         """Run the prompt (plus any resumed tokens) and hold its KV for the decode side."""
+        self._check_alive()
         t0 = time.perf_counter()
         rid = req.request_id
         self.inflight += 1

@@ -23,6 +23,11 @@ def fault_injection_enabled() -> bool:
     return os.environ.get("MTPSERVE_ENABLE_FAULT_INJECTION") == "1"
 
 
+class ReplicaUnavailableError(RuntimeError):
+    """This replica's TP group failed: it refuses new work until Serve replaces it (the
+    orchestrator retries such a refusal on another replica, as for a dead one)."""
+
+
 class EngineReplica:
     """Base of the prefill and decode deployments.
 
@@ -66,6 +71,10 @@ class EngineReplica:
 
     def _make_poller(self) -> Poller:
         raise NotImplementedError
+
+    def _check_alive(self) -> None:
+        if self.driver.failed or self.driver.core.failed:
+            raise ReplicaUnavailableError("this replica's TP group failed; it is being replaced")
 
     async def stats(self) -> dict:
         s = await self.engine.acall(lambda e: e.stats())

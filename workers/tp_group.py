@@ -283,6 +283,8 @@ class TPDriver:
         self.failed = False  # a control-group call raised: the group is broken
 
     def _send(self, fn: Callable[[], None]) -> None:
+        if self.failed:  # a desynchronised group must not start another collective
+            raise RuntimeError("the TP group failed earlier; the replica is being replaced")
         try:
             fn()
         except Exception:
@@ -296,9 +298,17 @@ class TPDriver:
         return self.core.handle_object(cmd)
 
     def execute(self, batch: ForwardBatch) -> torch.Tensor:
-        if self.tp_size > 1:
-            self._send(lambda: self.core.control.send_forward(batch))
-        return self.core.runner.execute(batch)
+        if self.tp_size == 1:
+            return self.core.runner.execute(batch)
+        self._send(lambda: self.core.control.send_forward(batch))
+        try:
+            return self.core.runner.execute(batch)
+        except Exception:
+            # The other ranks run this forward's collectives; rank 0 left them half-way, so
+            # the group's next collective would pair the wrong calls. The group is done: the
+            # replica refuses new work and fails its health check (Serve replaces it).
+            self.failed = True
+            raise
 
     # Compiled graphs exist only at TP = 1 (`compile_enabled`), where rank 0 is the group:
     # these calls then need no broadcast. A TP > 1 runner has none, so they are no-ops.
@@ -338,7 +348,7 @@ class TPDriver:
     def poll(self) -> list:
         """What finished on every rank (see `RankCore.poll`); [] when nothing is pending."""
         n = self.core.num_pending
-        if n == 0:
+        if n == 0 or self.failed:  # a failed group completes nothing more (and must not spin)
             return []
         if self.tp_size > 1:
             self._send(lambda: self.core.control.send_op(OP_POLL, n))
