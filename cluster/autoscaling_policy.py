@@ -18,6 +18,7 @@ missing reports hold the current count (never a scale-up on old data).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -145,6 +146,15 @@ def latest_reports(ctx, max_age_s: float) -> dict:
     return out
 
 
+def handle_queue(ctx) -> float:
+    """Requests queued at the deployment's handles (Serve's `total_queued_requests`), 0 when
+    the context does not say (older Serve, tests)."""
+    try:
+        return max(0.0, float(getattr(ctx, "total_queued_requests", 0.0) or 0.0))
+    except (TypeError, ValueError):
+        return 0.0
+
+
 def decode_load(reports: dict) -> DecodeLoad:
     reps = [r for r in reports.values() if "rounds" in r]
     if not reps:
@@ -198,6 +208,12 @@ class DecodePolicy:
         state = dict(ctx.policy_state or {})
         if load.num_replicas == 0:  # nothing fresh: hold, never scale on old data
             return current, state
+        # Demand the replicas cannot report: requests queued at the callers' handles (Serve
+        # holds them once every replica is at max_ongoing_requests). A saturated deployment
+        # otherwise looks like a full batch at an acceptable TPOT while the queue grows.
+        queued = handle_queue(ctx)
+        if queued:
+            load = dataclasses.replace(load, num_requests=load.num_requests + queued)
         up = decode_replicas(load, self.target_tpot_s, lo, hi, UP_HEADROOM)
         down = decode_replicas(load, self.target_tpot_s, lo, hi, DOWN_HEADROOM)
         now = ctx.current_time

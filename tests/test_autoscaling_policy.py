@@ -194,3 +194,16 @@ def test_hysteresis_scales_down_step_after_step() -> None:
     # The count going back up resets the hold too.
     want, state = with_hysteresis(3, 3, 1, t, state, hold_s=5.0)
     assert want == 3 and state["down_from"] == 3
+
+
+def test_requests_queued_at_the_handles_count_as_demand() -> None:
+    """A deployment at max_ongoing_requests reports a full batch at an acceptable TPOT; the
+    requests Serve queues at the handles are demand too (found by the simulator)."""
+    clock = Clock()
+    reports = {"a": decode_report(clock, running=8, alphas=[0.8, 0.6, 0.5])}
+    base = ctx(reports, current=1, clock=clock)
+    without, _ = policy()(base)
+    queued = ctx(reports, current=1, clock=clock)
+    queued.total_queued_requests = 24.0  # three more batches' worth waiting at the handles
+    with_queue, _ = policy()(queued)
+    assert with_queue > without
