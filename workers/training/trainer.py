@@ -229,9 +229,11 @@ def train(tc: TrainConfig) -> dict:
                         mtp=" ".join(f"{x:.3f}" for x in rec["mtp"]) or "-",
                         tok_s=f"{tokens / (time.perf_counter() - t0):.0f}")
         if (step + 1) % tc.save_every == 0 or step + 1 == end:
+            # Written aside, then renamed: a run stopped mid-save keeps its last good state.
+            tmp = state_file.with_suffix(".tmp")
             torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
-                        "step": step + 1, "history": history, "config": asdict(tc)},
-                       state_file)
+                        "step": step + 1, "history": history, "config": asdict(tc)}, tmp)
+            tmp.replace(state_file)
     result = {"steps_done": end, "history_tail": history[-20:],
               "final_train_main": _mean_tail(history, "main"),
               "final_train_mtp": _mean_tail(history, "mtp")}
