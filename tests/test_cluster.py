@@ -210,3 +210,14 @@ def test_resharded_seeded_sampling_equals_single_process(resharded_app, default_
         assert r.status_code == 200, r.text
         got.append(r.json()["choices"][0]["text"])
     assert got == want
+
+
+def test_admin_stats_name_each_replicas_node(resharded_app) -> None:
+    """Admins see the Ray node (id and address) each replica runs on; other clients see the
+    node id but no address."""
+    admin = stats(resharded_app, {"Authorization": "Bearer admin-sekret"})
+    user = stats(resharded_app, auth_headers())
+    for role in ("prefill", "decode"):
+        assert len(admin[role]["node_id"]) > 8 and admin[role]["node_address"].count(".") == 3
+        assert user[role]["node_id"] == admin[role]["node_id"]  # one node here
+        assert "node_address" not in user[role]

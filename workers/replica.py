@@ -79,6 +79,7 @@ class EngineReplica:
     async def stats(self) -> dict:
         s = await self.engine.acall(lambda e: e.stats())
         s["replica"] = replica_tag()  # which replica answered (Serve routes each call to one)
+        s["node_id"], s["node_address"] = replica_node()  # the address only for admins
         return s
 
     async def check_health(self) -> None:
@@ -98,6 +99,16 @@ class EngineReplica:
             self.engine.shutdown()
         except Exception:
             pass
+
+
+def replica_node() -> tuple[str | None, str | None]:
+    """(Ray node id, node IP) of this replica's node: where its TP group runs."""
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
+    except Exception:  # outside Ray
+        return None, None
 
 
 def replica_tag() -> str | None:
