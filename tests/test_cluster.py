@@ -110,7 +110,7 @@ def test_disaggregated_equals_single_process(ray_cluster, default_model, prompts
 @pytest.fixture(scope="module")
 def resharded_app(ray_cluster, default_model):
     deploy(default_model, 1, 2, auth={"api_key": "sekret", "admin_api_key": "admin-sekret"},
-           admin={"enable_kv_probe": True})
+           admin={"enable_kv_probe": True}, ingress={"replicas": 2, "cpus": 0.25})
     yield ray_cluster
     serve.delete("mtpserve")
 
@@ -221,3 +221,30 @@ def test_admin_stats_name_each_replicas_node(resharded_app) -> None:
         assert len(admin[role]["node_id"]) > 8 and admin[role]["node_address"].count(".") == 3
         assert user[role]["node_id"] == admin[role]["node_id"]  # one node here
         assert "node_address" not in user[role]
+
+
+def test_two_ingress_replicas_serve_concurrent_streams(resharded_app, prompts, offline) -> None:
+    """The ingress scales out (`ingress.replicas`): Serve's proxy spreads 24 concurrent
+    streams over two stateless ingress replicas, every one completes, exactly like offline."""
+    import concurrent.futures
+
+    app = serve.status().applications["mtpserve"]
+    assert app.deployments["OpenAIIngress"].replica_states.get("RUNNING") == 2
+
+    def one(i: int) -> str:
+        body = {"prompt": prompts[i % len(prompts)], "max_tokens": MAX_TOKENS,
+                "temperature": 0, "stream": True}
+        text = ""
+        with httpx.stream("POST", f"{resharded_app}/v1/completions", json=body,
+                          headers=auth_headers(), timeout=300) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    data = json.loads(line[6:])
+                    assert "error" not in data, data
+                    text += data["choices"][0]["text"] if data["choices"] else ""
+        return text
+
+    with concurrent.futures.ThreadPoolExecutor(24) as pool:
+        texts = list(pool.map(one, range(24)))
+    assert texts == [offline[i % len(prompts)] for i in range(24)]
