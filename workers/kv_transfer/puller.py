@@ -68,8 +68,10 @@ class KVPuller:
         self._thread.start()
 
     # any thread ----------------------------------------------------------------------------
-    def submit(self, job: Any) -> None:  # a workers.tp_group.PullKV
-        self._jobs.put(job)
+    def submit(self, job: Any) -> None:  # a workers.tp_commands.PullKV
+        # The job's timeout runs from here, not from when the thread gets to it: jobs queued
+        # behind a frozen peer's pull expire with it instead of one timeout after another.
+        self._jobs.put((job, time.monotonic()))
 
     def result(self, request_id: str) -> PullResult | None:
         with self._lock:
@@ -98,7 +100,8 @@ class KVPuller:
 
     # transfer thread -----------------------------------------------------------------------
     def _loop(self) -> None:
-        while (job := self._jobs.get()) is not None:
+        while (item := self._jobs.get()) is not None:
+            job, submitted = item
             t0, delay = time.perf_counter(), 0.0
             try:
                 with self._lock:
@@ -106,7 +109,10 @@ class KVPuller:
                     self._fault_count -= delay > 0
                 if delay:
                     time.sleep(delay)
-                res = PullResult(True, extras=self._pull(job))
+                left = job.timeout_s - (time.monotonic() - submitted)
+                if left <= 0:
+                    raise TimeoutError(f"waited {job.timeout_s:.1f}s behind earlier pulls")
+                res = PullResult(True, extras=self._pull(job, left))
             except Exception as e:  # this request fails; the replica goes on
                 err = f"KV transfer of {job.request_id} failed on rank {self.rank}: {e}"
                 logger.warning(err)
@@ -123,13 +129,14 @@ class KVPuller:
                 except Exception:
                     logger.exception("KVPuller on_done raised")
 
-    def _pull(self, job: Any) -> dict[str, torch.Tensor]:
-        """Receive this rank's KV heads of `job` into its blocks; returns the extras."""
+    def _pull(self, job: Any, timeout_s: float) -> dict[str, torch.Tensor]:
+        """Receive this rank's KV heads of `job` into its blocks within `timeout_s`; returns
+        the extras."""
         local0 = head_range(job.num_kv_heads, self.tp_size, self.rank)[0]
         extras: dict[str, torch.Tensor] = {}
         steps = pull_slices(
             self.receiver, job.sender_addresses, job.request_id, job.num_kv_heads,
-            self.tp_size, self.rank, job.timeout_s, buffer=lambda: self._buffer,
+            self.tp_size, self.rank, timeout_s, buffer=lambda: self._buffer,
         )
         for i, (step, kv, got) in enumerate(steps):
             self._keep_buffer(kv)
