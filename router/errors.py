@@ -44,8 +44,10 @@ RETRY_AFTER_S = 1
 _MAX_MESSAGE_CHARS = 500
 # Internal endpoints in server-side failures (KV peers, rendezvous stores, actor addresses):
 # never shown to clients. IPv4[:port], bracketed IPv6[:port], scheme://host[:port].
-_ADDRESS = re.compile(r"[a-z]+://[^\s,;)'\"]+|\[[0-9a-fA-F:.]+\](?::\d+)?"
-                      r"|\b\d{1,3}(?:\.\d{1,3}){3}(?::\d+)?\b")
+_ADDRESS = re.compile(r"[a-z][a-z0-9+.-]*://[^\s,;)'\"]+"
+                      r"|\[[0-9a-f.]*:[0-9a-f:.]*\](?::\d+)?"
+                      r"|\b\d{1,3}(?:\.\d{1,3}){3}(?::\d+)?\b"
+                      r"|\b[a-z0-9-]+(?:\.[a-z0-9-]+){2,}:\d+\b", re.IGNORECASE)
 
 
 def redact_addresses(text: str) -> str:

@@ -286,9 +286,12 @@ class DisaggOrchestrator:
             names = _names(failure)
             detail = _short(failure)
             if (use_params and not got_chunk and names & _BUSY
+                    and cfg.kv_failure_policy == "recompute"
                     and time.monotonic() + backoff < min(retry_until, hold_until)):
                 # Backpressure is not failure: every decode replica is busy, the prefill still
                 # holds the KV. Wait and offer the same transfer again; nothing is recomputed.
+                # (Under failure_policy "fail" a hold that expires while the request waits for
+                # KV blocks there would be a 503, so that policy recomputes at once instead.)
                 self.num_busy_retries += 1
                 await self._sleep(backoff, deadline)
                 backoff = min(2 * backoff, _MAX_BACKOFF_S)

@@ -108,3 +108,34 @@ def test_compiled_llm_equals_eager(tiny_qwen3, no_override) -> None:
     # A second call of the same shape compiles nothing more.
     assert llm.generate([prompt], params)[0].output_token_ids == eager_ids
     assert graphs.compiled == compiled
+
+
+def test_warmup_covers_every_batch_bucket_and_skips_mtp_at_k0(tiny_qwen3) -> None:
+    """Warm-up asks for every batch size up to the cap (3 prompts need the 4-row bucket, 24
+    sequences the 32-row one), and no MTP graphs when k = 0 (it never drafts)."""
+    calls = []
+    for k, cap, asked in ((2, 24, None), (0, 8, 3)):
+        runner = ModelRunner(tiny_qwen3, num_blocks=32, block_size=4, decode_graphs=False)
+        runner.warmup_graphs = lambda *a, **kw: calls.append((a, kw)) or 0
+        eng = Engine(EngineConfig(model=str(tiny_qwen3), num_speculative_tokens=k,
+                                  num_kv_blocks=32, block_size=4, max_num_seqs=cap,
+                                  role="decode"), runner=runner)
+        if asked is not None:
+            eng.warmup(asked)
+    (batches, queries, _), kw = calls[0]
+    assert batches == list(range(1, 25)) and queries == [1, 2, 3] and kw["mtp_modules"] is None
+    (batches, queries, _), kw = calls[-1]
+    assert batches == [1, 2, 3] and queries == [1] and kw["mtp_modules"] == 0
+
+
+def test_an_offline_engine_never_compiles_inside_a_step(tiny_qwen3, no_override) -> None:
+    """An `Engine` built directly (evaluation, profiling) under `auto` marks its graphs warmed
+    with nothing compiled: its steps run eagerly until something warms it on purpose."""
+    eng = Engine(EngineConfig(model=str(tiny_qwen3), num_speculative_tokens=2,
+                              num_kv_blocks=64, block_size=4))
+    graphs = eng.runner.graphs
+    assert graphs is not None and graphs.warmed and not graphs.compiled
+    eng.add_request("r", [5, 9, 17], SamplingParams(max_tokens=6, temperature=0))
+    while eng.has_unfinished():
+        eng.step()
+    assert not graphs.compiled

@@ -561,7 +561,7 @@ def test_a_queued_pull_times_out_from_its_submission(prefill, receiver):
 
     own = [torch.zeros(2, 8, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM) for _ in range(
         NUM_MAIN_LAYERS + NUM_MTP_LAYERS)]
-    puller = KVPuller(receiver, own, tp_size=1, rank=0)
+    puller = KVPuller(receiver, own, tp_size=1, rank=0, max_concurrent=1)  # one lane: a queue
     addresses = [address for _, address in prefill]
     try:
         for rank, (peer, _) in enumerate(prefill):
@@ -578,6 +578,41 @@ def test_a_queued_pull_times_out_from_its_submission(prefill, receiver):
         res = puller.take("queued")
         assert not res.ok and "behind earlier pulls" in res.error
         assert time.monotonic() - t0 < 1.5 + 5.0  # not 1.5 s + a pull of its own
+    finally:
+        puller.close()
+
+
+def test_pulls_run_concurrently_on_their_own_lanes(prefill, receiver):
+    """A slow pull (from one prefill rank) does not hold back another (from the other one):
+    each lane has its own thread and buffer, and both land exactly in their blocks."""
+    from mtpserve.workers.kv_transfer.puller import KVPuller
+    from mtpserve.workers.tp_commands import PullKV
+
+    own = [torch.zeros(2, 8, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM) for _ in range(
+        NUM_MAIN_LAYERS + NUM_MTP_LAYERS)]
+    puller = KVPuller(receiver, own, tp_size=1, rank=0, max_concurrent=2)
+    try:
+        (peer0, addr0), (peer1, addr1) = prefill
+        peer0.call("hold", "slow-one", 71, "float32", (0, NUM_KV_HEADS))
+        peer1.call("hold", "fast-one", 72, "float32", (0, NUM_KV_HEADS))
+        puller.inject_fault(delay_s=2.0, count=1)  # the first job to start sleeps first
+        puller.submit(PullKV("slow-one", [addr0], [0, 1, 2], NUM_KV_HEADS, 20.0))
+        time.sleep(0.2)  # the first lane has taken the slow job
+        puller.submit(PullKV("fast-one", [addr1], [3, 4, 5], NUM_KV_HEADS, 20.0))
+        deadline = time.monotonic() + 30
+        while puller.result("fast-one") is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert puller.result("slow-one") is None  # still sleeping: the fast one went first
+        while puller.num_finished(["slow-one"]) < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        for rid, seed, blocks in (("slow-one", 71, [0, 1, 2]), ("fast-one", 72, [3, 4, 5])):
+            res = puller.take(rid)
+            assert res.ok, res.error
+            want = expected_kv(seed, torch.float32, (0, NUM_KV_HEADS))
+            assert all(torch.equal(layer[:, blocks], w) for layer, w in zip(own, want,
+                                                                            strict=True))
     finally:
         puller.close()
 

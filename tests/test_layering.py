@@ -31,12 +31,20 @@ def _modules() -> dict[str, set[str]]:
         for path in (ROOT / layer).rglob("*.py"):
             rel = path.relative_to(ROOT).with_suffix("")
             name = ".".join(rel.parts).removesuffix(".__init__")
+            package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
             imports: set[str] = set()
             for node in ast.walk(ast.parse(path.read_text())):
                 if isinstance(node, ast.Import):
                     imports |= {a.name for a in node.names}
-                elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-                    imports.add(node.module)
+                elif isinstance(node, ast.ImportFrom):
+                    if node.level:  # relative: resolve against this module's package
+                        base = package[: len(package) - node.level + 1]
+                        module = ".".join(["mtpserve", *base, *filter(None, [node.module])])
+                    else:
+                        module = node.module or ""
+                    imports.add(module)
+                    # `from mtpserve import router` imports the layer itself.
+                    imports |= {f"{module}.{a.name}" for a in node.names}
             out[name] = imports
     return out
 
@@ -67,13 +75,22 @@ def test_the_engine_is_ray_free() -> None:
     assert not {m: b for m, b in bad.items() if b}
 
 
-def test_the_checks_see_a_violation(tmp_path: Path) -> None:
-    """The scanner itself: an upward import in a workers/ module is found."""
+@pytest.mark.parametrize("source, check", [
+    ("def f():\n    from mtpserve.router.api import build_api\n",
+     test_workers_never_import_router_or_cluster),
+    ("from mtpserve import cluster\n", test_workers_never_import_router_or_cluster),
+    ("from ..router import api\n", test_workers_never_import_router_or_cluster),
+    ("def f():\n    import ray\n", test_the_engine_is_ray_free),
+    ("from workers.engine import Engine\n", test_every_import_uses_the_one_import_name),
+])
+def test_the_checks_see_a_violation(source: str, check) -> None:
+    """The scanner itself: each kind of violation, in a probe module of workers/, is found
+    (absolute, `from mtpserve import <layer>`, relative, a Ray import, a bare layer name)."""
     probe = ROOT / "workers" / "_layering_probe.py"
-    probe.write_text("def f():\n    from mtpserve.router.api import build_api\n")
+    probe.write_text(source)
     try:
         with pytest.raises(AssertionError):
-            test_workers_never_import_router_or_cluster()
+            check()
     finally:
         probe.unlink()
 

@@ -62,8 +62,10 @@ class Engine(RoundOutcomes):
         # changes k when adaptive_k is on.
         self.adaptive = AdaptiveK(config.num_speculative_tokens, enabled=config.adaptive_k)
         self.requests: dict[str, Request] = {}
-        if config.role != "both":
-            self.warmup()  # a serving engine: before its replica reports ready
+        # A serving engine compiles before its replica reports ready; an offline one compiles
+        # only what `LLM.generate` asks for. Either way a bucket never compiled runs eagerly:
+        # nothing compiles inside a step.
+        self.warmup(budget_s=None if config.role != "both" else 0.0)
         self.prefilled: dict[str, Request] = {}  # role "prefill": KV held for transfer
         self.eos_ids = set(mcfg.eos_token_ids)  # config.json + generation_config.json
         self.totals = {"rounds": 0, "drafted": 0, "accepted": 0, "emitted": 0}
@@ -77,10 +79,10 @@ class Engine(RoundOutcomes):
         `warmup_budget_s`); afterwards a bucket not compiled runs eagerly."""
         k = self.config.num_speculative_tokens
         max_batch = min(max_batch or self.config.max_num_seqs, self.config.max_num_seqs)
-        batches = [1 << i for i in range(max_batch.bit_length())]
         t0 = time.monotonic()
-        n = self.runner.warmup_graphs(batches, list(range(1, k + 2)),
+        n = self.runner.warmup_graphs(list(range(1, max_batch + 1)), list(range(1, k + 2)),
                                       min(max_context or self.max_model_len, self.max_model_len),
+                                      mtp_modules=None if k else 0,  # k = 0 never drafts
                                       budget_s=self.config.warmup_budget_s if budget_s is None
                                       else budget_s, log=logger.info)
         if n:

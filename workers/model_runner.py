@@ -73,7 +73,7 @@ class Runner(Protocol):
     """What the engine drives: `ModelRunner` in one process, `TPDriver` (workers/tp_group.py)
     for a TP group, which mirrors each call to every rank. Both implement all of it, so a
     capability (graphs, warm-up, fused rounds) cannot vanish when serving
-    (tests/test_tensor_parallel.py enumerates this protocol on both)."""
+    (tests/test_compile_default.py enumerates this protocol on both)."""
 
     config: ModelConfig
     kv_cache: KVCache

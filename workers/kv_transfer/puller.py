@@ -2,9 +2,11 @@
 already allocated, so the engine thread never waits on the network (docs/architecture.md,
 decision 11).
 
-Pulls run one after another in submission order on one thread (one ordered stream per pair,
-as NCCL needs); each lands in a reused grow-only buffer and is scattered into the cache on
-the thread's own CUDA stream. A result is posted only after the scatter has completed, so
+Up to `max_concurrent` pulls run at once, each on its own thread with its own reused
+grow-only buffer and CUDA stream: a pull from one prefill replica never waits behind a slow
+pull from another. Pulls from the same sender still go one after another (the receiver's
+per-pair lock keeps one ordered stream per pair, as NCCL needs). A pull's timeout runs from
+its submission. A result is posted only after the scatter into the cache has completed, so
 once every rank reports a request done, its blocks are complete on every rank.
 """
 
@@ -35,8 +37,11 @@ class PullResult:
     seconds: float = 0.0
 
 
+DEFAULT_MAX_CONCURRENT = 4
+
+
 class KVPuller:
-    """Runs `PullKV` jobs (workers.tp_group) on a background thread; results are polled.
+    """Runs `PullKV` jobs (workers.tp_commands) on background threads; results are polled.
 
     `on_done()` runs on the thread after each result (rank 0 wakes its engine with it).
     Thread-safe: `submit`, `result`, `take`, `num_finished` may be called from any thread.
@@ -50,22 +55,24 @@ class KVPuller:
         rank: int,
         on_done: Callable[[], None] | None = None,
         name: str = "decode",
+        max_concurrent: int = DEFAULT_MAX_CONCURRENT,
     ) -> None:
         self.receiver = receiver
         self.kv_layers = kv_layers
         self.tp_size, self.rank = tp_size, rank
         self.on_done = on_done
         self._device = kv_layers[0].device
-        self._stream = torch.cuda.Stream(self._device) if self._device.type == "cuda" else None
         self._jobs: queue.Queue[Any] = queue.Queue()
         self._lock = threading.Lock()
         self._results: dict[str, PullResult] = {}
-        self._buffer: torch.Tensor | None = None  # [nbytes] uint8, grow-only
         self._fault_delay_s, self._fault_count = 0.0, 0
         # End-to-end (receive + scatter into the cache) counters of successful pulls.
         self._stats = {"pulls": 0, "failures": 0, "seconds": 0.0}
-        self._thread = threading.Thread(target=self._loop, name=f"{name}-kv-pull", daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._loop, args=(_Lane(self._device),),
+                                          name=f"{name}-kv-pull-{i}", daemon=True)
+                         for i in range(max(1, max_concurrent))]
+        for t in self._threads:
+            t.start()
 
     # any thread ----------------------------------------------------------------------------
     def submit(self, job: Any) -> None:  # a workers.tp_commands.PullKV
@@ -95,11 +102,13 @@ class KVPuller:
             return dict(self._stats)
 
     def close(self) -> None:
-        self._jobs.put(None)
-        self._thread.join(timeout=5.0)
+        for _ in self._threads:
+            self._jobs.put(None)
+        for t in self._threads:
+            t.join(timeout=5.0)
 
     # transfer thread -----------------------------------------------------------------------
-    def _loop(self) -> None:
+    def _loop(self, lane: _Lane) -> None:
         while (item := self._jobs.get()) is not None:
             job, submitted = item
             t0, delay = time.perf_counter(), 0.0
@@ -112,8 +121,9 @@ class KVPuller:
                 left = job.timeout_s - (time.monotonic() - submitted)
                 if left <= 0:
                     raise TimeoutError(f"waited {job.timeout_s:.1f}s behind earlier pulls")
-                res = PullResult(True, extras=self._pull(job, left))
+                res = PullResult(True, extras=self._pull(job, left, lane))
             except Exception as e:  # this request fails; the replica goes on
+                lane.buffer = None  # an abandoned receive may still write into it
                 err = f"KV transfer of {job.request_id} failed on rank {self.rank}: {e}"
                 logger.warning(err)
                 res = PullResult(False, err)
@@ -129,35 +139,45 @@ class KVPuller:
                 except Exception:
                     logger.exception("KVPuller on_done raised")
 
-    def _pull(self, job: Any, timeout_s: float) -> dict[str, torch.Tensor]:
-        """Receive this rank's KV heads of `job` into its blocks within `timeout_s`; returns
-        the extras."""
+    def _pull(self, job: Any, timeout_s: float, lane: _Lane) -> dict[str, torch.Tensor]:
+        """Receive this rank's KV heads of `job` into its blocks within `timeout_s`, through
+        `lane`'s buffer and stream; returns the extras."""
         local0 = head_range(job.num_kv_heads, self.tp_size, self.rank)[0]
         extras: dict[str, torch.Tensor] = {}
         steps = pull_slices(
             self.receiver, job.sender_addresses, job.request_id, job.num_kv_heads,
-            self.tp_size, self.rank, timeout_s, buffer=lambda: self._buffer,
+            self.tp_size, self.rank, timeout_s, buffer=lambda: lane.buffer,
         )
         for i, (step, kv, got) in enumerate(steps):
-            self._keep_buffer(kv)
+            lane.keep_buffer(kv)
             heads = slice(step.head_start - local0, step.head_end - local0)
-            if self._stream is not None:
+            if lane.stream is not None:
                 # Blocks were freed by the engine only after its step synchronised, but order
-                # after the default stream anyway, then scatter on this thread's own stream.
-                self._stream.wait_stream(torch.cuda.default_stream(self._device))
-                with torch.cuda.stream(self._stream):
+                # after the default stream anyway, then scatter on this lane's own stream.
+                lane.stream.wait_stream(torch.cuda.default_stream(self._device))
+                with torch.cuda.stream(lane.stream):
                     scatter_blocks(self.kv_layers, job.block_ids[: kv.shape[2]], kv, heads)
-                self._stream.synchronize()  # the buffer is reused by the next pull
+                lane.stream.synchronize()  # the buffer is reused by this lane's next pull
             else:
                 scatter_blocks(self.kv_layers, job.block_ids[: kv.shape[2]], kv, heads)
             if i == 0:  # replicated across prefill ranks; copied out of the reused buffer
                 extras = {k: v.to("cpu", copy=True) for k, v in got.items()}
         return extras
 
-    def _keep_buffer(self, kv: torch.Tensor) -> None:
+
+class _Lane:
+    """One transfer thread's own receive buffer and CUDA stream: concurrent pulls never
+    share a buffer, and a lane whose pull failed drops its buffer (a receive abandoned at
+    its timeout may still be writing into it)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.buffer: torch.Tensor | None = None  # [nbytes] uint8, grow-only
+
+    def keep_buffer(self, kv: torch.Tensor) -> None:
         """Adopt the receiver's fresh allocation as the reusable buffer when it is larger."""
         storage = kv.untyped_storage()
-        if self._buffer is None or storage.nbytes() > self._buffer.numel():
+        if self.buffer is None or storage.nbytes() > self.buffer.numel():
             # On the receiver's device: host memory when gloo stages a GPU engine's KV.
-            self._buffer = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(
+            self.buffer = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(
                 storage)

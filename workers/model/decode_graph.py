@@ -249,9 +249,9 @@ class DecodeGraphs:
                mtp_modules: int, log: Callable[[str], None] | None = None,
                deadline: float | None = None) -> int:
         """Compile the buckets these batch sizes / query lengths / contexts can hit, likeliest
-        first (small batches, short contexts), until `deadline` (time.monotonic()); writes
-        only the scratch block. Afterwards a bucket not compiled runs eagerly. Returns the
-        number of graphs compiled now."""
+        first (small batches, short contexts), until `deadline` (time.monotonic(); checked
+        before each compile, so the last one may run past it); writes only the scratch block.
+        Afterwards a bucket not compiled runs eagerly. Returns the number compiled now."""
         import time
 
         keys = self.warmup_keys(batch_sizes, query_lens, max_context, mtp_modules)

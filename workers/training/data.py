@@ -5,8 +5,9 @@ Two corpora:
 - `python`: the standard library plus the sources of permissively licensed packages installed
   in the running environment (`CORPUS_PACKAGES`), deduplicated by content.
 
-`pip` and every library it vendors are never read (they are the held-out evaluation set), nor
-is any `_vendor`/`vendored` folder of another package (which may hold copies of them).
+`pip` and every library it vendors are never read (they are the held-out evaluation set): no
+`_vendor`/`vendored`/`thirdparty*` folder of another package (which may hold copies of them),
+and no file or folder named like one of those libraries anywhere.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 EXCLUDED_DIRS = {"test", "tests", "idle_test", "site-packages", "__pycache__", "testing",
-                 "_vendor", "vendor", "vendored", "_vendored", "extern", "_extern"}
+                 "_vendor", "vendor", "vendored", "_vendored", "extern", "_extern",
+                 "thirdparty_files", "thirdparty", "third_party"}
 HELD_OUT_PERCENT = 5
 MAX_FILE_BYTES = 400_000  # generated tables (unicode data, big literals) teach nothing
 # Per-package cap, so a few large packages (transformers' near-copies of modeling code) do not
@@ -116,16 +118,18 @@ def python_files(root: Path | None = None) -> list[tuple[str, Path]]:
     out = []
     for p in sorted(root.rglob("*.py")):
         rel = p.relative_to(root)
-        if any(part in EXCLUDED_DIRS for part in rel.parts[:-1]):
+        if any(part in EXCLUDED_DIRS or part in PIP_AND_VENDORED for part in rel.parts[:-1]):
+            continue
+        if rel.stem in PIP_AND_VENDORED:
             continue
         out.append((rel.as_posix(), p))
     return out
 
 
 def corpus_files(corpus: str = "stdlib") -> list[tuple[str, Path]]:
-    """(labelled relative path, path) of the corpus, deduplicated by content (first kept).
-
-    The stdlib keeps its historical unlabelled paths so its split is unchanged."""
+    """(labelled relative path, path) of the corpus, deduplicated by content (first kept),
+    without empty or huge files. The stdlib keeps unlabelled relative paths, so its files keep
+    the held-out split they always had (a few duplicate, empty or huge ones are dropped)."""
     seen: set[str] = set()
     out = []
     for src in corpus_sources(corpus):

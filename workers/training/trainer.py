@@ -199,6 +199,7 @@ def train(tc: TrainConfig) -> dict:
         # How a run executes may change between pieces (threads, compile, where it pauses);
         # what it computes may not.
         free = ("stop_after", "threads", "compile", "save_every")
+        st["config"].setdefault("corpus", "stdlib")  # states written before corpora existed
         if ({k: v for k, v in st["config"].items() if k not in free}
                 != {k: v for k, v in asdict(tc).items() if k not in free}):
             raise ValueError(f"{state_file} was written with a different configuration")
