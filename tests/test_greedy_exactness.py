@@ -27,6 +27,8 @@ def _prompt_ids(path) -> list[list[int]]:
 def _run(path, k: int, ps: list[list[int]], **kw) -> list[list[int]]:
     eng = Engine(EngineConfig(model=str(path), num_speculative_tokens=k, num_kv_blocks=512,
                               **kw))
+    # Compiles what these prompts hit when graphs are on (MTPSERVE_COMPILE=on); eager: no-op.
+    eng.warmup(len(ps), max(len(p) for p in ps) + NEW_TOKENS + 2 * k + 2)
     reqs = [eng.add_request(str(i), p, GREEDY) for i, p in enumerate(ps)]
     while eng.has_unfinished():
         eng.step()
