@@ -360,12 +360,21 @@ class DisaggOrchestrator:
         frees it anyway). The call carries that replica's id, which the request router
         (mtpserve.router.routing) sends it to; if that replica is gone, another answers False."""
         rid = params.request_id
-        try:
-            response = self.prefill.release.remote(
-                rid, **{TARGET_REPLICA: params.prefill_replica})
-            await asyncio.wait_for(_await(response), self.config.stall_timeout_s)
-        except Exception as e:
-            logger.debug("release of %s failed: %s", rid, _short(e))
+        backoff, until = self.config.retry_backoff_s, time.monotonic() + self.config.stall_timeout_s
+        while True:
+            try:
+                response = self.prefill.release.remote(
+                    rid, **{TARGET_REPLICA: params.prefill_replica})
+                await asyncio.wait_for(_await(response), self.config.stall_timeout_s)
+                return
+            except Exception as e:
+                # A release refused by a full Serve queue is tried again (it frees blocks the
+                # busy replica needs); anything else is left to hold_ttl_s.
+                if not _names(e) & _BUSY or time.monotonic() + backoff > until:
+                    logger.debug("release of %s failed: %s", rid, _short(e))
+                    return
+            await asyncio.sleep(backoff)
+            backoff = min(2 * backoff, _MAX_BACKOFF_S)
 
     def _release(self, params: KVTransferParams) -> None:
         """`_release_now` in the background (from a closing generator, which cannot wait)."""

@@ -405,3 +405,32 @@ def test_busy_decode_past_the_hold_recomputes(engine, prompts, offline) -> None:
     assert run(collect(orch, request(0, prompts[0]))) == offline[0]
     assert offered[0] is not None and offered[-1] is None  # recomputed without the KV
     assert prefill.held == set() and orch.num_migrations == 0
+
+
+def test_a_release_refused_by_a_full_queue_is_retried(engine, prompts) -> None:
+    """Backpressure on the prefill side does not drop a release: a client leaving after the
+    first token still frees the prefill's KV once the queue has room."""
+    orch, prefill, _ = build(engine)
+    real = prefill.release
+    refusals = {"n": 2}
+
+    async def busy_then_release(request_id, target_replica=None):
+        if refusals["n"]:
+            refusals["n"] -= 1
+            raise BackPressureError("queue full")
+        return await real(request_id, target_replica)
+
+    prefill.release = busy_then_release
+
+    async def main():
+        gen = orch.generate(request(0, prompts[0]))
+        await gen.__anext__()
+        assert prefill.held == {"r0"}
+        await gen.aclose()
+        for _ in range(100):  # the release retries in the background
+            if not prefill.held:
+                break
+            await asyncio.sleep(0.02)
+
+    run(main())
+    assert prefill.held == set() and refusals["n"] == 0
