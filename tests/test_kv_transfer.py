@@ -326,6 +326,15 @@ def test_channel_timeout_is_clear_and_rebuilt_channel_works():
         peer.stop()
 
 
+def _wait_stopped(pid: int, timeout_s: float = 10.0) -> None:
+    """Until the kernel reports `pid` stopped (state T): on a loaded machine SIGSTOP's effect
+    is not instant, and the test needs a sender that really cannot answer."""
+    deadline = time.monotonic() + timeout_s
+    while open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] not in ("T", "t"):
+        assert time.monotonic() < deadline, "the sender did not stop"
+        time.sleep(0.01)
+
+
 def test_frozen_then_dead_sender_gives_clear_errors_and_a_rebuilt_channel(receiver):
     peer = Peer()
     try:
@@ -335,6 +344,7 @@ def test_frozen_then_dead_sender_gives_clear_errors_and_a_rebuilt_channel(receiv
         receiver.pull(address, "f0", 0, NUM_KV_HEADS, timeout_s=20)
 
         os.kill(peer.proc.pid, signal.SIGSTOP)  # a sender that never answers
+        _wait_stopped(peer.proc.pid)
         try:
             t0 = time.monotonic()
             with pytest.raises(KVTransferError, match=rf"{address} did not answer.*'f1'"):
