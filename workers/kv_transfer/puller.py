@@ -5,9 +5,9 @@ decision 11).
 Up to `max_concurrent` pulls run at once, each on its own thread with its own reused
 grow-only buffer and CUDA stream: a pull from one prefill replica never waits behind a slow
 pull from another. Pulls from the same sender still go one after another (the receiver's
-per-pair lock keeps one ordered stream per pair, as NCCL needs). A pull's timeout runs from
-its submission. A result is posted only after the scatter into the cache has completed, so
-once every rank reports a request done, its blocks are complete on every rank.
+per-pair lock keeps one ordered stream per pair, as NCCL needs). A result is posted only after
+the scatter into the cache has completed, so once every rank reports a request done, its
+blocks are complete on every rank.
 """
 
 from __future__ import annotations
@@ -76,9 +76,7 @@ class KVPuller:
 
     # any thread ----------------------------------------------------------------------------
     def submit(self, job: Any) -> None:  # a workers.tp_commands.PullKV
-        # The job's timeout runs from here, not from when the thread gets to it: jobs queued
-        # behind a frozen peer's pull expire with it instead of one timeout after another.
-        self._jobs.put((job, time.monotonic()))
+        self._jobs.put(job)
 
     def result(self, request_id: str) -> PullResult | None:
         with self._lock:
@@ -109,8 +107,7 @@ class KVPuller:
 
     # transfer thread -----------------------------------------------------------------------
     def _loop(self, lane: _Lane) -> None:
-        while (item := self._jobs.get()) is not None:
-            job, submitted = item
+        while (job := self._jobs.get()) is not None:
             t0, delay = time.perf_counter(), 0.0
             try:
                 with self._lock:
@@ -118,10 +115,7 @@ class KVPuller:
                     self._fault_count -= delay > 0
                 if delay:
                     time.sleep(delay)
-                left = job.timeout_s - (time.monotonic() - submitted)
-                if left <= 0:
-                    raise TimeoutError(f"waited {job.timeout_s:.1f}s behind earlier pulls")
-                res = PullResult(True, extras=self._pull(job, left, lane))
+                res = PullResult(True, extras=self._pull(job, job.timeout_s, lane))
             except Exception as e:  # this request fails; the replica goes on
                 lane.buffer = None  # an abandoned receive may still write into it
                 err = f"KV transfer of {job.request_id} failed on rank {self.rank}: {e}"
