@@ -2,7 +2,8 @@
 already allocated, so the engine thread never waits on the network (docs/architecture.md,
 decision 11).
 
-Up to `max_concurrent` pulls run at once, each on its own thread with its own reused
+Up to `max_concurrent` pulls (default 1, see DEFAULT_MAX_CONCURRENT) run at once, each on
+its own thread with its own reused
 grow-only buffer and CUDA stream: a pull from one prefill replica never waits behind a slow
 pull from another. Pulls from the same sender still go one after another (the receiver's
 per-pair lock keeps one ordered stream per pair, as NCCL needs). A result is posted only after
@@ -37,7 +38,10 @@ class PullResult:
     seconds: float = 0.0
 
 
-DEFAULT_MAX_CONCURRENT = 4
+# One lane by default: with several, a pull waiting for its pair's lock behind a stuck pull
+# runs down its own timeout meanwhile and is recomputed (test_reliability); lanes pay off once
+# a pull's timeout starts at the pair lock (not built yet).
+DEFAULT_MAX_CONCURRENT = 1
 
 
 class KVPuller:
