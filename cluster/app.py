@@ -11,7 +11,8 @@ from pathlib import Path
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
-from mtpserve.cluster.config import AutoscalingSettings, ClusterConfig
+from mtpserve.cluster.config import ClusterConfig
+from mtpserve.cluster.serve_options import autoscaling_config, max_ongoing
 
 ROUTER = "mtpserve.router.routing:LeastLoadedRouter"
 ROUTING_STATS_PERIOD_S = 1.0  # = router.routing.ROUTING_STATS_PERIOD_S (no Serve import here)
@@ -20,32 +21,6 @@ ROUTING_STATS_PERIOD_S = 1.0  # = router.routing.ROUTING_STATS_PERIOD_S (no Serv
 def _bundles(tp: int, cpus: float, gpus: float, resources: dict[str, float]) -> list[dict]:
     bundle = {"CPU": cpus} | ({"GPU": gpus} if gpus else {}) | resources
     return [dict(bundle) for _ in range(tp)]
-
-
-def _autoscaling(a: AutoscalingSettings, initial: int, policy: str, kwargs: dict) -> dict:
-    # The policy holds scale-downs itself (`downscale_hold_s`, with the model's prediction);
-    # Serve's own delay on top only has to absorb one tick. Reports older than a few
-    # intervals are stale: the policy then holds.
-    kwargs = kwargs | {"downscale_hold_s": a.downscale_delay_s,
-                       "max_age_s": max(5.0, 4 * a.metrics_interval_s)}
-    return {
-        "min_replicas": a.min_replicas, "max_replicas": a.max_replicas,
-        "initial_replicas": min(max(initial, a.min_replicas), a.max_replicas),
-        "metrics_interval_s": a.metrics_interval_s,
-        "look_back_period_s": 5 * a.metrics_interval_s,
-        "upscale_delay_s": a.upscale_delay_s, "downscale_delay_s": 1.0,
-        "policy": {"policy_function": f"mtpserve.cluster.autoscaling_policy:{policy}",
-                   "policy_kwargs": kwargs},
-    }
-
-
-def _max_ongoing(cfg: ClusterConfig, role: str) -> int:
-    if role == "decode":
-        n = cfg.decode.max_num_seqs
-        return n + max(2, n // 4)
-    # Prefill requests are short (one chunked prefill each); the engine batches up to its token
-    # budget, so a few prompts' worth of budget keeps it busy without a long local queue.
-    return max(16, 4 * cfg.prefill.max_num_batched_tokens // 256)
 
 
 def deployment_options(cfg: ClusterConfig, role: str) -> dict:
@@ -66,7 +41,7 @@ def deployment_options(cfg: ClusterConfig, role: str) -> dict:
         # Serve's admission matches the engine's: decode runs max_num_seqs at once plus a small
         # queue in the engine; beyond that requests wait in the caller's router, at most
         # limits.max_queued_requests of them, then BackPressureError (answered 429).
-        "max_ongoing_requests": _max_ongoing(cfg, role),
+        "max_ongoing_requests": max_ongoing(cfg, role),
         "max_queued_requests": cfg.limits.max_queued_requests,
         "graceful_shutdown_timeout_s": cfg.graceful_shutdown_timeout_s,
         "graceful_shutdown_wait_loop_s": 1.0,
@@ -78,15 +53,8 @@ def deployment_options(cfg: ClusterConfig, role: str) -> dict:
     }
     if side.autoscaling is None:
         opts["num_replicas"] = side.replicas
-    elif role == "decode":
-        a = side.autoscaling
-        opts["autoscaling_config"] = _autoscaling(
-            a, side.replicas, "DecodePolicy", {"target_tpot_ms": a.target_tpot_ms})
     else:
-        a = side.autoscaling
-        opts["autoscaling_config"] = _autoscaling(
-            a, side.replicas, "PrefillPolicy",
-            {"target_ttft_ms": a.target_ttft_ms, "window_s": a.window_s})
+        opts["autoscaling_config"] = autoscaling_config(cfg, role)
     return opts
 
 

@@ -22,13 +22,8 @@ import bisect
 from collections import deque
 from collections.abc import Callable
 
-from mtpserve.cluster.sim.config import (
-    SimConfig,
-    autoscaling_config,
-    cluster_config,
-    max_ongoing,
-    serve_default_config,
-)
+from mtpserve.cluster.serve_options import autoscaling_config, max_ongoing
+from mtpserve.cluster.sim.config import SimConfig, cluster_config, serve_default_config
 from mtpserve.cluster.sim.decode_replica import DecodeReplica
 from mtpserve.cluster.sim.events import EventQueue
 from mtpserve.cluster.sim.hardware import load_hardware

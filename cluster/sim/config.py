@@ -2,18 +2,16 @@
 `ClusterConfig` (cluster/config.py, Ray-free), from which the Serve options of the two
 deployments are derived exactly as cluster/app.py derives them.
 
-cluster/app.py imports Ray, so this module repeats its autoscaling-options code
-(`_autoscaling`, `_max_ongoing`) instead of importing it; tests/test_sim.py asserts that both
-give identical dicts for the simulated config, so the two cannot drift apart silently.
+Both take the autoscaling options and admission caps from `cluster/serve_options.py` (Ray-free),
+so the simulated deployments are configured by the same code as the real ones.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mtpserve.cluster.config import AutoscalingSettings, ClusterConfig
-
-POLICY_MODULE = "mtpserve.cluster.autoscaling_policy"
+from mtpserve.cluster.config import ClusterConfig
+from mtpserve.cluster.serve_options import autoscaling_config
 
 
 @dataclass
@@ -80,39 +78,6 @@ def cluster_config(sim: SimConfig, tp: int, k_max: int, max_num_seqs: int,
         speculation={"num_speculative_tokens": k_max, "adaptive": True},
         kv_transfer={"backend": "nccl"},
     )
-
-
-# Mirrors of cluster/app.py (which imports Ray) --------------------------------------------------
-def _autoscaling(a: AutoscalingSettings, initial: int, policy: str, kwargs: dict) -> dict:
-    kwargs = kwargs | {"downscale_hold_s": a.downscale_delay_s,
-                       "max_age_s": max(5.0, 4 * a.metrics_interval_s)}
-    return {
-        "min_replicas": a.min_replicas, "max_replicas": a.max_replicas,
-        "initial_replicas": min(max(initial, a.min_replicas), a.max_replicas),
-        "metrics_interval_s": a.metrics_interval_s,
-        "look_back_period_s": 5 * a.metrics_interval_s,
-        "upscale_delay_s": a.upscale_delay_s, "downscale_delay_s": 1.0,
-        "policy": {"policy_function": f"{POLICY_MODULE}:{policy}", "policy_kwargs": kwargs},
-    }
-
-
-def autoscaling_config(cfg: ClusterConfig, role: str) -> dict:
-    """= cluster.app.deployment_options(cfg, role)["autoscaling_config"]."""
-    if role == "decode":
-        a = cfg.decode.autoscaling
-        return _autoscaling(a, cfg.decode.replicas, "DecodePolicy",
-                            {"target_tpot_ms": a.target_tpot_ms})
-    a = cfg.prefill.autoscaling
-    return _autoscaling(a, cfg.prefill.replicas, "PrefillPolicy",
-                        {"target_ttft_ms": a.target_ttft_ms, "window_s": a.window_s})
-
-
-def max_ongoing(cfg: ClusterConfig, role: str) -> int:
-    """= cluster.app.deployment_options(cfg, role)["max_ongoing_requests"]."""
-    if role == "decode":
-        n = cfg.decode.max_num_seqs
-        return n + max(2, n // 4)
-    return max(16, 4 * cfg.prefill.max_num_batched_tokens // 256)
 
 
 def serve_default_config(cfg: ClusterConfig, role: str, target_ongoing: float) -> dict:
