@@ -44,6 +44,7 @@ class Choice:
         self.text_parts: list[str] = []
         self.finish_reason: str | None = None
         self.num_drafted = self.num_accepted = self.num_rounds = 0
+        self.num_cached_tokens = 0  # prompt tokens a prefix cache held
         self.logprobs: list[TokenLogprobs] = []  # one per token id, when requested
         self._text_offset = 0  # completions' text_offset of the next token
 
@@ -118,6 +119,7 @@ class Choice:
         self.num_drafted = max(self.num_drafted, chunk.num_drafted)
         self.num_accepted = max(self.num_accepted, chunk.num_accepted)
         self.num_rounds = max(self.num_rounds, chunk.num_rounds)
+        self.num_cached_tokens = max(self.num_cached_tokens, chunk.num_cached_tokens)
         text = self.detokenizer.add(chunk.token_ids)
         if chunk.finished:
             text += self.detokenizer.flush()

@@ -13,7 +13,7 @@ from mtpserve.router.auth import key_matches
 from mtpserve.router.errors import APIError
 from mtpserve.router.generation import Choice, ChoiceSet
 from mtpserve.router.limits import Limits
-from mtpserve.router.protocol import MTPStats, SamplingRequest, Usage
+from mtpserve.router.protocol import MTPStats, PromptTokensDetails, SamplingRequest, Usage
 from mtpserve.router.types import Orchestrator
 from mtpserve.workers.messages import GenerateRequest
 
@@ -139,8 +139,14 @@ def build_choices(state: IngressState, body: SamplingRequest, response_id: str,
 def usage_of(prompts: list[list[int]], choices: ChoiceSet) -> Usage:
     prompt_tokens = sum(len(p) for p in prompts)
     completion_tokens = sum(c.num_output_tokens for c in choices.choices)
+    # A prompt is counted once; its cached tokens are those of the choice that found the
+    # least (with n > 1 one choice computes the prompt, the others reuse its blocks).
+    n = max(len(choices.choices) // max(len(prompts), 1), 1)
+    cached = sum(min(c.num_cached_tokens for c in choices.choices[i * n : (i + 1) * n])
+                 for i in range(len(prompts)) if choices.choices[i * n : (i + 1) * n])
     return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                 total_tokens=prompt_tokens + completion_tokens)
+                 total_tokens=prompt_tokens + completion_tokens,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
 def total_mtp_stats(choices: ChoiceSet) -> MTPStats:

@@ -110,6 +110,17 @@ def render(data: dict, model_name: str, now: float | None = None) -> str:
     family("mtpserve:kv_transfer_bytes", "counter", "KV bytes received by decode rank 0s.")
     lines.append(f"mtpserve:kv_transfer_bytes_total{m} "
                  f"{_num(sum(s['counters'].get('kv_transfer_bytes', 0) for s in snaps))}")
+    family("mtpserve:kv_transfer_bytes_saved", "counter",
+           "KV bytes decode rank 0s did not pull: their prefix cache held those blocks.")
+    lines.append(f"mtpserve:kv_transfer_bytes_saved_total{m} "
+                 f"{_num(sum(s['counters'].get('kv_transfer_bytes_saved', 0) for s in snaps))}")
+    for key, doc in (("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+                     ("prefix_cache_hits", "Prompt tokens found in the prefix cache.")):
+        family(f"vllm:{key}", "counter", doc + " Per role.")
+        for role in sorted({s["role"] for s in snaps}):
+            total = sum(s["counters"].get(key, 0) for s in snaps if s["role"] == role)
+            lines.append(f"vllm:{key}_total{_labels(model_name=model_name, role=role)} "
+                         f"{_num(total)}")
     family("mtpserve:kv_transfer_seconds", "counter", "Seconds decode rank 0s spent pulling KV.")
     lines.append(f"mtpserve:kv_transfer_seconds_total{m} "
                  f"{_num(sum(s['counters'].get('kv_transfer_seconds', 0) for s in snaps))}")

@@ -174,7 +174,8 @@ class DisaggOrchestrator:
         try:
             if params is not None:
                 first = TokenChunk([params.first_token_id], finished=params.finished,
-                                   finish_reason=params.finish_reason)
+                                   finish_reason=params.finish_reason,
+                                   num_cached_tokens=params.num_cached_tokens)
                 first_logprobs = getattr(params, "first_token_logprobs", None)
                 if first_logprobs is not None:
                     first.logprobs = [first_logprobs]

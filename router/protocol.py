@@ -251,10 +251,16 @@ class MTPStats(BaseModel):
                       sum(s.num_rounds for s in stats))
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    # OpenAI's field: prompt tokens served from the prefix cache.
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionLogprobs(BaseModel):

@@ -40,7 +40,8 @@ def to_chunk(out: RequestOutput) -> TokenChunk:
         token_ids=out.new_token_ids, finished=out.finished, finish_reason=out.finish_reason,
         num_prompt_tokens=out.num_prompt_tokens, num_output_tokens=out.num_output_tokens,
         num_drafted=out.num_drafted, num_accepted=out.num_accepted,
-        num_rounds=out.num_rounds, logprobs=out.logprobs,
+        num_rounds=out.num_rounds, num_cached_tokens=out.num_cached_tokens,
+        logprobs=out.logprobs,
     )
 
 

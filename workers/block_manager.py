@@ -2,13 +2,21 @@
 
 Main and MTP layers share one block table per request (MTP entry t lives at position t), so
 one allocation covers both caches. Blocks are reference-counted so that a block can be held by
-an in-flight KV transfer and a request at the same time.
+an in-flight KV transfer and a request at the same time, and, with prefix caching, by several
+requests whose prompts share it (workers/prefix_cache.py).
+
+With prefix caching a full, computed block is named by its chained hash when the request that
+wrote it has moved past it (`register`); when its last reference goes it stays cached
+(evictable) instead of free, and is evicted least-recently-released first only when no free
+block is left. Writes only ever happen at positions >= a request's `num_computed_tokens`, and a
+request shares only blocks below that, so a shared block is never overwritten or rolled back.
 """
 
 from __future__ import annotations
 
 from collections import deque
 
+from mtpserve.workers.prefix_cache import BlockHash, PrefixIndex, extend_block_hashes
 from mtpserve.workers.request import Request
 
 
@@ -17,30 +25,45 @@ def blocks_for(num_slots: int, block_size: int) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = False,
+                 salt: bytes = b"", has_mtp: bool = True) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.ref_counts = [0] * num_blocks
         self.free_ids: deque[int] = deque(range(num_blocks))
+        self.prefix_caching = prefix_caching
+        self.salt = salt
+        self.has_mtp = has_mtp  # blocks are whole only with their MTP entries written
+        self.cache = PrefixIndex()
+        # Token counts of prefix lookups, for vllm:prefix_cache_{queries,hits}_total.
+        self.cache_queries = 0
+        self.cache_hits = 0
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_ids)
+        """Blocks an allocation can take: free ones plus cached ones nobody references."""
+        return len(self.free_ids) + len(self.cache.evictable)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self.free_ids)
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.cache)
 
     def can_allocate(self, num_blocks: int) -> bool:
-        return num_blocks <= len(self.free_ids)
+        return num_blocks <= self.num_free_blocks
 
     def allocate(self, num_blocks: int) -> list[int]:
-        """Take `num_blocks` free blocks (ref count 1). Caller checks `can_allocate` first."""
-        if num_blocks > len(self.free_ids):
-            raise MemoryError(f"need {num_blocks} KV blocks, {len(self.free_ids)} free")
-        ids = [self.free_ids.popleft() for _ in range(num_blocks)]
+        """Take `num_blocks` blocks (ref count 1): free ones first, then the least recently
+        released cached ones. Caller checks `can_allocate` first."""
+        if num_blocks > self.num_free_blocks:
+            raise MemoryError(f"need {num_blocks} KV blocks, {self.num_free_blocks} free")
+        ids = [self.free_ids.popleft() if self.free_ids else self.cache.pop_lru()
+               for _ in range(num_blocks)]
         for b in ids:
             self.ref_counts[b] = 1
         return ids
@@ -55,7 +78,59 @@ class BlockManager:
             assert self.ref_counts[b] > 0, f"double free of block {b}"
             self.ref_counts[b] -= 1
             if self.ref_counts[b] == 0:
-                self.free_ids.append(b)
+                if b in self.cache.hash_of:
+                    self.cache.evictable[b] = None  # most recently released: evicted last
+                else:
+                    self.free_ids.append(b)
+
+    # Prefix caching ------------------------------------------------------------------------
+    def hashes(self, req: Request, token_ids: list[int] | None = None) -> list[BlockHash]:
+        """The request's block hashes as far as its tokens are known (kept on the request)."""
+        tokens = req.all_token_ids if token_ids is None else token_ids
+        return extend_block_hashes(req.block_hashes, tokens, self.block_size, self.salt)
+
+    def cached_prefix(self, req: Request, max_tokens: int) -> list[int]:
+        """Cached blocks holding the request's first tokens, at most `max_tokens` of them
+        (the caller keeps at least the last prompt token to compute). No references taken."""
+        if not self.prefix_caching:
+            return []
+        hashes = self.hashes(req)[: max_tokens // self.block_size]
+        return self.cache.longest_prefix(hashes)
+
+    def reuse(self, req: Request, blocks: list[int]) -> None:
+        """Start `req`'s (empty) block table with the cached `blocks`, taking a reference."""
+        assert not req.block_ids, "reuse starts a block table"
+        for b in blocks:
+            if self.ref_counts[b] == 0:
+                del self.cache.evictable[b]
+            self.ref_counts[b] += 1
+        req.block_ids = list(blocks)
+        req.num_registered_blocks = len(blocks)
+
+    def count_lookup(self, queried: int, hit: int) -> None:
+        self.cache_queries += queried
+        self.cache_hits += hit
+
+    def register(self, req: Request, num_valid: int) -> None:
+        """Name the request's full blocks whose main and MTP KV are final: positions below
+        `num_valid` (its computed tokens; their MTP entries are exact too)."""
+        if not self.prefix_caching or req.num_speculative_tokens == 0 and self.has_mtp:
+            return  # k = 0 never writes MTP entries: its blocks are not whole
+        full = min(num_valid // self.block_size, len(req.block_ids))
+        if full <= req.num_registered_blocks:
+            return
+        hashes = self.hashes(req)
+        for j in range(req.num_registered_blocks, min(full, len(hashes))):
+            self.cache.insert(hashes[j], req.block_ids[j])
+            req.num_registered_blocks = j + 1
+
+    def flush(self) -> int:
+        """Forget every cached prefix (blocks in use stay with their requests, uncached);
+        returns how many blocks were named."""
+        n = len(self.cache)
+        self.free_ids.extend(self.cache.evictable)
+        self.cache = PrefixIndex()
+        return n
 
     # Per-request helpers -------------------------------------------------------------------
     def blocks_needed(self, req: Request, num_slots: int) -> int:
@@ -72,6 +147,7 @@ class BlockManager:
     def truncate(self, req: Request, num_slots: int) -> int:
         """Free the blocks past the first `num_slots` slots (rollback); returns blocks freed."""
         keep = blocks_for(num_slots, self.block_size)
+        assert keep >= req.num_registered_blocks, "rollback into a cached (shared) block"
         extra = req.block_ids[keep:]
         if extra:
             del req.block_ids[keep:]
@@ -79,8 +155,10 @@ class BlockManager:
         return len(extra)
 
     def free(self, req: Request) -> None:
-        self.release(req.block_ids)
+        # Tail first: a prompt's last blocks are evicted before its (more shared) head.
+        self.release(req.block_ids[::-1])
         req.block_ids = []
+        req.num_registered_blocks = 0
 
     def check_integrity(self, live: list[Request]) -> None:
         """Assert the free list and ref counts agree with the live requests' block tables."""
@@ -90,11 +168,18 @@ class BlockManager:
                 counts[b] += 1
         free = set(self.free_ids)
         assert len(free) == len(self.free_ids), "duplicate ids in the free list"
+        evictable = set(self.cache.evictable)
+        assert not free & evictable, "a block is both free and cached"
         for b in range(self.num_blocks):
             assert counts[b] <= self.ref_counts[b], f"block {b}: {counts[b]} owners, ref " \
                 f"{self.ref_counts[b]}"
-            assert (self.ref_counts[b] == 0) == (b in free), f"block {b} free-list mismatch"
+            assert (self.ref_counts[b] == 0) == (b in free or b in evictable), \
+                f"block {b} free-list mismatch"
+            assert b not in evictable or b in self.cache.hash_of, f"block {b} evictable, unnamed"
 
     def stats(self) -> dict[str, int]:
         return {"num_blocks": self.num_blocks, "used_blocks": self.num_used_blocks,
-                "free_blocks": self.num_free_blocks, "block_size": self.block_size}
+                "free_blocks": self.num_free_blocks, "block_size": self.block_size,
+                "cached_blocks": self.num_cached_blocks,
+                "prefix_cache_queries": self.cache_queries,
+                "prefix_cache_hits": self.cache_hits}

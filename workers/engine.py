@@ -24,6 +24,7 @@ from mtpserve.workers.block_manager import BlockManager, blocks_for
 from mtpserve.workers.engine_config import DTYPES, EngineConfig, EngineError, compile_enabled
 from mtpserve.workers.model_runner import ForwardBatch, ModelRunner
 from mtpserve.workers.outputs import RequestOutput, append_tokens
+from mtpserve.workers.prefix_cache import cache_salt
 from mtpserve.workers.request import Request, RequestStatus
 from mtpserve.workers.round_outcomes import RoundOutcomes
 from mtpserve.workers.sampling_params import SamplingParams
@@ -52,7 +53,10 @@ class Engine(RoundOutcomes):
                                  mcfg.max_position_embeddings)
         if config.num_speculative_tokens > 0 and mcfg.num_mtp_modules == 0:
             raise EngineError("num_speculative_tokens > 0 needs a model with an MTP module")
-        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size)
+        self.block_manager = BlockManager(
+            config.num_kv_blocks, config.block_size, prefix_caching=config.prefix_caching,
+            salt=cache_salt(dataclasses.asdict(mcfg), config.dtype, config.block_size),
+            has_mtp=mcfg.num_mtp_modules > 0)
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
             config.mixed_prefill_tokens if config.mixed_batches else 0)
@@ -195,6 +199,11 @@ class Engine(RoundOutcomes):
         self.scheduler.remove(req)
         req.status = RequestStatus.FINISHED_ABORTED
         return True
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (vLLM's reset_prefix_cache); blocks in use stay with
+        their requests. Returns how many blocks were cached."""
+        return self.block_manager.flush()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0

@@ -31,6 +31,9 @@ class EngineConfig:
     # burst 30.9 -> 14.2 ms, steady TPOT unchanged; the burst's own TTFT 271 -> 678 ms.
     mixed_batches: bool = True
     mixed_prefill_tokens: int = 128
+    # Automatic prefix caching (workers/prefix_cache.py): full blocks of main + MTP KV that a
+    # request computed are shared by later requests with the same prefix.
+    prefix_caching: bool = True
     # Draft over the N most frequent tokens only (workers.spec.draft_vocab); None: all.
     draft_vocab_size: int | None = None
     # Compiled fixed-shape decode graphs (workers/model/decode_graph.py): "auto" turns them on

@@ -80,6 +80,7 @@ class KVTransferParams:
     # Serve's unique id of the prefill replica holding the KV: `PrefillServer.release` is
     # routed to exactly that replica (TARGET_REPLICA). None outside Serve.
     prefill_replica: str | None = None
+    num_cached_tokens: int = 0  # prompt tokens the prefill replica's prefix cache held
 
 
 # A keyword argument naming the replica (Serve's unique id) a handle call must reach; the
@@ -105,6 +106,7 @@ class TokenChunk:
     num_drafted: int = 0
     num_accepted: int = 0
     num_rounds: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from a prefix cache (usage)
     error: str | None = None  # set with finish_reason "error"
     error_kind: str | None = None  # with "error": ERROR_KV_TRANSFER | ERROR_ENGINE
     logprobs: list[TokenLogprobs] | None = None  # one per token id, if requested

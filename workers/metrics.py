@@ -198,6 +198,9 @@ class EngineRecorder:
         kv = self.kv_stats() if self.kv_stats else {}
         counters["kv_transfer_bytes"] = kv.get("bytes_received", kv.get("bytes_sent", 0))
         counters["kv_transfer_seconds"] = kv.get("pull_seconds", 0.0)
+        counters["kv_transfer_bytes_saved"] = kv.get("bytes_saved", 0)
+        counters["prefix_cache_queries"] = stats.get("prefix_cache_queries", 0)
+        counters["prefix_cache_hits"] = stats.get("prefix_cache_hits", 0)
         return {"replica": key, "role": self.role, "time": time.time(),
                 "counters": counters, "per_pos": list(self.per_pos),
                 "hists": {n: h.snapshot() for n, h in self.hists.items()},

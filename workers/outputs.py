@@ -22,6 +22,7 @@ class RequestOutput:
     num_drafted: int
     num_accepted: int
     num_rounds: int = 0
+    num_cached_tokens: int = 0  # prompt tokens a prefix-cache hit spared
     # One entry per new token when the request asked for logprobs (SamplingParams.logprobs).
     logprobs: list[TokenLogprobs] | None = None
 
@@ -71,5 +72,6 @@ def request_output(req: Request, emitted: list[int],
         num_prompt_tokens=len(req.prompt_token_ids),
         num_output_tokens=req.num_output_tokens,
         num_drafted=req.num_drafted, num_accepted=req.num_accepted,
-        num_rounds=req.num_rounds, logprobs=logprobs,
+        num_rounds=req.num_rounds, num_cached_tokens=req.num_cached_tokens,
+        logprobs=logprobs,
     )

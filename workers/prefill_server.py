@@ -66,7 +66,8 @@ class PrefillServer(EngineReplica):
                                         n_prompt, first.token_ids[0], 0, True,
                                         first.finish_reason,
                                         first_token_logprobs=_first_logprobs(first),
-                                        prefill_replica=self.replica_id)
+                                        prefill_replica=self.replica_id,
+                                        num_cached_tokens=first.num_cached_tokens)
             params = await self.engine.acall(lambda e: self._hold(e, rid, first.token_ids[0]))
             params.first_token_logprobs = _first_logprobs(first)
             return params
@@ -91,6 +92,7 @@ class PrefillServer(EngineReplica):
             num_kv_heads=engine.model_config.num_key_value_heads, num_tokens=slots,
             num_computed_tokens=r.num_computed_tokens, first_token_id=first_token,
             num_drafts=len(r.draft_token_ids), prefill_replica=self.replica_id,
+            num_cached_tokens=r.num_cached_tokens,
         )
 
     async def stats(self) -> dict:

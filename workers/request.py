@@ -40,6 +40,12 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     block_ids: list[int] = field(default_factory=list)
+    # Prefix caching: hashes of the full blocks known so far, how many of the table's head
+    # blocks are named in the cache (shared or registered), and the prompt tokens that a
+    # prefix hit spared (OpenAI's usage.prompt_tokens_details.cached_tokens).
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_registered_blocks: int = 0
+    num_cached_tokens: int = 0
     num_computed_tokens: int = 0
     num_speculative_tokens: int = 0  # k for this request (engine k capped by params)
     draft_token_ids: list[int] = field(default_factory=list)

@@ -52,6 +52,8 @@ class RoundOutcomes:
                 r.num_computed_tokens = n + acc + 1
                 self.block_manager.truncate(r, draft_slots(r))
                 r.draft_token_ids = drafts[: self._num_drafts(r)]
+            # The graph wrote the MTP entries of the accepted tokens only if it went on.
+            self.block_manager.register(r, n if r.finished else r.num_computed_tokens)
             outputs.append(request_output(r, emitted))
         for r in reqs:
             if r.finished:
@@ -94,7 +96,10 @@ class RoundOutcomes:
                 lp = token_logprobs(logits[i : i + 1], emitted, req.params.logprobs)
                 outputs.append(request_output(req, emitted, lp))
             if req.num_speculative_tokens == 0 or req.finished:
+                # No MTP extend: only the blocks before this chunk are whole.
+                self.block_manager.register(req, c.start)
                 continue
+            self.block_manager.register(req, c.end)  # the extends below complete the chunk
             tokens = req.all_token_ids[c.start + 1 : c.end + 1]
             # One MTP entry row per main row (same split), drafts from the last one.
             for p in range(0, len(tokens), W):
@@ -127,9 +132,12 @@ class RoundOutcomes:
             self._count_round(r, k_used, a, emitted)
             r.draft_token_ids, r.draft_probs = [], None
             if r.finished:
+                self.block_manager.register(r, n)
                 continue
             r.num_computed_tokens = n + a + 1  # main KV: last token + accepted drafts
             self.block_manager.truncate(r, draft_slots(r))  # roll back rejected slots
+            # Named now, written by this step's MTP extend before any later step reads them.
+            self.block_manager.register(r, r.num_computed_tokens)
             if r.num_speculative_tokens:
                 extends.append(MTPExtend(r, n, emitted, [b * W + i for i in range(a + 1)],
                                          self._num_drafts(r)))

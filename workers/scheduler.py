@@ -88,18 +88,30 @@ class Scheduler:
         if not self.awaiting_kv or self.num_seqs >= self.max_num_seqs:
             return False
         req, slots = self.awaiting_kv[0]
-        return self.bm.can_allocate(self.bm.blocks_needed(req, slots))
+        hit = self.bm.cached_prefix(req, req.num_computed_tokens)
+        return self.bm.can_allocate(self._blocks_to_take(hit, slots))
 
     def admit_transferred(self) -> list[Request]:
-        """FIFO: give queued transferred requests their blocks while slots and blocks last.
-        The caller starts their pulls; they stay in `receiving` until `finish_transfer`."""
+        """FIFO: give queued transferred requests their blocks while slots and blocks last,
+        starting with the blocks of their prefix this replica already caches (only the rest
+        is pulled: `req.num_registered_blocks` after this call). The caller starts their
+        pulls; they stay in `receiving` until `finish_transfer`."""
         admitted = []
         while self.can_admit_transferred():
             req, slots = self.awaiting_kv.popleft()
+            hit = self.bm.cached_prefix(req, req.num_computed_tokens)
+            self.bm.count_lookup(req.num_computed_tokens, len(hit) * self.bm.block_size)
+            self.bm.reuse(req, hit)
             assert self.bm.ensure_capacity(req, slots)
             self.receiving.append(req)
             admitted.append(req)
         return admitted
+
+    def _blocks_to_take(self, hit: list[int], num_slots: int) -> int:
+        """Blocks an admission removes from the free pool: the new ones, plus the cached hits
+        that nobody references (they leave the evictable pool)."""
+        idle_hits = sum(1 for b in hit if self.bm.ref_counts[b] == 0)
+        return blocks_for(num_slots, self.bm.block_size) - len(hit) + idle_hits
 
     def finish_transfer(self, req: Request) -> None:
         """Every rank has the request's KV: schedule it."""
@@ -173,23 +185,49 @@ class Scheduler:
                 break
             chunks.append(self._chunk(req, budget))
             budget -= chunks[-1].end - chunks[-1].start
+        deferred: list[Request] = []
+        in_flight = self._prefixes_in_flight()
         while self.waiting and budget > 0 and self.num_seqs < self.max_num_seqs:
             req = self.waiting[0]
+            # The last prompt token is always computed: its logits give the first token.
+            hit = self.bm.cached_prefix(req, req.prefill_target - 1)
+            usable = req.block_hashes[: (req.prefill_target - 1) // self.bm.block_size]
+            if len(hit) < len(usable) and usable[len(hit)] in in_flight:
+                # A request prefilling now (an n > 1 sibling, the same system prompt) is
+                # computing this prompt's next blocks: wait for them instead of repeating them.
+                deferred.append(self.waiting.popleft())
+                continue
             # Admit only when the whole prompt plus one round fits, so a prefill never stalls
             # half way; decode growth beyond that is handled by preemption.
-            need = blocks_for(req.prefill_target + 2 * req.num_speculative_tokens + 1,
-                              self.bm.block_size)
-            if not self.bm.can_allocate(need):
+            slots = req.prefill_target + 2 * req.num_speculative_tokens + 1
+            if not self.bm.can_allocate(self._blocks_to_take(hit, slots)):
                 break
+            cached = len(hit) * self.bm.block_size
+            self.bm.count_lookup(req.prefill_target, cached)
+            if not req.output_token_ids:
+                req.num_cached_tokens = cached
+            self.bm.reuse(req, hit)
             # Reserve every prefill block now so later chunks cannot be starved by decode.
             self.bm.ensure_capacity(req, self._prefill_slots(req))
             self.waiting.popleft()
             req.status = RequestStatus.PREFILLING
-            req.num_computed_tokens = 0
+            req.num_computed_tokens = cached
             self.prefilling.append(req)
+            in_flight.update(self._pending_hashes(req))
             chunks.append(self._chunk(req, budget))
             budget -= chunks[-1].end - chunks[-1].start
+        self.waiting.extendleft(reversed(deferred))
         return chunks
+
+    def _pending_hashes(self, req: Request) -> list[bytes]:
+        """Hashes of the blocks a prefilling request will name when its chunks are done."""
+        if not self.bm.prefix_caching:
+            return []
+        n = (req.prefill_target - 1) // self.bm.block_size
+        return self.bm.hashes(req)[req.num_registered_blocks : n]
+
+    def _prefixes_in_flight(self) -> set[bytes]:
+        return {h for r in self.prefilling for h in self._pending_hashes(r)}
 
     @staticmethod
     def _prefill_slots(req: Request) -> int:

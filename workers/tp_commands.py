@@ -26,11 +26,15 @@ class ReleaseKV:
 
 @dataclass
 class PullKV:
+    """Pull a held request's KV into `block_ids`: the request's blocks after the first
+    `skip_blocks`, which this replica's prefix cache already holds (not sent)."""
+
     request_id: str
     sender_addresses: list[str]
     block_ids: list[int]
     num_kv_heads: int
     timeout_s: float
+    skip_blocks: int = 0
 
 
 @dataclass

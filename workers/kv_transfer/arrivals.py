@@ -100,8 +100,9 @@ class KVArrivals(_RankPoller):
 
     def _pull(self, req: Request) -> PullKV:
         p = self._params.pop(req.request_id)  # only needed to start the pull
-        return PullKV(req.request_id, list(p.sender_addresses), list(req.block_ids),
-                      p.num_kv_heads, self.timeout_s)
+        cached = req.num_registered_blocks  # this replica's prefix cache holds them
+        return PullKV(req.request_id, list(p.sender_addresses), list(req.block_ids[cached:]),
+                      p.num_kv_heads, self.timeout_s, skip_blocks=cached)
 
 
 class PrefillHolds(_RankPoller):

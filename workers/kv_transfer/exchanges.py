@@ -47,8 +47,10 @@ class Exchange:
         heads: tuple[int, int],  # global [start, end)
         with_extras: bool,
         buffer: torch.Tensor | None = None,
+        skip_blocks: int = 0,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """(kv, extras) of the request's `heads`, acked; see `KVReceiver.pull` for `buffer`."""
+        """(kv, extras) of the request's `heads`, acked; see `KVReceiver.pull` for `buffer`
+        and `skip_blocks`."""
         channel = self.channel
         head_start, head_end = heads
         what = f"request {request_id!r}"
@@ -56,7 +58,8 @@ class Exchange:
         def left() -> float:  # checked before every op
             return self._left(f"the pull of {what}", what)
 
-        header = {"head_start": head_start, "head_end": head_end, "extras": with_extras}
+        header = {"head_start": head_start, "head_end": head_end, "extras": with_extras,
+                  "skip_blocks": skip_blocks}
         t0 = time.perf_counter()  # request -> last byte, the same span a probe times
         channel.put({"op": "pull", "request_id": request_id, **header})
         reply = channel.take(left(), f"the reply to the pull of {what}")
@@ -82,9 +85,10 @@ class Exchange:
         seconds = time.perf_counter() - t0
         left()  # no ack once abandoned: the sender then releases the request as failed
         channel.put({"op": "ack", "request_id": request_id})
-        self.record(
-            {"pulls": 1, "transfers": 1, "bytes_received": nbytes, "pull_seconds": seconds}
-        )
+        shape = reply["kv_shape"]  # [L, 2, n_blocks, block_size, h, D]
+        per_block = kv_nbytes // shape[2] if shape[2] else 0
+        self.record({"pulls": 1, "transfers": 1, "bytes_received": nbytes,
+                     "bytes_saved": skip_blocks * per_block, "pull_seconds": seconds})
         return unpack_payload(payload, reply["kv_shape"], dtype, reply["extras"])
 
     def probe(self, probe_id: str, buf: torch.Tensor) -> dict[str, Any]:

@@ -106,7 +106,12 @@ class PairServer:
         sender, channel = self._sender, self.channel
         request_id = msg["request_id"]
         head_start, head_end = int(msg["head_start"]), int(msg["head_end"])
+        # Leading blocks the decode replica already caches (prefix caching): not sent.
+        skip = int(msg.get("skip_blocks", 0))
         held, error = sender._begin_pull(request_id, head_start, head_end)
+        if held is not None and not 0 <= skip < len(held.block_ids):
+            sender._finish_pull(request_id, held, range(0), False, 0)
+            held, error = None, f"cannot skip {skip} of {len(held.block_ids)} blocks"
         if held is None:
             channel.put({"status": "error", "request_id": request_id, "error": error})
             return
@@ -115,7 +120,7 @@ class PairServer:
         try:
             try:
                 with_extras = bool(msg.get("extras", True))
-                payload, kv, meta = self._pack(held, head_start, head_end, with_extras)
+                payload, kv, meta = self._pack(held, head_start, head_end, with_extras, skip)
             except Exception as e:  # e.g. a malformed hold: fail the request, not the channel
                 logger.exception("%s: packing request %r failed", sender.name, request_id)
                 error = f"{sender.name} could not pack request {request_id!r}: {e}"
@@ -144,18 +149,21 @@ class PairServer:
         finally:
             sender._finish_pull(request_id, held, range(head_start, head_end), acked, nbytes)
 
-    def _pack(self, held: Held, head_start: int, head_end: int, with_extras: bool) -> Packed:
-        """Global heads [head_start, head_end) of `held` (+ its extras if `with_extras`) as one
-        payload: [L, 2, n, bs, h, D] KV + extras blob, so one send moves both."""
+    def _pack(self, held: Held, head_start: int, head_end: int, with_extras: bool,
+              skip_blocks: int = 0) -> Packed:
+        """Global heads [head_start, head_end) of `held`'s blocks from `skip_blocks` on (+ its
+        extras if `with_extras`) as one payload: [L, 2, n, bs, h, D] KV + extras blob, so one
+        send moves both."""
         heads = slice(head_start - held.head_start, head_end - held.head_start)
         extras = held.extras if with_extras else None
-        whole = (head_start == held.head_start and extras is not None
+        whole = (head_start == held.head_start and extras is not None and skip_blocks == 0
                  and head_end == held.head_start + held.num_heads)
         packed = self._sender._prepacked(held) if whole else None
         if packed is not None:
             return packed
         payload, kv, meta = pack_payload(
-            held.kv_layers, held.block_ids, heads, extras, self._sender._device, self._buffer
+            held.kv_layers, held.block_ids[skip_blocks:], heads, extras, self._sender._device,
+            self._buffer
         )
         if payload.device == held.kv_layers[0].device:
             # Still on the cache device, so it is (or outgrew) our buffer: reuse it next time.

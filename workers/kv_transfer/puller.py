@@ -145,6 +145,7 @@ class KVPuller:
         steps = pull_slices(
             self.receiver, job.sender_addresses, job.request_id, job.num_kv_heads,
             self.tp_size, self.rank, timeout_s, buffer=lambda: lane.buffer,
+            skip_blocks=job.skip_blocks,
         )
         for i, (step, kv, got) in enumerate(steps):
             lane.keep_buffer(kv)

@@ -36,6 +36,7 @@ _T = TypeVar("_T")
 # apart, so they never inflate the KV numbers.
 _STAT_KEYS = (
     "bytes_received",
+    "bytes_saved",  # KV not pulled: blocks this side's prefix cache already held
     "pull_seconds",
     "pulls",
     "transfers",
@@ -100,6 +101,7 @@ class KVReceiver:
         *,
         with_extras: bool = True,
         buffer: torch.Tensor | None = None,
+        skip_blocks: int = 0,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Fetch global KV heads [head_start, head_end) of a held request and ack it.
 
@@ -107,13 +109,14 @@ class KVReceiver:
         device, extras). `timeout_s` bounds the whole pull, connection included. With `buffer`
         (uint8 on this device) the bytes land in its prefix when they fit, so a caller that
         pulls one request after another allocates nothing; the results are then views into
-        `buffer`, valid until the caller reuses it.
+        `buffer`, valid until the caller reuses it. `skip_blocks`: leading blocks this side
+        already holds (its prefix cache); only the blocks after them travel.
         """
         heads = (head_start, head_end)
         what = f"the pull of request {request_id!r} from {sender_address}"
 
         def op(exchange: Exchange, link: _Link) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-            return exchange.pull(request_id, heads, with_extras, buffer)
+            return exchange.pull(request_id, heads, with_extras, buffer, skip_blocks)
 
         return self._exchange(sender_address, what, timeout_s, op, "failures")
 

@@ -64,6 +64,7 @@ def pull_slices(
     dst_rank: int,
     timeout_s: float = 30.0,
     buffer: Callable[[], torch.Tensor | None] = lambda: None,
+    skip_blocks: int = 0,
 ) -> Iterator[tuple[HeadPull, torch.Tensor, dict[str, torch.Tensor]]]:
     """Pull this decode rank's KV heads of a request, one `pull_plan` step at a time.
 
@@ -83,6 +84,7 @@ def pull_slices(
             timeout_s=max(deadline - time.monotonic(), 1e-3),
             with_extras=i == 0,
             buffer=buffer(),
+            skip_blocks=skip_blocks,
         )
         yield step, kv, extras
 
