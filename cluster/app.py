@@ -14,7 +14,7 @@ from ray.serve.config import RequestRouterConfig
 from mtpserve.cluster.config import ClusterConfig
 from mtpserve.cluster.serve_options import autoscaling_config, max_ongoing
 
-ROUTER = "mtpserve.router.routing:LeastLoadedRouter"
+ROUTER = "mtpserve.router.routing:CacheAwareRouter"
 ROUTING_STATS_PERIOD_S = 1.0  # = router.routing.ROUTING_STATS_PERIOD_S (no Serve import here)
 
 
@@ -47,7 +47,9 @@ def deployment_options(cfg: ClusterConfig, role: str) -> dict:
         "graceful_shutdown_wait_loop_s": 1.0,
         # Routing stats at <= 1 s, combined with Serve's live queue lengths (router/routing.py).
         "request_router_config": RequestRouterConfig(
-            request_router_class=ROUTER, request_routing_stats_period_s=ROUTING_STATS_PERIOD_S),
+            request_router_class=ROUTER, request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
+            request_router_kwargs={"routing": cfg.prefix_caching.routing,
+                                   "max_load_gap": cfg.prefix_caching.max_load_gap}),
         "health_check_period_s": 10.0,
         "health_check_timeout_s": 60.0,
     }

@@ -132,6 +132,26 @@ class IngressSettings(_Strict):
         None, description="Request-based autoscaling; None keeps `replicas` fixed.")
 
 
+class PrefixCachingSettings(_Strict):
+    """Automatic prefix caching in every engine, and routing that uses it. `prefix_caching:
+    false` in YAML is short for `{enabled: false}`."""
+
+    enabled: bool = Field(
+        True, description="Reuse the KV (main + MTP) of full blocks of earlier prompts and "
+        "outputs; a decode replica pulls only the blocks it does not hold.")
+    routing: Literal["cache_aware", "least_loaded"] = Field(
+        "cache_aware", description="cache_aware: send a request to the prefill (and decode) "
+        "replica holding the longest cached prefix of its prompt unless that replica is much "
+        "busier (max_load_gap); least_loaded: by load only.")
+    max_load_gap: float = Field(
+        4.0, ge=0, description="A replica more than this many requests busier than the "
+        "least-loaded one is not chosen for its cache (decode load in requests = expected "
+        "tokens / tokens per request).")
+    published_blocks: int = Field(
+        8192, ge=0, description="Most cached block hashes a replica publishes for routing "
+        "(8 bytes each, refreshed with the routing stats every second).")
+
+
 class EngineSettings(_Strict):
     """How the engines run their forwards."""
 
@@ -317,6 +337,7 @@ class ClusterConfig(_Strict):
     decode: DecodeSettings = Field(default_factory=DecodeSettings)
     ingress: IngressSettings = Field(default_factory=IngressSettings)
     engine: EngineSettings = Field(default_factory=EngineSettings)
+    prefix_caching: PrefixCachingSettings = Field(default_factory=PrefixCachingSettings)
     speculation: SpeculationSettings = Field(default_factory=SpeculationSettings)
     kv_transfer: KVTransferSettings = Field(default_factory=KVTransferSettings)
     http: HTTPSettings = Field(default_factory=HTTPSettings)
@@ -332,6 +353,13 @@ class ClusterConfig(_Strict):
         30.0, ge=0, description="On scale-down or SIGTERM: stop taking requests and let running "
         "ones finish for at most this long."
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _prefix_caching_bool(cls, data: object) -> object:
+        if isinstance(data, dict) and isinstance(data.get("prefix_caching"), bool):
+            data = {**data, "prefix_caching": {"enabled": data["prefix_caching"]}}
+        return data
 
     @model_validator(mode="after")
     def _cross_field(self) -> ClusterConfig:

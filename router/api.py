@@ -57,7 +57,7 @@ from mtpserve.router.ingress_state import (
     usage_of,
 )
 from mtpserve.router.limits import AdmissionGate, LimitsMiddleware
-from mtpserve.router.metrics_api import metrics_router
+from mtpserve.router.metrics_api import metrics_data, metrics_router, replica_caches
 from mtpserve.router.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -116,6 +116,8 @@ def create_app(state: IngressState | None = None) -> FastAPI:
     async def stats(request: Request) -> JSONResponse:
         s = ingress_state(request)
         out = await s.orchestrator.stats()
+        # Every replica's prefix cache (the sampled replicas above are one per role).
+        out["replicas"] = replica_caches(await metrics_data(request))
         return JSONResponse(out if is_admin(s, request) else redact(out))
 
     @app.post("/v1/mtpserve/kv_probe")

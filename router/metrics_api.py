@@ -128,6 +128,8 @@ def render(data: dict, model_name: str, now: float | None = None) -> str:
     per_replica = {
         "num_speculative_tokens": ("gauge", "Speculation depth k of the replica at its batch."),
         "kv_cache_usage_perc": ("gauge", "KV cache usage of one replica (1 = full)."),
+        "prefix_cache_blocks": ("gauge", "KV blocks named in one replica's prefix cache "
+                                "(in use or evictable)."),
         "measured_tpot_seconds": ("gauge", "Mean decode-only TPOT over the signal window."),
         "predicted_tpot_seconds": ("gauge", "TPOT the performance model predicts at the "
                                    "window's batch and k."),
@@ -177,16 +179,33 @@ def parse_samples(text: str) -> dict[tuple[str, tuple], float]:
             for fam in text_string_to_metric_families(text) for s in fam.samples}
 
 
+def replica_caches(data: dict, now: float | None = None) -> list[dict]:
+    """Per live replica: its role, cached blocks and prefix-cache counters (for the stats
+    endpoint; the same snapshots /metrics renders)."""
+    now = time.time() if now is None else now
+    return [{"replica": s["replica"], "role": s["role"],
+             "cached_blocks": s["gauges"].get("prefix_cache_blocks", 0),
+             "prefix_cache_queries": s["counters"].get("prefix_cache_queries", 0),
+             "prefix_cache_hits": s["counters"].get("prefix_cache_hits", 0),
+             "kv_transfer_bytes_saved": s["counters"].get("kv_transfer_bytes_saved", 0)}
+            for s in data.get("snapshots", []) if now - s.get("time", 0.0) <= FRESH_S]
+
+
+async def metrics_data(request: Request) -> dict:
+    """The snapshots behind /metrics ({} where there is no source)."""
+    source: MetricsSource | None = getattr(request.app.state, "metrics_source", None)
+    if source is None and _in_ray():
+        source = request.app.state.metrics_source = hub_source()  # the Serve ingress
+    return await source() if source is not None else {}
+
+
 def metrics_router() -> APIRouter:
     """`GET /metrics` over `app.state.metrics_source` (empty families when unset)."""
     router = APIRouter()
 
     @router.get("/metrics", include_in_schema=False)
     async def metrics(request: Request) -> PlainTextResponse:
-        source: MetricsSource | None = getattr(request.app.state, "metrics_source", None)
-        if source is None and _in_ray():
-            source = request.app.state.metrics_source = hub_source()  # the Serve ingress
-        data = await source() if source is not None else {}
+        data = await metrics_data(request)
         ingress = getattr(request.app.state, "ingress", None)
         name = getattr(ingress, "model_name", "") if ingress is not None else ""
         return PlainTextResponse(render(data, name),

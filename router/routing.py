@@ -7,6 +7,13 @@ routing stats lag by up to a period, so requests sent since the snapshot are add
 Serve's live queue-length cache (incremented on every send, decremented when a request ends):
 a burst spreads over replicas instead of landing on the one that looked idle a second ago.
 
+Cache-aware (prefix caching on, the default): each replica publishes the 8-byte heads of its
+cached block hashes (`prefix` in its routing stats, workers/block_manager.py `summary`). The
+router hashes the request's prompt the same way (chained over the replica's salt) and puts
+first the replica holding the longest cached prefix, unless it is more than `max_load_gap`
+requests busier than the least-loaded replica (then load decides: a hot prefix must not pile
+every request onto one replica). Routing works on block hashes, never on prompt text.
+
 A Ray Serve custom request router: the ranked list goes most- to least-preferred, so Serve
 falls back to the next replica when the first rejects (queue full).
 
@@ -20,11 +27,12 @@ a different live replica, so a pinned call is only ever given its own replica.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
-from mtpserve.workers.messages import TARGET_REPLICA
+from mtpserve.workers.messages import TARGET_REPLICA, GenerateRequest
+from mtpserve.workers.prefix_cache import block_hashes, short_hash
 
 # How often Serve refreshes each replica's routing stats (RequestRouterConfig).
 ROUTING_STATS_PERIOD_S = 1.0
@@ -43,10 +51,93 @@ def load_score(routing_stats: dict, queue_len: int | None) -> float:
     return float(live)
 
 
+def load_in_requests(routing_stats: dict, queue_len: int | None) -> float:
+    """`load_score` in requests (decode: expected tokens / tokens per request), the unit of
+    the cache-aware load gap."""
+    score = load_score(routing_stats, queue_len)
+    if "ongoing_tokens" in routing_stats:
+        return score / max(float(routing_stats.get("tokens_per_request", 1)), 1.0)
+    return score
+
+
 def rank_by_load(replicas: list, queue_len: Callable[[object], int | None]) -> list[list]:
     """Most- to least-preferred, one replica per rank (Serve tries them in order)."""
     ranked = sorted(replicas, key=lambda r: load_score(r.routing_stats or {}, queue_len(r)))
     return [[r] for r in ranked]
+
+
+class PublishedPrefixes:
+    """Each replica's published block hashes as a set, rebuilt only when its stats change,
+    and the prompt hashes per (salt, block size), computed once per request."""
+
+    def __init__(self) -> None:
+        self._sets: dict[object, tuple[tuple, set[int]]] = {}
+
+    def cached_blocks(self, replica, tokens: Sequence[int],
+                      memo: dict[tuple[str, int], list[int]]) -> int:
+        """Leading blocks of `tokens` that `replica` reports cached."""
+        summary = (replica.routing_stats or {}).get("prefix")
+        if not summary or not summary.get("hashes"):
+            return 0
+        key = (summary["salt"], int(summary["block_size"]))
+        if key not in memo:
+            memo[key] = [short_hash(h) for h in
+                         block_hashes(tokens, key[1], bytes.fromhex(key[0]))]
+        rid = getattr(replica, "replica_id", id(replica))
+        version = (summary.get("version"), len(summary["hashes"]))
+        cached = self._sets.get(rid)
+        if cached is None or cached[0] != version:
+            cached = (version, set(summary["hashes"]))
+            self._sets[rid] = cached
+        n = 0
+        for h in memo[key]:
+            if h not in cached[1]:
+                break
+            n += 1
+        return n
+
+
+def rank_cache_aware(replicas: list, queue_len: Callable[[object], int | None],
+                     tokens: Sequence[int] | None, prefixes: PublishedPrefixes,
+                     max_load_gap: float) -> list[list]:
+    """`rank_by_load`, with the replica holding the longest cached prefix of `tokens` moved
+    first if it is at most `max_load_gap` requests busier than the least-loaded one. When
+    none holds any of it, the least-loaded replica caching the fewest blocks goes first, so
+    that new prefixes spread over the replicas' caches instead of evicting each other."""
+    ranked = rank_by_load(replicas, queue_len)
+    if not tokens or len(ranked) < 2:
+        return ranked
+    loads = {id(g[0]): load_in_requests(g[0].routing_stats or {}, queue_len(g[0]))
+             for g in ranked}
+    least = min(loads.values())
+    memo: dict[tuple[str, int], list[int]] = {}
+    best, best_hits = None, 0
+    for g in ranked:  # least loaded first: ties go to the idler replica
+        r = g[0]
+        if loads[id(r)] > least + max_load_gap:
+            continue
+        hits = prefixes.cached_blocks(r, tokens, memo)
+        if hits > best_hits:
+            best, best_hits = g, hits
+    if best is None:
+        idle = [g for g in ranked if loads[id(g[0])] == least]
+        best = min(idle, key=lambda g: _num_published(g[0]))
+    if best is ranked[0]:
+        return ranked
+    return [best] + [g for g in ranked if g is not best]
+
+
+def _num_published(replica) -> int:
+    return len(((replica.routing_stats or {}).get("prefix") or {}).get("hashes") or ())
+
+
+def request_tokens(pending_request: PendingRequest | None) -> list[int] | None:
+    """The token ids a prefill or decode call is about (its GenerateRequest argument)."""
+    args = getattr(pending_request, "args", None) or ()
+    req = args[0] if args else None
+    if isinstance(req, GenerateRequest):
+        return list(req.prompt_token_ids) + list(req.resume_token_ids)
+    return None
 
 
 def target_of(pending_request: PendingRequest | None) -> str | None:
@@ -60,7 +151,16 @@ def unique_id(replica: RunningReplica) -> str:
     return replica.replica_id.unique_id
 
 
-class LeastLoadedRouter(FIFOMixin, RequestRouter):
+class CacheAwareRouter(FIFOMixin, RequestRouter):
+    """Least-loaded, or cache-aware (module docstring); `request_router_kwargs`: `routing`
+    ("cache_aware" | "least_loaded") and `max_load_gap` (requests)."""
+
+    def initialize_state(self, routing: str = "cache_aware", max_load_gap: float = 4.0,
+                         **_: object) -> None:
+        self.routing = routing
+        self.max_load_gap = max_load_gap
+        self.prefixes = PublishedPrefixes()
+
     async def choose_replicas(
         self,
         candidate_replicas: list[RunningReplica],
@@ -72,6 +172,10 @@ class LeastLoadedRouter(FIFOMixin, RequestRouter):
             if pinned:
                 return [pinned]
             # Gone: any replica answers (nothing is held there under that id).
+        if getattr(self, "routing", "least_loaded") == "cache_aware":
+            return rank_cache_aware(candidate_replicas, self._queue_len,
+                                    request_tokens(pending_request), self.prefixes,
+                                    self.max_load_gap)
         return rank_by_load(candidate_replicas, self._queue_len)
 
     def _fulfill_next_pending_request(self, replica: RunningReplica, request_metadata=None

@@ -107,6 +107,32 @@ def test_disaggregated_greedy_equals_offline_and_frees_everything(tiny_qwen3) ->
         shutdown(p, d)
 
 
+def test_prefix_cached_on_both_sides_pulls_only_missing_blocks(tiny_qwen3) -> None:
+    """A second request sharing a long prefix: the prefill replica computes only its suffix,
+    the decode replica pulls only the blocks it does not hold, the tokens are unchanged."""
+    p, d = make_servers(tiny_qwen3)
+    try:
+        prefix = prompts(1, length=65, seed=9)[0]
+        ps = [prefix + x for x in prompts(2, length=6, seed=10)]
+        want = offline(tiny_qwen3, ps, 10)
+        received = []
+        got = []
+        for i, x in enumerate(ps):
+            before = d.driver.core.receiver.stats()["bytes_received"]
+            got.append(asyncio.run(run_one(p, d, greq(f"r{i}", x, 10))))
+            received.append(d.driver.core.receiver.stats()["bytes_received"] - before)
+        assert got == want
+        kv = d.driver.core.receiver.stats()
+        # 65 shared tokens = 4 blocks of 16 and the lookahead token of the last one.
+        assert p.engine.engine.block_manager.cache_hits == 64
+        assert d.engine.engine.block_manager.cache_hits == 64
+        per_block = kv["bytes_saved"] / 4
+        assert per_block > 0 and received[1] <= received[0] - 4 * per_block + 1024, received
+        assert _wait_free(p, 2.0) < 2.0
+    finally:
+        shutdown(p, d)
+
+
 def test_running_streams_keep_decoding_during_a_slow_pull(tiny_qwen3) -> None:
     p, d = make_servers(tiny_qwen3)
     try:

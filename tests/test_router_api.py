@@ -220,6 +220,23 @@ def test_n_choices_are_independent_and_seeded(client):
     assert a.usage.completion_tokens == 24
 
 
+def test_usage_reports_prefix_cached_prompt_tokens(client):
+    """OpenAI's usage.prompt_tokens_details.cached_tokens: 0 for a cold prompt, the shared
+    full blocks when the same long prompt comes again."""
+    prompt = "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1)\n" * 8
+
+    def run():
+        return client.completions.create(model=MODEL, prompt=prompt, max_tokens=4,
+                                         temperature=0, extra_body={"ignore_eos": True})
+
+    cold, warm = run(), run()
+    n = cold.usage.prompt_tokens
+    assert n > 40
+    assert cold.usage.prompt_tokens_details.cached_tokens in (0, (n - 1) // 16 * 16)
+    assert warm.usage.prompt_tokens_details.cached_tokens == (n - 1) // 16 * 16
+    assert warm.choices[0].text == cold.choices[0].text
+
+
 def test_batched_prompts_give_prompt_major_choices(client, offline):
     prompts = ["def", "hello world"]
     refs = [greedy(offline, p, 6) for p in prompts]

@@ -61,9 +61,9 @@ def _pending(target: str | None = None) -> SimpleNamespace:
 def _router(replicas: list) -> object:
     from collections import deque
 
-    from mtpserve.router.routing import LeastLoadedRouter
+    from mtpserve.router.routing import CacheAwareRouter
 
-    router = LeastLoadedRouter.__new__(LeastLoadedRouter)  # Serve's constructor needs a cluster
+    router = CacheAwareRouter.__new__(CacheAwareRouter)  # Serve's constructor needs a cluster
     router._replicas = {r.replica_id.unique_id: r for r in replicas}
     router._replica_queue_len_cache = {}
     router._pending_requests_to_fulfill = deque()
@@ -98,3 +98,57 @@ def test_fifo_hand_out_never_gives_a_pinned_call_another_replica() -> None:
     router._pending_requests_to_fulfill.append(gone)
     router._fulfill_next_pending_request(a)
     assert gone.future.result() is a and not router._pending_requests_to_fulfill
+
+
+# Cache-aware choice ------------------------------------------------------------------------------
+
+def _cached(name: str, tokens: list[int], load: int, salt: bytes = b"m") -> SimpleNamespace:
+    """A prefill replica that caches the full blocks of `tokens` (as its engine publishes)."""
+    from mtpserve.workers.block_manager import BlockManager
+    from mtpserve.workers.request import Request
+    from mtpserve.workers.sampling_params import SamplingParams
+
+    bm = BlockManager(64, 4, prefix_caching=True, salt=salt)
+    r = Request("x", tokens, SamplingParams(), num_speculative_tokens=1)
+    bm.ensure_capacity(r, len(tokens))
+    bm.register(r, len(tokens))
+    return SimpleNamespace(name=name, replica_id=name,
+                           routing_stats={"inflight": load, "prefix": bm.summary(1000)})
+
+
+def test_cache_aware_prefers_the_longest_cached_prefix_within_the_load_gap() -> None:
+    from mtpserve.router.routing import PublishedPrefixes, rank_cache_aware
+
+    p1, p2 = list(range(10, 50)), list(range(100, 140))
+    a, b = _cached("a", p1, load=2), _cached("b", p2, load=0)
+    queues = {"a": 2, "b": 0}
+    prefixes = PublishedPrefixes()
+
+    def first(tokens, gap=4.0) -> str:
+        return rank_cache_aware([a, b], lambda r: queues[r.name], tokens, prefixes, gap)[0][0].name
+
+    assert first(p1 + [7, 7]) == "a"  # a holds it, 2 requests busier: within the gap
+    assert first(p2 + [7, 7]) == "b"
+    assert first([1, 2, 3, 4, 5, 6, 7, 8, 9]) == "b"  # nobody holds it: least loaded
+    assert first(p1 + [7, 7], gap=1.0) == "b"  # a is too busy for its cache to count
+    assert first(None) == "b"
+    # Nobody holds it and the loads tie: the replica caching less takes the new prefix.
+    queues["a"] = a.routing_stats["inflight"] = 0
+    b.routing_stats["prefix"]["hashes"] += list(range(100))
+    assert first([1, 2, 3, 4, 5, 6, 7, 8, 9]) == "a"
+    a.routing_stats["prefix"]["hashes"] += list(range(200))
+    assert first([1, 2, 3, 4, 5, 6, 7, 8, 9]) == "b"
+    # Each replica's hashes are chained over its own salt (published with them).
+    c = _cached("c", p1, load=1, salt=b"other")
+    queues["c"] = 1
+    assert rank_cache_aware([b, c], lambda r: queues[r.name], p1, prefixes, 4.0)[0][0].name == "c"
+
+
+def test_request_tokens_reads_the_generate_request() -> None:
+    from mtpserve.router.routing import request_tokens
+    from mtpserve.workers.messages import GenerateRequest
+
+    req = GenerateRequest("r", [1, 2, 3], 4, resume_token_ids=[9])
+    assert request_tokens(SimpleNamespace(args=[req, None], kwargs={})) == [1, 2, 3, 9]
+    assert request_tokens(SimpleNamespace(args=["rid"], kwargs={})) is None
+    assert request_tokens(None) is None

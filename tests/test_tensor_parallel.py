@@ -160,28 +160,31 @@ def _split_rank(rank: int, port: int, path: str, prompts: list, out) -> None:
     torch.distributed.barrier()
 
 
-def _greedy_tokens(runner, path: str, prompts: list[list[int]]) -> list[list[int]]:
-    """Each prompt's greedy tokens (k = 2), collected from the streamed outputs; `runner`:
-    a TP driver, or None for a single-process engine."""
+def _greedy_tokens(runner, path: str, prompts: list[list[int]], caching: bool = True
+                   ) -> tuple[list[list[int]], int]:
+    """Each prompt's greedy tokens (k = 2), collected from the streamed outputs, and the
+    prefix-cache hits (tokens). The first two prompts run together, the rest after them (so
+    they can reuse their prefixes). `runner`: a TP driver, or None for a single process."""
     from mtpserve.workers.engine import Engine, EngineConfig
     from mtpserve.workers.sampling_params import SamplingParams
 
     engine = Engine(EngineConfig(model=path, num_speculative_tokens=2, block_size=4,
-                                 num_kv_blocks=64), runner=runner)
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, SamplingParams(max_tokens=10, temperature=0,
-                                                     ignore_eos=True))
+                                 num_kv_blocks=64, prefix_caching=caching), runner=runner)
     got: list[list[int]] = [[] for _ in prompts]
-    while engine.has_unfinished():
-        for o in engine.step():
-            got[int(o.request_id)] += o.new_token_ids
-    return got
+    for wave in (range(min(2, len(prompts))), range(2, len(prompts))):
+        for i in wave:
+            engine.add_request(str(i), prompts[i], SamplingParams(
+                max_tokens=10, temperature=0, ignore_eos=True))
+        while engine.has_unfinished():
+            for o in engine.step():
+                got[int(o.request_id)] += o.new_token_ids
+    return got, engine.block_manager.cache_hits
 
 
 def test_tp2_engine_keeps_control_and_data_planes_apart(tiny_qwen3) -> None:
-
-    prompts = [PROMPT, [9, 8, 7, 6, 5, 4, 3]]
-    want = _greedy_tokens(None, str(tiny_qwen3), prompts)
+    """TP=2 with prefix caching == TP=1 without (a later prompt extends an earlier one)."""
+    prompts = [PROMPT, [9, 8, 7, 6, 5, 4, 3], PROMPT + [1, 2, 3, 4, 5]]
+    want, _ = _greedy_tokens(None, str(tiny_qwen3), prompts, caching=False)
     ctx = mp.get_context("spawn")
     out, port = ctx.Queue(), free_port()
     procs = [ctx.Process(target=_split_rank, args=(r, port, str(tiny_qwen3), prompts, out))
@@ -192,9 +195,10 @@ def test_tp2_engine_keeps_control_and_data_planes_apart(tiny_qwen3) -> None:
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0
-    seen0, tokens = got["driver"]
+    seen0, (tokens, hits) = got["driver"]
     seen1, worker_failed = got["worker"]
     assert tokens == want  # TP=2 == TP=1, greedy
+    assert hits == 8  # the third prompt reused PROMPT's first two blocks
     assert not worker_failed
     for seen in (seen0, seen1):  # both planes carried traffic, and none of it crossed over
         assert seen["control"] > 0 and seen["data"] > 0, seen

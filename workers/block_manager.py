@@ -16,7 +16,12 @@ from __future__ import annotations
 
 from collections import deque
 
-from mtpserve.workers.prefix_cache import BlockHash, PrefixIndex, extend_block_hashes
+from mtpserve.workers.prefix_cache import (
+    BlockHash,
+    PrefixIndex,
+    extend_block_hashes,
+    short_hash,
+)
 from mtpserve.workers.request import Request
 
 
@@ -124,12 +129,21 @@ class BlockManager:
             self.cache.insert(hashes[j], req.block_ids[j])
             req.num_registered_blocks = j + 1
 
+    def summary(self, limit: int) -> dict:
+        """What a replica publishes for cache-aware routing: the chain's root, the block size
+        and the 8-byte heads of (at most `limit`, the newest) cached block hashes."""
+        names = list(self.cache.by_hash)[-limit:] if limit > 0 else []
+        return {"salt": self.salt.hex(), "block_size": self.block_size,
+                "version": self.cache.version, "hashes": [short_hash(h) for h in names]}
+
     def flush(self) -> int:
         """Forget every cached prefix (blocks in use stay with their requests, uncached);
         returns how many blocks were named."""
         n = len(self.cache)
         self.free_ids.extend(self.cache.evictable)
+        version = self.cache.version + 1
         self.cache = PrefixIndex()
+        self.cache.version = version  # routers must not mistake the empty cache for the old
         return n
 
     # Per-request helpers -------------------------------------------------------------------

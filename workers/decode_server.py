@@ -117,11 +117,12 @@ class DecodeServer(EngineReplica):
         """Tokens still expected across this replica's live requests."""
         return sum(max(e - p, 1) for e, p in list(self.expected.values()))
 
-    def record_routing_stats(self) -> dict:
+    async def record_routing_stats(self) -> dict:
         # Read by the router together with Serve's live queue lengths (router/routing.py).
         n = len(self.expected)
         return {"ongoing_tokens": self.ongoing_tokens, "num_requests": n,
-                "tokens_per_request": int(self.output_len.value or DEFAULT_EXPECTED_TOKENS)}
+                "tokens_per_request": int(self.output_len.value or DEFAULT_EXPECTED_TOKENS),
+                "prefix": await self.prefix_summary()}
 
     async def record_autoscaling_stats(self) -> dict:
         # Window aggregates that empty when idle (workers/signals.py) + the perf model.

@@ -190,7 +190,8 @@ class EngineRecorder:
         gauges = {"num_requests_running": stats["num_running"],
                   "num_requests_waiting": stats["num_waiting"],
                   "kv_cache_usage_perc": report["kv_usage"],
-                  "num_speculative_tokens": stats["num_speculative_tokens"]}
+                  "num_speculative_tokens": stats["num_speculative_tokens"],
+                  "prefix_cache_blocks": stats.get("cached_blocks", 0)}
         if self.role != "prefill":
             gauges["measured_tpot_seconds"] = report.get("tpot_s")
             gauges["predicted_tpot_seconds"] = self.predicted_tpot_s(report)

@@ -102,8 +102,8 @@ class PrefillServer(EngineReplica):
         s["prefill_latency_ms"] = self.latency_ms.value
         return s
 
-    def record_routing_stats(self) -> dict:
-        return {"inflight": self.inflight}
+    async def record_routing_stats(self) -> dict:
+        return {"inflight": self.inflight, "prefix": await self.prefix_summary()}
 
     async def record_autoscaling_stats(self) -> dict:
         # Window aggregates that empty when idle (workers/signals.py).

@@ -41,6 +41,12 @@ def extend_block_hashes(hashes: list[BlockHash], token_ids: Sequence[int], block
     return hashes
 
 
+def short_hash(h: BlockHash) -> int:
+    """The first 8 bytes of a block hash as an int: what replicas publish for routing (a
+    collision only misroutes a request; the engine checks full hashes)."""
+    return int.from_bytes(h[:8], "little")
+
+
 def block_hashes(token_ids: Sequence[int], block_size: int, salt: bytes) -> list[BlockHash]:
     return extend_block_hashes([], token_ids, block_size, salt)
 
@@ -55,6 +61,7 @@ class PrefixIndex:
         self.by_hash: dict[BlockHash, int] = {}
         self.hash_of: dict[int, BlockHash] = {}
         self.evictable: OrderedDict[int, None] = OrderedDict()
+        self.version = 0  # bumped whenever the set of named blocks changes (routing caches)
 
     def __len__(self) -> int:
         return len(self.by_hash)
@@ -76,12 +83,14 @@ class PrefixIndex:
             return False
         self.by_hash[h] = block
         self.hash_of[block] = h
+        self.version += 1
         return True
 
     def forget(self, block: int) -> None:
         h = self.hash_of.pop(block, None)
         if h is not None:
             del self.by_hash[h]
+            self.version += 1
         self.evictable.pop(block, None)
 
     def pop_lru(self) -> int:

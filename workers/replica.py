@@ -63,11 +63,21 @@ class EngineReplica:
             max_num_batched_tokens=getattr(side, "max_num_batched_tokens", 512),
             max_model_len=cfg.max_model_len, role=self.role, compile=cfg.engine.compile,
             warmup_budget_s=cfg.engine.warmup_budget_s,
+            prefix_caching=cfg.prefix_caching.enabled,
         ), runner=self.driver)  # warms up the decode graphs before Serve sees it ready
         self.poller = self._make_poller()
         self.poller.engine = engine
         self.engine = AsyncEngine(engine, self.poller)
         self.driver.core.on_event = self.engine.wake  # transfer threads wake the engine
+
+    async def prefix_summary(self) -> dict | None:
+        """The cached block hashes this replica publishes in its routing stats (None with
+        prefix caching off or routing by load only)."""
+        pc = self.cfg.prefix_caching
+        if not pc.enabled or pc.routing != "cache_aware":
+            return None
+        return await self.engine.acall(
+            lambda e: e.block_manager.summary(pc.published_blocks))
 
     def _make_poller(self) -> Poller:
         raise NotImplementedError
