@@ -12,19 +12,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import copy
 import json
-import os
-import signal
-import subprocess
-import sys
-import tempfile
-import threading
-import time
 from pathlib import Path
 
-import yaml
-
+from mtpserve.benchmarks.local_server import running_server, variant_config
 from mtpserve.benchmarks.serve_bench import ServeBenchArgs, run
 from mtpserve.workers.paths import config_path
 
@@ -38,21 +29,9 @@ VARIANTS = {
 }
 
 
-def _merge(base: dict, over: dict) -> dict:
-    out = copy.deepcopy(base)
-    for k, v in over.items():
-        out[k] = _merge(out.get(k, {}), v) if isinstance(v, dict) else v
-    return out
-
-
 def _config(base: Path, over: dict, k: int, port: int) -> dict:
-    cfg = yaml.safe_load(base.read_text())
-    app = cfg["applications"][0]
-    app["args"] = _merge(app["args"], over | {"speculation": {"num_speculative_tokens": k,
-                                                              "adaptive": False}})
-    app["args"]["http"] = {"host": "127.0.0.1", "port": port}
-    cfg["http_options"] = {"host": "127.0.0.1", "port": port}
-    return cfg
+    return variant_config(base, over | {"speculation": {"num_speculative_tokens": k,
+                                                        "adaptive": False}}, port)
 
 
 def _offline(k: int, prompts: int, max_tokens: int, prompt_tokens: int, compile: str) -> float:
@@ -79,37 +58,12 @@ def _offline(k: int, prompts: int, max_tokens: int, prompt_tokens: int, compile:
         torch.set_num_threads(threads)
 
 
-def _serve(cfg: dict, port: int, bench: list[ServeBenchArgs], timeout_s: float) -> dict:
-    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
-        yaml.safe_dump(cfg, f)
-    env = {k: v for k, v in os.environ.items() if k != "MTPSERVE_COMPILE"}
-    t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "mtpserve.cluster.cli", "up", "--config",
-                             f.name], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=env, start_new_session=True)
-    try:
-        for line in proc.stdout:
-            if "is serving" in line:
-                break
-            if time.perf_counter() - t0 > timeout_s:
-                raise TimeoutError("server did not start")
-        else:
-            raise RuntimeError(f"mtpserve up exited with {proc.wait()}")
-        start_s = time.perf_counter() - t0
-        # Keep reading the server's output so a full pipe never blocks it.
-        threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
+def _serve(cfg: dict, bench: list[ServeBenchArgs], timeout_s: float) -> dict:
+    with running_server(cfg, timeout_s) as start_s:
         out = {"start_seconds": start_s}
         for b in bench:
-            res = asyncio.run(run(b))
-            out[f"c{b.concurrency}"] = res
+            out[f"c{b.concurrency}"] = asyncio.run(run(b))
         return out
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-        Path(f.name).unlink(missing_ok=True)
 
 
 def main() -> None:
@@ -133,7 +87,7 @@ def main() -> None:
     rows = {"k": args.k, "offline_decode_tokens_per_s": offline, "variants": {}}
     for name in args.variants:
         cfg = _config(Path(args.config), VARIANTS[name], args.k, args.port)
-        rows["variants"][name] = _serve(cfg, args.port, bench, args.timeout)
+        rows["variants"][name] = _serve(cfg, bench, args.timeout)
         print(name, json.dumps({k: v for k, v in rows["variants"][name].items()
                                 if k == "start_seconds"}), flush=True)
     if args.json_out:

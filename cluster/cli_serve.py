@@ -34,6 +34,12 @@ def add_commands(sub: argparse._SubParsersAction, bench: argparse._SubParsersAct
     p.add_argument("--num-requests", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--prompt-tokens", type=int, default=200)
+    p.add_argument("--shared-prefix-tokens", type=int, help="shared-prefix workload: groups "
+                   "of requests sharing a prefix of this many tokens (benchmarks/prefix_bench.py)")
+    p.add_argument("--num-prefixes", type=int, default=2, help="groups (shared prefixes)")
+    p.add_argument("--suffix-tokens", type=int, default=32, help="distinct tokens per request")
+    p.add_argument("--tokenizer", help="model folder whose tokenizer makes the prompts' token "
+                   "ids (default: the embedded model)")
     p.add_argument("--json", dest="json_out")
     p.set_defaults(func=_bench_serve)
 
@@ -183,6 +189,26 @@ def _drain(timeout_s: float) -> None:
 
 def _bench_serve(args: argparse.Namespace) -> int:
     from mtpserve.benchmarks.serve_bench import ServeBenchArgs, main
+
+    if args.shared_prefix_tokens:
+        import asyncio
+        import json
+
+        from mtpserve.benchmarks.prefix_bench import (
+            SharedPrefixArgs,
+            format_table,
+            run_shared_prefix,
+        )
+
+        res = asyncio.run(run_shared_prefix(SharedPrefixArgs(
+            url=args.url, api_key=args.api_key, num_requests=args.num_requests,
+            num_prefixes=args.num_prefixes, shared_prefix_tokens=args.shared_prefix_tokens,
+            suffix_tokens=args.suffix_tokens, max_tokens=args.max_tokens,
+            concurrency=args.concurrency, tokenizer=args.tokenizer)))
+        print(format_table({args.url: res}))
+        if args.json_out:
+            Path(args.json_out).write_text(json.dumps(res, indent=2) + "\n")
+        return 0
 
     main(ServeBenchArgs(url=args.url, api_key=args.api_key, concurrency=args.concurrency,
                         num_requests=args.num_requests, max_tokens=args.max_tokens,

@@ -183,7 +183,7 @@ def replica_caches(data: dict, now: float | None = None) -> list[dict]:
     """Per live replica: its role, cached blocks and prefix-cache counters (for the stats
     endpoint; the same snapshots /metrics renders)."""
     now = time.time() if now is None else now
-    return [{"replica": s["replica"], "role": s["role"],
+    return [{"replica": s["replica"], "role": s["role"], "time": s.get("time", 0.0),
              "cached_blocks": s["gauges"].get("prefix_cache_blocks", 0),
              "prefix_cache_queries": s["counters"].get("prefix_cache_queries", 0),
              "prefix_cache_hits": s["counters"].get("prefix_cache_hits", 0),

@@ -27,6 +27,7 @@ a different live replica, so a pinned call is only ever given its own replica.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
@@ -67,34 +68,76 @@ def rank_by_load(replicas: list, queue_len: Callable[[object], int | None]) -> l
 
 
 class PublishedPrefixes:
-    """Each replica's published block hashes as a set, rebuilt only when its stats change,
-    and the prompt hashes per (salt, block size), computed once per request."""
+    """What the router believes each replica caches: the block hashes it published (as a set,
+    rebuilt only when its stats change) plus those of the prompts routed to it since, for
+    `routed_ttl_s` (the published stats lag by up to a refresh period; without this, two
+    requests of a new prefix within a second would both look uncached and could split)."""
 
-    def __init__(self) -> None:
+    def __init__(self, routed_ttl_s: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.routed_ttl_s = routed_ttl_s
+        self.clock = clock
         self._sets: dict[object, tuple[tuple, set[int]]] = {}
+        self._routed: dict[object, dict[int, float]] = {}  # replica -> hash -> expiry
 
-    def cached_blocks(self, replica, tokens: Sequence[int],
-                      memo: dict[tuple[str, int], list[int]]) -> int:
-        """Leading blocks of `tokens` that `replica` reports cached."""
+    @staticmethod
+    def _rid(replica) -> object:
+        return getattr(replica, "replica_id", id(replica))
+
+    def hashes(self, replica, tokens: Sequence[int],
+               memo: dict[tuple[str, int], list[int]]) -> list[int] | None:
+        """`tokens`' block hashes as `replica` names them (None before it has published)."""
         summary = (replica.routing_stats or {}).get("prefix")
-        if not summary or not summary.get("hashes"):
-            return 0
+        if not summary:
+            return None
         key = (summary["salt"], int(summary["block_size"]))
         if key not in memo:
             memo[key] = [short_hash(h) for h in
                          block_hashes(tokens, key[1], bytes.fromhex(key[0]))]
-        rid = getattr(replica, "replica_id", id(replica))
-        version = (summary.get("version"), len(summary["hashes"]))
+        return memo[key]
+
+    def _published(self, replica) -> set[int]:
+        summary = (replica.routing_stats or {}).get("prefix") or {}
+        names = summary.get("hashes") or []
+        version = (summary.get("version"), len(names))
+        rid = self._rid(replica)
         cached = self._sets.get(rid)
         if cached is None or cached[0] != version:
-            cached = (version, set(summary["hashes"]))
+            cached = (version, set(names))
             self._sets[rid] = cached
+        return cached[1]
+
+    def _recent(self, replica) -> dict[int, float]:
+        now = self.clock()
+        routed = self._routed.get(self._rid(replica), {})
+        for h in [h for h, t in routed.items() if t <= now]:
+            del routed[h]
+        return routed
+
+    def cached_blocks(self, replica, tokens: Sequence[int],
+                      memo: dict[tuple[str, int], list[int]]) -> int:
+        """Leading blocks of `tokens` that `replica` is believed to cache."""
+        hashes = self.hashes(replica, tokens, memo)
+        if not hashes:
+            return 0
+        published, recent = self._published(replica), self._recent(replica)
         n = 0
-        for h in memo[key]:
-            if h not in cached[1]:
+        for h in hashes:
+            if h not in published and h not in recent:
                 break
             n += 1
         return n
+
+    def num_cached(self, replica) -> int:
+        return len(self._published(replica)) + len(self._recent(replica))
+
+    def note_routed(self, replica, tokens: Sequence[int],
+                    memo: dict[tuple[str, int], list[int]]) -> None:
+        hashes = self.hashes(replica, tokens, memo)
+        if hashes:
+            expiry = self.clock() + self.routed_ttl_s
+            self._routed.setdefault(self._rid(replica), {}).update(
+                dict.fromkeys(hashes, expiry))
 
 
 def rank_cache_aware(replicas: list, queue_len: Callable[[object], int | None],
@@ -121,14 +164,11 @@ def rank_cache_aware(replicas: list, queue_len: Callable[[object], int | None],
             best, best_hits = g, hits
     if best is None:
         idle = [g for g in ranked if loads[id(g[0])] == least]
-        best = min(idle, key=lambda g: _num_published(g[0]))
+        best = min(idle, key=lambda g: prefixes.num_cached(g[0]))
+    prefixes.note_routed(best[0], tokens, memo)
     if best is ranked[0]:
         return ranked
     return [best] + [g for g in ranked if g is not best]
-
-
-def _num_published(replica) -> int:
-    return len(((replica.routing_stats or {}).get("prefix") or {}).get("hashes") or ())
 
 
 def request_tokens(pending_request: PendingRequest | None) -> list[int] | None:

@@ -122,10 +122,10 @@ def test_cache_aware_prefers_the_longest_cached_prefix_within_the_load_gap() -> 
     p1, p2 = list(range(10, 50)), list(range(100, 140))
     a, b = _cached("a", p1, load=2), _cached("b", p2, load=0)
     queues = {"a": 2, "b": 0}
-    prefixes = PublishedPrefixes()
 
-    def first(tokens, gap=4.0) -> str:
-        return rank_cache_aware([a, b], lambda r: queues[r.name], tokens, prefixes, gap)[0][0].name
+    def first(tokens, gap=4.0) -> str:  # a fresh router each time: published hashes only
+        return rank_cache_aware([a, b], lambda r: queues[r.name], tokens, PublishedPrefixes(),
+                                gap)[0][0].name
 
     assert first(p1 + [7, 7]) == "a"  # a holds it, 2 requests busier: within the gap
     assert first(p2 + [7, 7]) == "b"
@@ -141,7 +141,26 @@ def test_cache_aware_prefers_the_longest_cached_prefix_within_the_load_gap() -> 
     # Each replica's hashes are chained over its own salt (published with them).
     c = _cached("c", p1, load=1, salt=b"other")
     queues["c"] = 1
-    assert rank_cache_aware([b, c], lambda r: queues[r.name], p1, prefixes, 4.0)[0][0].name == "c"
+    assert rank_cache_aware([b, c], lambda r: queues[r.name], p1, PublishedPrefixes(),
+                            4.0)[0][0].name == "c"
+
+
+def test_prompts_routed_since_the_last_stats_count_until_they_expire() -> None:
+    """Two new prefixes within one stats period: the second goes to the other replica, and a
+    repeat of either follows its first request, before any replica has published it."""
+    from mtpserve.router.routing import PublishedPrefixes, rank_cache_aware
+
+    a, b = _cached("a", [], load=0), _cached("b", [], load=0)  # idle, nothing cached yet
+    now = [0.0]
+    prefixes = PublishedPrefixes(routed_ttl_s=10.0, clock=lambda: now[0])
+    p1, p2 = list(range(10, 50)), list(range(100, 140))
+
+    def first(tokens) -> str:
+        return rank_cache_aware([a, b], lambda r: 0, tokens, prefixes, 4.0)[0][0].name
+
+    assert [first(p1), first(p2), first(p1 + [1]), first(p2 + [2])] == ["a", "b", "a", "b"]
+    now[0] = 11.0  # the notes expired and nothing was published: least-loaded again
+    assert first(p2) == "a"
 
 
 def test_request_tokens_reads_the_generate_request() -> None:
