@@ -205,7 +205,8 @@ def cluster_overrides(args: SharedPrefixArgs, block_size: int = 16, spare_blocks
     return {"block_size": block_size,
             "prefill": {"replicas": 2, "num_kv_blocks": prompt_blocks + spare_blocks,
                         "cpus_per_rank": 0.5},
-            "decode": {"replicas": 1, "num_kv_blocks": 8 * prompt_blocks},
+            "decode": {"replicas": 1, "num_kv_blocks": 8 * prompt_blocks,
+                       "cpus_per_rank": 0.5},  # 3 x 0.5 + the ingress fit `up`'s 2 CPUs
             "speculation": {"adaptive": False}}
 
 

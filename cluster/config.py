@@ -193,6 +193,9 @@ class KVTransferSettings(_Strict):
         "an acknowledgement from decode. Above the first-chunk wait (migration.stall_timeout_s "
         "+ timeout_s) so a busy decode deployment can still take the KV instead of recomputing."
     )
+    max_concurrent_pulls: int = Field(
+        4, ge=1, le=64, description="KV pulls a decode rank runs at once (each on its own "
+        "thread and buffer); pulls from one prefill rank still go one at a time.")
     failure_policy: Literal["recompute", "fail"] = Field(
         "recompute", description="When a KV pull fails or times out: 'recompute' the request "
         "on a decode replica from its prompt (and tokens already sent), or 'fail' it with a "

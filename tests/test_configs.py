@@ -152,3 +152,15 @@ def test_ingress_scales_out_and_roles_pin_to_their_resources() -> None:
     assert all(b["gpu-pool-a"] == 1 and b["CPU"] == pinned.decode.cpus_per_rank for b in bundles)
     assert all("gpu-pool-a" not in b
                for b in deployment_options(pinned, "prefill")["placement_group_bundles"])
+
+
+def test_prefix_caching_accepts_a_bool_and_reaches_the_engines() -> None:
+    from mtpserve.cluster.app import deployment_options
+
+    assert ClusterConfig(prefix_caching=False).prefix_caching.enabled is False
+    cfg = ClusterConfig(prefix_caching={"routing": "least_loaded", "max_load_gap": 2})
+    assert cfg.prefix_caching.enabled is True
+    router = deployment_options(cfg, "prefill")["request_router_config"]
+    assert router.request_router_kwargs == {"routing": "least_loaded", "max_load_gap": 2.0}
+    with pytest.raises(ValueError):
+        ClusterConfig(prefix_caching={"routing": "random"})

@@ -109,6 +109,9 @@ def _peer_main(conn: Any) -> None:
     def drop(request_id: str) -> bool:
         return state["sender"].drop(request_id)
 
+    def inject_fault(delay_s: float, count: int) -> None:
+        state["sender"].inject_fault(delay_s, count)
+
     def close_sender() -> list[str]:
         state["sender"].close()
         return [t.name for t in threading.enumerate() if t is not threading.main_thread()]
@@ -135,6 +138,7 @@ def _peer_main(conn: Any) -> None:
             wait_release,
             sender_stats,
             drop,
+            inject_fault,
             close_sender,
             channel_connect,
             channel_reconnect,
@@ -596,6 +600,78 @@ def test_pulls_run_concurrently_on_their_own_lanes(prefill, receiver):
                                                                             strict=True))
     finally:
         puller.close()
+
+
+def _puller(receiver, lanes: int):
+    from mtpserve.workers.kv_transfer.puller import KVPuller
+
+    own = [torch.zeros(2, 16, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM) for _ in range(
+        NUM_MAIN_LAYERS + NUM_MTP_LAYERS)]
+    return KVPuller(receiver, own, tp_size=1, rank=0, max_concurrent=lanes), own
+
+
+def _wait_results(puller, rids: list[str], timeout_s: float = 30.0) -> float:
+    t0 = time.monotonic()
+    while puller.num_finished(rids) < len(rids):
+        assert time.monotonic() - t0 < timeout_s
+        time.sleep(0.01)
+    return time.monotonic() - t0
+
+
+def test_concurrent_pulls_from_one_slow_sender_all_complete(prefill, receiver):
+    """The pair serves one pull at a time; a pull's timeout starts when it has the pair, so a
+    pull queued behind a slow (but live) one still gets its whole time."""
+    from mtpserve.workers.tp_commands import PullKV
+
+    puller, own = _puller(receiver, lanes=3)
+    try:
+        peer, address = prefill[0]
+        for i in range(3):
+            peer.call("hold", f"slow-{i}", 90 + i, "float32", (0, NUM_KV_HEADS))
+        peer.call("inject_fault", 1.2, 3)  # every send of the three takes 1.2 s
+        for i in range(3):
+            puller.submit(PullKV(f"slow-{i}", [address], [3 * i, 3 * i + 1, 3 * i + 2],
+                                 NUM_KV_HEADS, 2.0))
+        _wait_results(puller, [f"slow-{i}" for i in range(3)])
+        for i in range(3):  # 3 x 1.2 s > 2 s: the last waited longer than its timeout
+            res = puller.take(f"slow-{i}")
+            assert res.ok, res.error
+            want = expected_kv(90 + i, torch.float32, (0, NUM_KV_HEADS))
+            assert all(torch.equal(layer[:, 3 * i : 3 * i + 3], w)
+                       for layer, w in zip(own, want, strict=True))
+    finally:
+        puller.close()
+
+
+def test_pulls_queued_on_a_frozen_sender_fail_together_others_complete(prefill, receiver):
+    """A frozen prefill rank costs its queued pulls one timeout together, not one each, and
+    a pull from another rank completes meanwhile."""
+    from mtpserve.workers.tp_commands import PullKV
+
+    puller, _ = _puller(receiver, lanes=4)
+    frozen = Peer()
+    try:
+        address = frozen.call("start_sender", 30.0, 5.0, timeout_s=60)
+        for i in range(3):
+            frozen.call("hold", f"frozen-{i}", 60 + i, "float32", (0, NUM_KV_HEADS))
+        healthy, healthy_address = prefill[0]
+        healthy.call("hold", "healthy", 69, "float32", (0, NUM_KV_HEADS))
+        os.kill(frozen.proc.pid, signal.SIGSTOP)
+        _wait_stopped(frozen.proc.pid)
+        try:
+            for i in range(3):
+                puller.submit(PullKV(f"frozen-{i}", [address], [i], NUM_KV_HEADS, 1.5))
+            puller.submit(PullKV("healthy", [healthy_address], [5, 6, 7], NUM_KV_HEADS, 20.0))
+            assert _wait_results(puller, ["healthy"]) < 5.0
+            elapsed = _wait_results(puller, [f"frozen-{i}" for i in range(3)])
+        finally:
+            os.kill(frozen.proc.pid, signal.SIGCONT)
+        assert puller.take("healthy").ok
+        assert not any(puller.take(f"frozen-{i}").ok for i in range(3))
+        assert elapsed < 1.5 + 0.5 + 2.5, elapsed  # one timeout (+ grace), not three
+    finally:
+        puller.close()
+        frozen.stop()
 
 
 def test_drop_releases_a_hold_at_once_and_refuses_later_pulls(prefill, receiver):

@@ -27,7 +27,6 @@ def _run(model, routing: str, url: str) -> dict:
     args = SharedPrefixArgs(url=url, num_requests=8, num_prefixes=2, shared_prefix_tokens=97,
                             suffix_tokens=8, max_tokens=4, tokenizer=str(model))
     over = cluster_overrides(args, spare_blocks=2)
-    over["prefill"]["cpus_per_rank"] = over["decode"]["cpus_per_rank"] = 0.5
     cfg = ClusterConfig(model=str(model), **over, prefix_caching={"routing": routing},
                         kv_transfer={"timeout_s": 30, "hold_ttl_s": 30})
     serve.run(build_app(cfg), name="mtpserve", route_prefix="/")

@@ -71,6 +71,7 @@ class RankSpec:
     kv_interface: str | None = None  # network interface of kv_host (gloo pairs bind it)
     kv_timeout_s: float = 30.0
     kv_hold_ttl_s: float = 60.0
+    kv_max_concurrent_pulls: int = 4  # KVPuller lanes per decode rank
     data_timeout_s: float = 600.0  # one model collective on the data group
     num_threads: int | None = None
     draft_vocab_size: int | None = None
@@ -140,7 +141,8 @@ class RankCore:
             self.receiver = KVReceiver(backend=spec.kv_backend, device=kv_device,
                                        interface=spec.kv_interface, name=f"decode-r{rank}")
             self.puller = KVPuller(self.receiver, self.runner.kv_cache.layers, spec.tp_size,
-                                   rank, on_done=self._wake, name=f"decode-r{rank}")
+                                   rank, on_done=self._wake, name=f"decode-r{rank}",
+                                   max_concurrent=spec.kv_max_concurrent_pulls)
 
     @property
     def kv_address(self) -> str | None:

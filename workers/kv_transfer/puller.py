@@ -2,13 +2,14 @@
 already allocated, so the engine thread never waits on the network (docs/architecture.md,
 decision 11).
 
-Up to `max_concurrent` pulls (default 1, see DEFAULT_MAX_CONCURRENT) run at once, each on
-its own thread with its own reused
-grow-only buffer and CUDA stream: a pull from one prefill replica never waits behind a slow
-pull from another. Pulls from the same sender still go one after another (the receiver's
-per-pair lock keeps one ordered stream per pair, as NCCL needs). A result is posted only after
-the scatter into the cache has completed, so once every rank reports a request done, its
-blocks are complete on every rank.
+Up to `max_concurrent` pulls (`kv_transfer.max_concurrent_pulls`, default 4) run at once,
+each on its own thread with its own reused grow-only buffer and CUDA stream: a pull from one
+prefill replica never waits behind a slow pull from another. Pulls from the same sender still
+go one after another (the receiver's per-pair lock keeps one ordered stream per pair, as NCCL
+needs); a pull's timeout starts when it has the pair, and if the pair failed or hung while it
+waited it fails at once, so a frozen sender costs one timeout, not one per queued pull. A
+result is posted only after the scatter into the cache has completed, so once every rank
+reports a request done, its blocks are complete on every rank.
 """
 
 from __future__ import annotations
@@ -38,10 +39,7 @@ class PullResult:
     seconds: float = 0.0
 
 
-# One lane by default: with several, a pull waiting for its pair's lock behind a stuck pull
-# runs down its own timeout meanwhile and is recomputed (test_reliability); lanes pay off once
-# a pull's timeout starts at the pair lock (not built yet).
-DEFAULT_MAX_CONCURRENT = 1
+DEFAULT_MAX_CONCURRENT = 4
 
 
 class KVPuller:

@@ -34,6 +34,9 @@ _T = TypeVar("_T")
 # (request sent -> last byte received) count successful pulls only, so achieved bandwidth is
 # bytes_received / pull_seconds; `pulls` == `transfers` (kept for older readers). Probes count
 # apart, so they never inflate the KV numbers.
+# How long a pull waits for an earlier, hung call to its sender to end before failing.
+_STUCK_WAIT_S = 2.0
+
 _STAT_KEYS = (
     "bytes_received",
     "bytes_saved",  # KV not pulled: blocks this side's prefix cache already held
@@ -59,6 +62,7 @@ class _Link:
     channel: PairChannel | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
     probe_buf: torch.Tensor | None = None  # grow-only, so repeated probes allocate nothing
+    dropped: bool = False  # an exchange on it failed or hung: waiters must not reuse it
 
 
 class KVReceiver:
@@ -180,13 +184,22 @@ class KVReceiver:
     ) -> _T:
         """Run one ordered exchange (`op`) on the channel to `sender_address`.
 
-        `timeout_s` bounds everything, connection included. `op` is retried once on a fresh
+        `timeout_s` bounds everything, connection included, from when this call has the pair
+        to itself: waiting for the pair's lock while it serves an earlier pull (each bounded
+        by its own deadline) does not use it up, so concurrent pulls from one live sender all
+        complete. If the pair failed or hung meanwhile, waiters fail at once instead of each
+        running down a full timeout against a frozen peer. `op` is retried once on a fresh
         channel if the sender had closed the idle pair before reading our request.
         """
         deadline = time.monotonic() + timeout_s
         try:
             link = self._link(sender_address, deadline)
             with link.lock:
+                if link.dropped:
+                    raise KVTransferError(
+                        f"KV sender {sender_address} failed an earlier exchange on this pair "
+                        f"while {what} waited for it")
+                deadline = time.monotonic() + timeout_s
                 abandoned = threading.Event()
 
                 def run() -> _T:
@@ -227,8 +240,11 @@ class KVReceiver:
         if link is not None:
             return link
         if stuck is not None:
-            # A call to this sender hung earlier; it ends when the sender thaws or dies.
-            stuck.join(remaining(deadline, f"a hung call to {address} to end"))
+            # A call to this sender hung earlier; it ends when the sender thaws or dies. Give
+            # a thawing sender a moment, then fail (the request is recomputed elsewhere)
+            # rather than spend every queued pull's whole timeout on a frozen peer.
+            stuck.join(min(remaining(deadline, f"a hung call to {address} to end"),
+                           _STUCK_WAIT_S))
             if stuck.is_alive():
                 raise KVTransferError(f"KV sender {address} is still unresponsive")
             with self._lock:
@@ -288,6 +304,7 @@ class KVReceiver:
 
     def _drop(self, link: _Link, stuck: threading.Thread | None = None) -> None:
         """Forget the link (the next pull reconnects); a stuck helper thread closes it later."""
+        link.dropped = True
         with self._lock:
             if self._links.get(link.address) is link:
                 del self._links[link.address]

@@ -1,20 +1,46 @@
-"""The default model's card (README.md), written from `train_result.json` and the
-`eval-mtp` JSON so every number in it comes from a command."""
+"""The default model's card (README.md), written from the `train_result.json` of each stage,
+the `eval-mtp` JSONs and the pilots' JSON, so every number in it comes from a command.
+
+    python -m mtpserve.workers.training.model_card --model models/tiny-code-mtp \\
+        --stage "<stage-1 command>" models/tiny-code-mtp/train_result_stage1.json \\
+        --stage "<stage-2 command>" models/tiny-code-mtp/train_result_stage2.json \\
+        --eval-command "<eval-mtp command>" --eval-json models/tiny-code-mtp/eval_mtp.json \\
+        [--pip-eval-command "<eval-mtp --data .../pip command>" --pip-eval-json PATH]
+"""
 
 from __future__ import annotations
 
+import argparse
 import json
 import platform
+import re
+import sys
 from pathlib import Path
 
+from mtpserve.workers.paths import PACKAGE_ROOT
 from mtpserve.workers.training.data import (
+    EXCLUDED_DIRS,
     HELD_OUT_PERCENT,
+    MAX_FILE_BYTES,
+    MAX_SOURCE_BYTES,
+    PIP_AND_VENDORED,
     corpus_files,
     corpus_sources,
-    python_files,
-    split_files,
+    is_held_out,
     stdlib_root,
 )
+
+PILOTS_JSON = PACKAGE_ROOT / "benchmarks" / "results" / "model_pilots.json"
+# The issue's bars for the default model, checked on the pip evaluation.
+TARGETS = [
+    # (what, key, bar, higher is better, as a percentage)
+    ("main top-1", "top1", 0.40, True, False),
+    ("repeated lines (greedy continuations)", "repeated", 0.20, False, True),
+    ("acceptance at position 1", "acc1", 0.8, True, False),
+    ("E[tokens/round] at k=2", "etr2", 2.4, True, False),
+]
+VENDOR_DIRS = sorted(EXCLUDED_DIRS - {"test", "tests", "idle_test", "site-packages",
+                                      "__pycache__", "testing"})
 
 
 def param_counts(path: Path) -> dict[str, int]:
@@ -35,6 +61,10 @@ def param_counts(path: Path) -> dict[str, int]:
     return {"main": main, "mtp": mtp}
 
 
+def _corpus(tc: dict) -> str:
+    return tc.get("corpus") or "stdlib"  # results written before corpora existed: stdlib
+
+
 def _stage(title: str, command: str, tr: dict) -> list[str]:
     tc = tr["config"]
     what = ("MTP self-distillation: base frozen (bit-identical), the MTP module learns the "
@@ -42,8 +72,10 @@ def _stage(title: str, command: str, tr: dict) -> list[str]:
             if tc["freeze_base"] else
             f"Joint training, loss = L_main + {tc['mtp_weight']} x L_MTP (DeepSeek-V3 lambda), "
             "MTP target = the true token t+2.")
+    init = f" Initialised from `{tc['init_from']}`." if tc.get("init_from") else ""
     return [
-        f"### {title}", "```", command, "```", f"- {what}",
+        f"### {title}", "```", command, "```", f"- {what}{init}",
+        f"- Data: the training split of the `{_corpus(tc)}` corpus.",
         f"- {tc['steps']} steps x {tc['batch_size']} x {tc['seq_len']} tokens, AdamW "
         f"(0.9/0.95, wd {tc['weight_decay']}), peak LR {tc['lr']}, {tc['warmup']} warm-up "
         f"steps, cosine to {tc['min_lr_ratio']:g}x, bf16 autocast, seed {tc['seed']}.",
@@ -77,17 +109,189 @@ def pilots_table(pilots_json: Path) -> list[str]:
     return rows
 
 
-def write_card(path: Path, stages: list[tuple[str, Path]], eval_command: str,
-               eval_json: Path) -> str:
-    """`stages`: (exact command, its train_result.json) in order."""
-    cfg = json.loads((path / "config.json").read_text())
-    ev = json.loads(eval_json.read_text())
-    counts = param_counts(path)
-    train_files, held = split_files()
+def _shape(cfg: dict) -> list[int]:
+    """config.json in the pilots' shape order: layers, hidden, heads, KV heads, head dim,
+    FFN, vocab."""
+    return [cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"],
+            cfg["num_key_value_heads"], cfg["head_dim"], cfg["intermediate_size"],
+            cfg["vocab_size"]]
+
+
+def pilots_section(cfg: dict, pilots_json: Path) -> list[str]:
+    pilots = json.loads(pilots_json.read_text())
+    shape = _shape(cfg)
+    chosen = [name for name, r in pilots.items() if list(r["shape"]) == shape]
+    best = min(pilots, key=lambda n: pilots[n]["heldout_bits_per_byte"])
+    desc = (f"{cfg['num_hidden_layers']} layers x {cfg['hidden_size']}, "
+            f"{cfg['num_attention_heads']} query / {cfg['num_key_value_heads']} KV heads x "
+            f"{cfg['head_dim']}, SwiGLU {cfg['intermediate_size']}, vocab {cfg['vocab_size']}")
+    which = (f"pilot `{chosen[0]}`" if chosen else "not one of the pilots")
+    lines = [
+        "## Choosing the size",
+        "Pilot runs (`python -m mtpserve.benchmarks.model_pilots`, results in "
+        "`benchmarks/results/model_pilots.json`): each candidate (layers x hidden, vocab) "
+        "trains for the same wall-clock budget on this CPU, then its held-out main loss is "
+        "measured in bits per byte (comparable across vocabularies).",
+        "",
+        *pilots_table(pilots_json),
+        "",
+        f"The chosen configuration is the one in `config.json`: {desc} ({which}).",
+    ]
+    if chosen and best != chosen[0]:
+        lines.append(f"The lowest held-out bits/byte in these pilots is `{best}`'s "
+                     f"({pilots[best]['heldout_bits_per_byte']:.3f}).")
+    return [*lines, ""]
+
+
+def data_section(corpus: str, vocab_size: int) -> tuple[list[str], list[str]]:
+    """(the card's Data section, the standard-library held-out files)."""
     root = stdlib_root()
-    held_rel = sorted(r for r, p in python_files() if p in set(held))
+    files = corpus_files(corpus)
+    held = [(rel, p) for rel, p in files if is_held_out(rel)]
+    held_std = sorted(rel for rel, p in held if p.is_relative_to(root))
+    n_train = len(files) - len(held)
+    tokenizer = (f"- Tokenizer: byte-level BPE (`tokenizers`), vocab {vocab_size}, trained on "
+                 "the training split; `<|endoftext|>` separates files.")
+    split = (f"- Split by file: md5(relative path) % 100 < {HELD_OUT_PERCENT} is held out. "
+             f"{n_train} training files, {len(held)} held-out files")
+    if corpus == "stdlib":
+        return [
+            "## Data",
+            f"- The CPython {platform.python_version()} standard library ({root}), `.py` "
+            "files outside `test`, `tests`, `idle_test` and `site-packages`.",
+            split + " (listed below).",
+            tokenizer,
+            "",
+        ], held_std
+    names = ", ".join(f"`{n}`" for n in sorted(PIP_AND_VENDORED))
+    dirs = ", ".join(f"`{d}`" for d in VENDOR_DIRS)
+    lines = [
+        "## Data",
+        f"- Corpus `{corpus}`: the CPython {platform.python_version()} standard library "
+        f"({root}) and the installed sources of permissively licensed packages (each "
+        "distribution's declared licence, read from its metadata):",
+        "",
+        *corpus_table(corpus),
+        "",
+        "- `.py` files outside folders named `test`, `tests`, `testing`, `idle_test`, "
+        f"`site-packages` and `__pycache__`; empty files and files over {MAX_FILE_BYTES:,} "
+        f"bytes dropped; at most {MAX_SOURCE_BYTES / 1e6:g} MB per package (files past the "
+        "cap dropped in md5 order). Files and MB above are after these rules and dedup.",
+        "- Deduplicated by content (SHA-1 of the file; the first copy is kept, the standard "
+        "library first).",
+        split + f", {len(held_std)} of them from the standard library (listed below). "
+        "Standard-library files keep their plain relative paths, so they are split as for "
+        "the first default model; package files are split by `<package>/<relative path>`.",
+        "- `pip` and every library it vendors are excluded entirely, because pip is the "
+        "held-out evaluation set (below): no package named like them is a source, and in "
+        "every source (the standard library included) no file is read from a folder named "
+        f"{dirs} (where other packages keep vendored copies), nor from a folder named like "
+        "pip or one of its vendored libraries, nor a file named like one (such as `six.py`). "
+        f"The names: {names}.",
+    ]
+    tomllib = "tomllib/_parser.py"
+    if (root / tomllib).is_file() and any(rel == tomllib and not is_held_out(rel)
+                                          for rel, _ in files):
+        lines.append("- The exclusion goes by name, so code copied under another name is "
+                     "not caught: the standard library's `tomllib` (in the training split) "
+                     "is a copy of `tomli`, which pip vendors.")
+    return [*lines, tokenizer, ""], held_std
+
+
+def _acceptance_table(ev: dict) -> list[str]:
     acc = ev["acceptance_per_position"]
     etr = ev["expected_tokens_per_round"]
+    return [
+        "| draft 1 | draft 2 | draft 3 | E[tokens/round] k=1 | k=2 | k=3 |",
+        "|---|---|---|---|---|---|",
+        f"| {acc[0]:.3f} (+-{ev['acceptance_1_stderr']:.3f}) | {acc[1]:.3f} | {acc[2]:.3f} | "
+        f"{etr['1']:.3f} | {etr['2']:.3f} | {etr['3']:.3f} |",
+    ]
+
+
+def _top1(ev: dict) -> str:
+    if ev.get("heldout_main_top1") is None:
+        return ""
+    mtp = (f", MTP {ev['heldout_mtp_top1']:.3f} (the token after next)"
+           if ev.get("heldout_mtp_top1") is not None else "")
+    return f" Top-1 accuracy: main {ev['heldout_main_top1']:.3f}{mtp}."
+
+
+def _repetition(rep: dict) -> str:
+    return (f"the first {rep['num_lines']} lines of {rep['num_files']} held-out files "
+            f"continued greedily for {rep['max_tokens']} tokens: "
+            f"{rep['repeated_line_share']:.1%} of non-empty lines repeated (a line counts when "
+            "it equals an earlier non-empty line of the same continuation)")
+
+
+def targets_table(ev: dict) -> list[str]:
+    measured = {"top1": ev.get("heldout_main_top1"),
+                "repeated": (ev.get("repetition") or {}).get("repeated_line_share"),
+                "acc1": ev["acceptance_per_position"][0],
+                "etr2": ev["expected_tokens_per_round"]["2"]}
+    rows = ["| target | bar | measured | |", "|---|---|---|---|"]
+    for what, key, bar, higher, pct in TARGETS:
+        v = measured[key]
+        fmt = (lambda x: f"{x:.1%}") if pct else (lambda x: f"{x:.3f}")
+        bar_s = f"{'>=' if higher else '<='} {fmt(bar)}"
+        if v is None:
+            rows.append(f"| {what} | {bar_s} | not measured | |")
+            continue
+        met = v >= bar if higher else v <= bar
+        rows.append(f"| {what} | {bar_s} | {fmt(v)} | {'met' if met else 'not met'} |")
+    return rows
+
+
+def _pip_version(data: str) -> str | None:
+    init = Path(data) / "__init__.py"
+    if not init.is_file():
+        return None
+    m = re.search(r'__version__\s*=\s*"([^"]+)"', init.read_text())
+    return m.group(1) if m else None
+
+
+def pip_section(command: str, ev: dict, json_name: str | None) -> list[str]:
+    version = _pip_version(ev["data"])
+    what = f"pip {version}" if version else "pip"
+    lines = [
+        "## Held-out Python the model never saw (pip)",
+        f"{what} and the libraries it vendors were excluded from training (see Data).",
+        "```", command, "```",
+        f"- Data: the `.py` files under `{ev['data']}` (its `_vendor` folder included), read "
+        "in sorted path order into one token stream: the losses cover its first "
+        f"{ev['heldout_tokens']:,} tokens, the acceptance {ev['num_positions']} prefixes "
+        "from its start.",
+        f"- Loss ({ev['heldout_tokens']:,} tokens, {ev['dtype']}): main "
+        f"{ev['heldout_main_loss']:.3f}, MTP {ev['heldout_mtp_loss']:.3f} nats/token."
+        + _top1(ev),
+        f"- Greedy acceptance over {ev['num_positions']} prefixes (conditional on earlier "
+        "drafts) and expected tokens per round:",
+        "",
+        *_acceptance_table(ev),
+        "",
+    ]
+    if ev.get("repetition"):
+        lines += [f"- Repetition check: {_repetition(ev['repetition'])}.", ""]
+    lines += ["Targets:", "", *targets_table(ev), ""]
+    if json_name:
+        lines += [f"The raw results are in `{json_name}`.", ""]
+    return lines
+
+
+def write_card(path: Path, stages: list[tuple[str, Path]], eval_command: str,
+               eval_json: Path, pip_eval_command: str | None = None,
+               pip_eval_json: Path | None = None,
+               pilots_json: Path | None = PILOTS_JSON) -> str:
+    """`stages`: (exact command, its train_result.json) in order; the data section describes
+    the first stage's corpus. The pip section is written when `pip_eval_json` is given, the
+    size section when `pilots_json` exists."""
+    path = Path(path)
+    cfg = json.loads((path / "config.json").read_text())
+    ev = json.loads(Path(eval_json).read_text())
+    results = [json.loads(Path(res).read_text()) for _, res in stages]
+    counts = param_counts(path)
+    data, held_std = data_section(_corpus(results[0]["config"]), cfg["vocab_size"])
+    stdlib_eval = ev.get("data") == "CPython stdlib held-out split"
     lines = [
         f"# {path.name}",
         "",
@@ -109,39 +313,74 @@ def write_card(path: Path, stages: list[tuple[str, Path]], eval_command: str,
         "- `config.json` loads with `transformers.AutoModelForCausalLM` (main model; the MTP",
         "  tensors are reported as unused there) and with mtpserve's loader (main + MTP).",
         "",
-        "## Data",
-        f"- The CPython {platform.python_version()} standard library ({root}), `.py` files "
-        "outside `test`, `tests`, `idle_test` and `site-packages`.",
-        f"- Split by file: md5(relative path) % 100 < {HELD_OUT_PERCENT} is held out. "
-        f"{len(train_files)} training files, {len(held)} held-out files (listed below).",
-        f"- Tokenizer: byte-level BPE (`tokenizers`), vocab {cfg['vocab_size']}, trained on the "
-        "training split; `<|endoftext|>` separates files.",
-        "",
+        *(pilots_section(cfg, Path(pilots_json))
+          if pilots_json is not None and Path(pilots_json).is_file() else []),
+        *data,
         "## Training",
         "",
-        *[line for i, (cmd, res) in enumerate(stages) for line in
-          _stage(f"Stage {i + 1}", cmd, json.loads(Path(res).read_text()))],
-        "## Held-out evaluation",
+        *[line for i, ((cmd, _), tr) in enumerate(zip(stages, results, strict=True))
+          for line in _stage(f"Stage {i + 1}", cmd, tr)],
+        "## Held-out evaluation" + (": standard library" if stdlib_eval else ""),
         "```",
         eval_command,
         "```",
-        f"- Held-out loss ({ev['heldout_tokens']:,} tokens, fp32): main "
-        f"{ev['heldout_main_loss']:.3f}, MTP {ev['heldout_mtp_loss']:.3f} nats/token.",
+        ("- Data: the standard-library files of the held-out split (listed at the end)."
+         if stdlib_eval else f"- Data: `{ev['data']}`."),
+        f"- Held-out loss ({ev['heldout_tokens']:,} tokens, {ev['dtype']}): main "
+        f"{ev['heldout_main_loss']:.3f}, MTP {ev['heldout_mtp_loss']:.3f} nats/token."
+        + _top1(ev),
         f"- Greedy acceptance over {ev['num_positions']} held-out prefixes, measured with the "
         "engine (prefill drafts, one speculative round), conditional on earlier drafts:",
         "",
-        "| draft 1 | draft 2 | draft 3 | E[tokens/round] k=1 | k=2 | k=3 |",
-        "|---|---|---|---|---|---|",
-        f"| {acc[0]:.3f} (+-{ev['acceptance_1_stderr']:.3f}) | {acc[1]:.3f} | {acc[2]:.3f} | "
-        f"{etr['1']:.3f} | {etr['2']:.3f} | {etr['3']:.3f} |",
+        *_acceptance_table(ev),
         "",
-        "The raw per-prefix results are in `eval_mtp.json` (tests re-run a slice of them).",
+        *([f"- Repetition check: {_repetition(ev['repetition'])}.", ""]
+          if ev.get("repetition") else []),
+        f"The raw per-prefix results are in `{Path(eval_json).name}` (tests re-run a slice of "
+        "them).",
         "",
-        "## Held-out files",
+        *(pip_section(pip_eval_command or "", json.loads(Path(pip_eval_json).read_text()),
+                      Path(pip_eval_json).name
+                      if Path(pip_eval_json).resolve().parent == path.resolve() else None)
+          if pip_eval_json is not None else []),
+        "## Held-out files" + (" (standard library)" if len(held_std) else ""),
         "",
-        *[f"- `{r}`" for r in held_rel],
+        *[f"- `{r}`" for r in held_std],
         "",
     ]
     text = "\n".join(lines)
     (path / "README.md").write_text(text)
     return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m mtpserve.workers.training.model_card",
+        description="Write <model>/README.md from the training results and eval-mtp JSONs.")
+    ap.add_argument("--model", type=Path, required=True, help="the model folder")
+    ap.add_argument("--stage", nargs=2, action="append", required=True,
+                    metavar=("COMMAND", "RESULT_JSON"),
+                    help="a training stage's exact command and its train_result.json, in "
+                         "order (repeat per stage; the first stage's corpus is the Data)")
+    ap.add_argument("--eval-command", required=True,
+                    help="the exact eval-mtp command of the standard-library evaluation")
+    ap.add_argument("--eval-json", type=Path, required=True, help="its --json output")
+    ap.add_argument("--pip-eval-command", help="the exact eval-mtp --data <pip> command")
+    ap.add_argument("--pip-eval-json", type=Path,
+                    help="its --json output (the pip section is omitted without it)")
+    ap.add_argument("--pilots-json", type=Path, default=PILOTS_JSON,
+                    help="the size pilots (benchmarks/results/model_pilots.json)")
+    args = ap.parse_args(argv)
+    if (args.pip_eval_command is None) != (args.pip_eval_json is None):
+        ap.error("--pip-eval-command and --pip-eval-json go together")
+    if not args.pilots_json.is_file():
+        print(f"warning: no {args.pilots_json}: the card has no 'Choosing the size' section",
+              file=sys.stderr)
+    write_card(args.model, [(cmd, Path(res)) for cmd, res in args.stage], args.eval_command,
+               args.eval_json, args.pip_eval_command, args.pip_eval_json, args.pilots_json)
+    print(f"wrote {args.model / 'README.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
