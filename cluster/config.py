@@ -193,6 +193,10 @@ class KVTransferSettings(_Strict):
         "an acknowledgement from decode. Above the first-chunk wait (migration.stall_timeout_s "
         "+ timeout_s) so a busy decode deployment can still take the KV instead of recomputing."
     )
+    store_port_range: tuple[int, int] | None = Field(
+        None, description="Inclusive [first, last] TCP ports a prefill rank's KV rendezvous "
+        "store may listen on (the first free one); None: any free port. The gloo/NCCL data "
+        "connections themselves use ephemeral ports.")
     max_concurrent_pulls: int = Field(
         4, ge=1, le=64, description="KV pulls a decode rank runs at once (each on its own "
         "thread and buffer); pulls from one prefill rank still go one at a time.")
@@ -206,9 +210,17 @@ class KVTransferSettings(_Strict):
         "(ray.util.get_node_ip_address()). Set 127.0.0.1 to keep KV on loopback (one machine)."
     )
     interface: str | None = Field(
-        None, description="Network interface the gloo KV pairs bind; None: the interface that "
-        "carries `host` ('lo' for a loopback host)."
+        None, description="Network interface the KV pairs use (gloo binds it; NCCL gets it as "
+        "NCCL_SOCKET_IFNAME); None: the interface that carries `host` ('lo' for a loopback "
+        "host)."
     )
+
+    @model_validator(mode="after")
+    def _port_range(self) -> KVTransferSettings:
+        r = self.store_port_range
+        if r is not None and not 1 <= r[0] <= r[1] <= 65535:
+            raise ValueError(f"store_port_range {list(r)} must be [first, last] in 1..65535")
+        return self
 
 
 class HTTPSettings(_Strict):

@@ -682,3 +682,31 @@ def test_drop_releases_a_hold_at_once_and_refuses_later_pulls(prefill, receiver)
     assert peer.call("drop", "dropped") is False  # nothing held any more
     with pytest.raises(KVTransferError, match="not held"):
         receiver.pull(address, "dropped", 0, NUM_KV_HEADS, timeout_s=10)
+
+
+def test_sender_store_takes_the_first_free_port_of_its_range():
+    """kv_transfer.store_port_range: a fixed range a firewall can open between nodes."""
+    import socket
+
+    for base in range(42000, 43000, 7):  # two adjacent free ports; the first one we then hold
+        busy = socket.socket()
+        try:
+            busy.bind(("127.0.0.1", base))
+            busy.listen()
+            with socket.socket() as probe:
+                probe.bind(("127.0.0.1", base + 1))
+        except OSError:
+            busy.close()
+            continue
+        try:
+            sender = KVSender(port=(base, base + 1))
+            try:
+                assert sender.address == f"127.0.0.1:{base + 1}"
+            finally:
+                sender.close()
+            with pytest.raises(RuntimeError, match="no free KV store port"):
+                KVSender(port=(base, base))
+        finally:
+            busy.close()
+        return
+    pytest.skip("no two adjacent free ports found")

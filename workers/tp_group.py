@@ -72,6 +72,7 @@ class RankSpec:
     kv_timeout_s: float = 30.0
     kv_hold_ttl_s: float = 60.0
     kv_max_concurrent_pulls: int = 4  # KVPuller lanes per decode rank
+    kv_store_port_range: tuple[int, int] | None = None  # KVSender store port (None: any)
     data_timeout_s: float = 600.0  # one model collective on the data group
     num_threads: int | None = None
     draft_vocab_size: int | None = None
@@ -99,6 +100,10 @@ class RankCore:
         # watchdog tearing the process down: KV pairs are rebuilt, a broken TP group fails
         # the health check. Read when each NCCL group is built.
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+        if spec.kv_backend == "nccl" and spec.kv_interface:
+            # NCCL picks its bootstrap/socket interface from the environment, read when a
+            # communicator is built: the KV pairs must use the configured one.
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", spec.kv_interface)
         if spec.tp_size > 1:
             # The TP group never leaves its node (STRICT_PACK): loopback serves the control
             # group. KV pairs get their interface explicitly (spec.kv_interface).
@@ -129,7 +134,8 @@ class RankCore:
         # transport: on a GPU engine the payload is staged through the host).
         kv_device = spec.device if spec.kv_backend == "nccl" else "cpu"
         if spec.role == "prefill":
-            self.sender = KVSender(host=spec.kv_host, backend=spec.kv_backend,
+            port = tuple(spec.kv_store_port_range) if spec.kv_store_port_range else 0
+            self.sender = KVSender(host=spec.kv_host, port=port, backend=spec.kv_backend,
                                    device=kv_device, interface=spec.kv_interface,
                                    hold_ttl_s=spec.kv_hold_ttl_s,
                                    transfer_timeout_s=spec.kv_timeout_s,

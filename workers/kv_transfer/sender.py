@@ -80,7 +80,7 @@ class KVSender:
         self,
         *,
         host: str = "127.0.0.1",
-        port: int = 0,
+        port: int | tuple[int, int] = 0,
         backend: str = "gloo",
         device: torch.device | str = "cpu",
         interface: str | None = None,
@@ -99,9 +99,7 @@ class KVSender:
         self._device = torch.device(device)
         self._interface = interface
         self._on_release = on_release
-        self._store = dist.TCPStore(
-            host, port, None, True, timedelta(seconds=transfer_timeout_s), wait_for_workers=False
-        )
+        self._store = _listen(host, port, timedelta(seconds=transfer_timeout_s))
         self.address = f"{host}:{self._store.port}"
         self._lock = threading.Condition()  # guards everything below; notified on hold/close
         self._holds: dict[str, Held] = {}
@@ -380,3 +378,17 @@ class KVSender:
             self._on_release(request_id, reason)
         except Exception:
             logger.exception("%s: on_release(%r, %r) raised", self.name, request_id, reason)
+
+
+def _listen(host: str, port: int | tuple[int, int], timeout: timedelta) -> dist.TCPStore:
+    """The sender's rendezvous store on `port` (0: any free port), or on the first free port
+    of an inclusive range (`kv_transfer.store_port_range`, for firewalls that open a fixed
+    range between nodes)."""
+    ports = range(port[0], port[1] + 1) if isinstance(port, tuple) else [port]
+    last: Exception | None = None
+    for p in ports:
+        try:
+            return dist.TCPStore(host, p, None, True, timeout, wait_for_workers=False)
+        except (RuntimeError, dist.DistError) as e:  # in use: try the next one
+            last = e
+    raise RuntimeError(f"no free KV store port in {ports}: {last}")

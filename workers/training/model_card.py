@@ -233,7 +233,7 @@ def targets_table(ev: dict) -> list[str]:
     for what, key, bar, higher, pct in TARGETS:
         v = measured[key]
         fmt = (lambda x: f"{x:.1%}") if pct else (lambda x: f"{x:.3f}")
-        bar_s = f"{'>=' if higher else '<='} {fmt(bar)}"
+        bar_s = f"{'>=' if higher else '<='} {f'{bar:.0%}' if pct else f'{bar:g}'}"
         if v is None:
             rows.append(f"| {what} | {bar_s} | not measured | |")
             continue
@@ -250,7 +250,49 @@ def _pip_version(data: str) -> str | None:
     return m.group(1) if m else None
 
 
-def pip_section(command: str, ev: dict, json_name: str | None) -> list[str]:
+def _stream_files(model: Path, data: str, ends: list[int]) -> list[str | None]:
+    """For each token count in `ends`: the file of `data` (relative path) that eval-mtp's
+    token stream (sorted `.py` files, EOS after each) reaches at that count."""
+    from mtpserve.workers.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(str(model))
+    out: list[str | None] = [None] * len(ends)
+    n = 0
+    for f in sorted(Path(data).rglob("*.py")):
+        try:
+            text = f.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue  # as read_texts does
+        n += len(tok.encode(text)) + 1
+        for i, end in enumerate(ends):
+            if out[i] is None and end <= n:
+                out[i] = f.relative_to(data).as_posix()
+        if all(out):
+            break
+    return out
+
+
+def _coverage(model: Path, ev: dict) -> str:
+    """Which files of the pip stream the losses and the acceptance prefixes reach."""
+    from mtpserve.workers.training.evaluate import prefixes
+
+    if not Path(ev["data"]).is_dir():
+        return ""
+    n_tokens = ev["heldout_tokens"] + 2  # losses() reads seq_len + 2 tokens per window
+    stream = list(range(ev["seq_len"] * (ev["num_positions"] + 2)))  # token indices
+    last = prefixes(stream, ev["seq_len"], ev["num_positions"])
+    acc_end = last[-1][-1] + 1 if last else 0
+    loss_file, acc_file = _stream_files(model, ev["data"], [n_tokens, acc_end])
+    if loss_file is None or acc_file is None:
+        return ""
+    return (f" In that order the losses end in `{loss_file}` and the acceptance prefixes in "
+            f"`{acc_file}`, so the vendored libraries (`_vendor/`, sorted after "
+            "`_internal/`) are in neither." if "_vendor/" not in loss_file + acc_file
+            else f" In that order the losses end in `{loss_file}` and the acceptance "
+            f"prefixes in `{acc_file}`.")
+
+
+def pip_section(command: str, ev: dict, json_name: str | None, model: Path) -> list[str]:
     version = _pip_version(ev["data"])
     what = f"pip {version}" if version else "pip"
     lines = [
@@ -260,7 +302,7 @@ def pip_section(command: str, ev: dict, json_name: str | None) -> list[str]:
         f"- Data: the `.py` files under `{ev['data']}` (its `_vendor` folder included), read "
         "in sorted path order into one token stream: the losses cover its first "
         f"{ev['heldout_tokens']:,} tokens, the acceptance {ev['num_positions']} prefixes "
-        "from its start.",
+        "from its start." + _coverage(model, ev),
         f"- Loss ({ev['heldout_tokens']:,} tokens, {ev['dtype']}): main "
         f"{ev['heldout_main_loss']:.3f}, MTP {ev['heldout_mtp_loss']:.3f} nats/token."
         + _top1(ev),
@@ -278,10 +320,39 @@ def pip_section(command: str, ev: dict, json_name: str | None) -> list[str]:
     return lines
 
 
+def draft_vocab_section(path: Path, command: str | None) -> list[str]:
+    """`draft_vocab.json`'s source, and the share of the held-out standard-library tokens its
+    top N covers."""
+    from mtpserve.workers.spec.draft_vocab import FILE_NAME
+    from mtpserve.workers.training.evaluate import held_out_tokens
+
+    f = path / FILE_NAME
+    if not f.is_file():
+        return []
+    dv = json.loads(f.read_text())
+    ranking = dv["token_ids"]
+    ids = held_out_tokens(str(path), None)
+    shares = []
+    for n in (256, 512, 1024, 1536, 2048):
+        if n < len(ranking):
+            top = set(ranking[:n])
+            shares.append(f"{n} {sum(t in top for t in ids) / len(ids):.1%}")
+    return [
+        "## Draft vocabulary",
+        f"`{FILE_NAME}` ranks all {len(ranking)} token ids by frequency over the "
+        f"{dv.get('source', 'unrecorded corpus')}, for `speculation.draft_vocab_size`"
+        + (f"; built with `{command}`." if command else "."),
+        "Share of the held-out standard-library tokens covered by the top N: "
+        + ", ".join(shares) + ".",
+        "",
+    ]
+
+
 def write_card(path: Path, stages: list[tuple[str, Path]], eval_command: str,
                eval_json: Path, pip_eval_command: str | None = None,
                pip_eval_json: Path | None = None,
-               pilots_json: Path | None = PILOTS_JSON) -> str:
+               pilots_json: Path | None = PILOTS_JSON,
+               draft_vocab_command: str | None = None) -> str:
     """`stages`: (exact command, its train_result.json) in order; the data section describes
     the first stage's corpus. The pip section is written when `pip_eval_json` is given, the
     size section when `pilots_json` exists."""
@@ -341,8 +412,10 @@ def write_card(path: Path, stages: list[tuple[str, Path]], eval_command: str,
         "",
         *(pip_section(pip_eval_command or "", json.loads(Path(pip_eval_json).read_text()),
                       Path(pip_eval_json).name
-                      if Path(pip_eval_json).resolve().parent == path.resolve() else None)
+                      if Path(pip_eval_json).resolve().parent == path.resolve() else None,
+                      path)
           if pip_eval_json is not None else []),
+        *draft_vocab_section(path, draft_vocab_command),
         "## Held-out files" + (" (standard library)" if len(held_std) else ""),
         "",
         *[f"- `{r}`" for r in held_std],
@@ -368,6 +441,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pip-eval-command", help="the exact eval-mtp --data <pip> command")
     ap.add_argument("--pip-eval-json", type=Path,
                     help="its --json output (the pip section is omitted without it)")
+    ap.add_argument("--draft-vocab-command",
+                    help="the exact `mtpserve draft-vocab` command that wrote draft_vocab.json")
     ap.add_argument("--pilots-json", type=Path, default=PILOTS_JSON,
                     help="the size pilots (benchmarks/results/model_pilots.json)")
     args = ap.parse_args(argv)
@@ -377,7 +452,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"warning: no {args.pilots_json}: the card has no 'Choosing the size' section",
               file=sys.stderr)
     write_card(args.model, [(cmd, Path(res)) for cmd, res in args.stage], args.eval_command,
-               args.eval_json, args.pip_eval_command, args.pip_eval_json, args.pilots_json)
+               args.eval_json, args.pip_eval_command, args.pip_eval_json, args.pilots_json,
+               args.draft_vocab_command)
     print(f"wrote {args.model / 'README.md'}")
     return 0
 
