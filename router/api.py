@@ -57,7 +57,12 @@ from mtpserve.router.ingress_state import (
     usage_of,
 )
 from mtpserve.router.limits import AdmissionGate, LimitsMiddleware
-from mtpserve.router.metrics_api import metrics_data, metrics_router, replica_caches
+from mtpserve.router.metrics_api import (
+    metrics_data,
+    metrics_router,
+    orchestrator_totals,
+    replica_caches,
+)
 from mtpserve.router.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -116,8 +121,13 @@ def create_app(state: IngressState | None = None) -> FastAPI:
     async def stats(request: Request) -> JSONResponse:
         s = ingress_state(request)
         out = await s.orchestrator.stats()
-        # Every replica's prefix cache (the sampled replicas above are one per role).
-        out["replicas"] = replica_caches(await metrics_data(request))
+        data = await metrics_data(request)
+        # Every replica's prefix cache (the sampled replicas above are one per role), and the
+        # orchestrator's counters over every ingress replica (this one's alone otherwise).
+        out["replicas"] = replica_caches(data)
+        if "orchestrator" in out:  # the disaggregated orchestrator's counters
+            out["orchestrator"] = orchestrator_totals(
+                data, out["orchestrator"], getattr(s.orchestrator, "replica_key", None))
         return JSONResponse(out if is_admin(s, request) else redact(out))
 
     @app.post("/v1/mtpserve/kv_probe")

@@ -10,6 +10,8 @@ when the running ones are done. Serve's own scale-down drain is `graceful_shutdo
 from __future__ import annotations
 
 import os
+import threading
+import time
 from pathlib import Path
 
 from ray import serve
@@ -37,6 +39,7 @@ class OpenAIIngress:
         self.vocab_size = mcfg.vocab_size
         self.model_name = cfg.served_model_name or Path(cfg.model).name
         self._app = None
+        self._stop_push = _push_counters(self.orchestrator)
 
     def __serve_build_asgi_app__(self):
         from mtpserve.router.api import IngressState, create_app
@@ -66,3 +69,29 @@ class OpenAIIngress:
 
     def num_inflight(self) -> int:
         return 0 if self._app is None else self._app.state.gate.num_inflight
+
+
+def _push_counters(orchestrator: DisaggOrchestrator, interval_s: float = 1.0
+                   ) -> threading.Event:
+    """Push this ingress replica's orchestrator counters to the metrics hub every second, as
+    a snapshot of role "ingress": the ingress keeps no state that needs it to be the only one,
+    /metrics and the stats endpoint sum the counters over ingress replicas."""
+    import ray
+
+    from mtpserve.workers.metrics import hub, replica_key
+
+    stop = threading.Event()
+    key = orchestrator.replica_key = replica_key("ingress")
+
+    def loop() -> None:
+        while not stop.wait(interval_s):
+            try:
+                hub().push.remote({"replica": key, "role": "ingress", "time": time.time(),
+                                   "counters": orchestrator.counters(), "per_pos": [],
+                                   "hists": {}, "gauges": {}})
+            except Exception:  # monitoring must never take the ingress down
+                if not ray.is_initialized():
+                    return
+
+    threading.Thread(target=loop, name="ingress-metrics-push", daemon=True).start()
+    return stop

@@ -121,6 +121,16 @@ def render(data: dict, model_name: str, now: float | None = None) -> str:
             total = sum(s["counters"].get(key, 0) for s in snaps if s["role"] == role)
             lines.append(f"vllm:{key}_total{_labels(model_name=model_name, role=role)} "
                          f"{_num(total)}")
+    for key, doc in (("num_migrations", "Streams resumed on another decode replica."),
+                     ("num_prefill_retries", "Prefills retried after a failure."),
+                     ("num_kv_recomputes", "Requests recomputed on decode after a failed KV "
+                      "pull."),
+                     ("num_busy_retries", "KV transfers offered again after every decode "
+                      "replica was busy.")):
+        name = "mtpserve:" + key.removeprefix("num_")
+        family(name, "counter", doc + " Summed over ingress replicas.")
+        total = sum(s["counters"].get(key, 0) for s in snaps if s.get("role") == "ingress")
+        lines.append(f"{name}_total{m} {_num(total)}")
     family("mtpserve:kv_transfer_seconds", "counter", "Seconds decode rank 0s spent pulling KV.")
     lines.append(f"mtpserve:kv_transfer_seconds_total{m} "
                  f"{_num(sum(s['counters'].get('kv_transfer_seconds', 0) for s in snaps))}")
@@ -188,7 +198,17 @@ def replica_caches(data: dict, now: float | None = None) -> list[dict]:
              "prefix_cache_queries": s["counters"].get("prefix_cache_queries", 0),
              "prefix_cache_hits": s["counters"].get("prefix_cache_hits", 0),
              "kv_transfer_bytes_saved": s["counters"].get("kv_transfer_bytes_saved", 0)}
-            for s in data.get("snapshots", []) if now - s.get("time", 0.0) <= FRESH_S]
+            for s in data.get("snapshots", []) if now - s.get("time", 0.0) <= FRESH_S
+            and s["role"] != "ingress"]
+
+
+def orchestrator_totals(data: dict, local: dict[str, int], own_key: str | None
+                        ) -> dict[str, int]:
+    """The orchestrator counters over every ingress replica: this one's live `local` ones plus
+    the last push of every other one (`own_key`: this replica's snapshot, left out)."""
+    snaps = [s for s in data.get("snapshots", [])
+             if s.get("role") == "ingress" and s.get("replica") != own_key]
+    return {k: v + sum(s["counters"].get(k, 0) for s in snaps) for k, v in local.items()}
 
 
 async def metrics_data(request: Request) -> dict:

@@ -161,6 +161,7 @@ class DisaggOrchestrator:
         self.num_prefill_retries = 0
         self.num_kv_recomputes = 0
         self.num_busy_retries = 0  # a busy decode deployment refused; the KV hold was kept
+        self.replica_key: str | None = None  # its snapshot in the metrics hub (Serve ingress)
 
     # Public ----------------------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
@@ -192,16 +193,20 @@ class DisaggOrchestrator:
                 if held or params.finished:
                     self._release(params)
 
+    def counters(self) -> dict[str, int]:
+        """This ingress replica's totals (each ingress replica pushes its own to the metrics
+        hub; /metrics and the stats endpoint sum them over replicas)."""
+        return {"num_migrations": self.num_migrations,
+                "num_prefill_retries": self.num_prefill_retries,
+                "num_kv_recomputes": self.num_kv_recomputes,
+                "num_busy_retries": self.num_busy_retries}
+
     async def stats(self) -> dict:
         # One sample per call; with several replicas Serve routes each call to one of them.
         timeout = self.config.stall_timeout_s
         p, d = await asyncio.wait_for(asyncio.gather(
             _await(self.prefill.stats.remote()), _await(self.decode.stats.remote())), timeout)
-        return {"prefill": p, "decode": d,
-                "orchestrator": {"num_migrations": self.num_migrations,
-                                 "num_prefill_retries": self.num_prefill_retries,
-                                 "num_kv_recomputes": self.num_kv_recomputes,
-                                 "num_busy_retries": self.num_busy_retries}}
+        return {"prefill": p, "decode": d, "orchestrator": self.counters()}
 
     async def kv_probe(self, num_bytes: int) -> dict:
         """Raw send/recv of num_bytes between a prefill rank-0 sender and a decode rank 0,

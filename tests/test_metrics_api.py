@@ -5,6 +5,7 @@ accepted tokens, and the histograms by its samples."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 
@@ -87,3 +88,22 @@ def test_render_aggregates_replicas_and_keeps_departed_counters() -> None:
     assert value(m, "vllm:num_requests_running") == 3  # gauges: fresh replicas only
     assert value(m, "mtpserve:num_speculative_tokens", replica="a", role="decode") == 2
     assert value(m, "mtpserve:autoscaling_desired_replicas", deployment="DecodeServer") == 2
+
+
+def test_orchestrator_counters_sum_over_ingress_replicas() -> None:
+    from mtpserve.router.metrics_api import orchestrator_totals, render
+
+    now = time.time()
+    data = {"snapshots": [
+        {"replica": "ingress:a", "role": "ingress", "time": now, "per_pos": [], "hists": {},
+         "gauges": {}, "counters": {"num_migrations": 2, "num_kv_recomputes": 1}},
+        {"replica": "ingress:b", "role": "ingress", "time": now - 100, "per_pos": [],
+         "hists": {}, "gauges": {}, "counters": {"num_migrations": 3, "num_kv_recomputes": 0}},
+    ]}
+    # Replica a asks: its live counters (newer than its last push) plus b's last push.
+    local = {"num_migrations": 4, "num_kv_recomputes": 1}
+    assert orchestrator_totals(data, local, "ingress:a") == {"num_migrations": 7,
+                                                             "num_kv_recomputes": 1}
+    text = render(data, "m", now=now)
+    assert 'mtpserve:migrations_total{model_name="m"} 5.0' in text  # a went away: kept
+    assert 'mtpserve:kv_recomputes_total{model_name="m"} 1.0' in text

@@ -96,7 +96,8 @@ def corpus_table(corpus: str) -> list[str]:
                 or rel.startswith(src.label + "/")]
         if mine:
             mb = sum(p.stat().st_size for p in mine) / 1e6
-            rows.append(f"| `{src.label}` | {src.licence[:60]} | {len(mine)} | {mb:.1f} |")
+            lic = src.licence if len(src.licence) <= 60 else src.licence[:57] + "..."
+            rows.append(f"| `{src.label}` | {lic} | {len(mine)} | {mb:.1f} |")
     return rows
 
 
@@ -130,7 +131,7 @@ def pilots_section(cfg: dict, pilots_json: Path) -> list[str]:
         "## Choosing the size",
         "Pilot runs (`python -m mtpserve.benchmarks.model_pilots`, results in "
         "`benchmarks/results/model_pilots.json`): each candidate (layers x hidden, vocab) "
-        "trains for the same wall-clock budget on this CPU, then its held-out main loss is "
+        "trains for the same wall-clock budget, then its held-out main loss is "
         "measured in bits per byte (comparable across vocabularies).",
         "",
         *pilots_table(pilots_json),
@@ -158,7 +159,11 @@ def data_section(corpus: str, vocab_size: int) -> tuple[list[str], list[str]]:
         return [
             "## Data",
             f"- The CPython {platform.python_version()} standard library ({root}), `.py` "
-            "files outside `test`, `tests`, `idle_test` and `site-packages`.",
+            "files outside folders named `test`, `tests`, `testing`, `idle_test`, "
+            f"`site-packages` and `__pycache__`; empty files and files over {MAX_FILE_BYTES:,} "
+            "bytes dropped; deduplicated by content (SHA-1, the first copy kept); files and "
+            "folders named like pip or a library it vendors skipped (such as "
+            "`encodings/idna.py`), as for the `python` corpus.",
             split + " (listed below).",
             tokenizer,
             "",
@@ -180,8 +185,9 @@ def data_section(corpus: str, vocab_size: int) -> tuple[list[str], list[str]]:
         "- Deduplicated by content (SHA-1 of the file; the first copy is kept, the standard "
         "library first).",
         split + f", {len(held_std)} of them from the standard library (listed below). "
-        "Standard-library files keep their plain relative paths, so they are split as for "
-        "the first default model; package files are split by `<package>/<relative path>`.",
+        "Standard-library files keep their plain relative paths, so one is held out exactly "
+        "when it was for the first default model; package files are split by "
+        "`<package>/<relative path>`.",
         "- `pip` and every library it vendors are excluded entirely, because pip is the "
         "held-out evaluation set (below): no package named like them is a source, and in "
         "every source (the standard library included) no file is read from a folder named "
