@@ -169,12 +169,18 @@ def test_decode_admission_bounds_running_and_queues_for_blocks(tiny_qwen3) -> No
         ps = prompts(max_seqs + 4, seed=2)
         want = offline(tiny_qwen3, ps, 16)
         eng = d.engine.engine
-        seen = {"running": 0, "seqs": 0}
+        seen = {"running": 0, "seqs": 0, "waiting_reported": 0, "awaiting": 0}
         step = eng.step
 
         def observed_step():  # records what the real scheduler admitted
             seen["running"] = max(seen["running"], len(eng.scheduler.running))
             seen["seqs"] = max(seen["seqs"], eng.scheduler.num_seqs)
+            # The autoscaling signal counts requests queued for KV as waiting demand.
+            awaiting = len(eng.scheduler.awaiting_kv) + len(eng.scheduler.receiving)
+            if awaiting > seen["awaiting"]:
+                seen["awaiting"] = awaiting
+                report = d.recorder.autoscaling_stats(eng.stats())
+                seen["waiting_reported"] = report["waiting"]
             return step()
 
         eng.step = observed_step
@@ -185,6 +191,7 @@ def test_decode_admission_bounds_running_and_queues_for_blocks(tiny_qwen3) -> No
 
         assert asyncio.run(main()) == want
         assert 1 <= seen["running"] <= max_seqs and seen["seqs"] <= max_seqs
+        assert seen["awaiting"] >= 1 and seen["waiting_reported"] >= seen["awaiting"]
     finally:
         shutdown(p, d)
 

@@ -324,6 +324,9 @@ class Engine(RoundOutcomes):
         return {
             **self.block_manager.stats(),
             "num_waiting": len(self.scheduler.waiting),
+            # Disaggregated decode: queued for KV blocks, and pulling their KV now.
+            "num_awaiting_kv": len(self.scheduler.awaiting_kv),
+            "num_receiving": len(self.scheduler.receiving),
             "num_prefilling": len(self.scheduler.prefilling),
             "num_running": len(self.scheduler.running),
             "num_prefilled_held": len(self.prefilled),

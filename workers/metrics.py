@@ -174,7 +174,8 @@ class EngineRecorder:
         if self.role == "prefill":
             queue = stats["num_waiting"] + stats.get("num_prefilling", 0)
             return self.prefill.report(queue) | {"kv_usage": kv}
-        out = self.decode.report(kv, stats["num_running"], stats["num_waiting"])
+        # Requests waiting for their KV are demand too (the autoscaler missed them before).
+        out = self.decode.report(kv, stats["num_running"], _waiting(stats))
         return out | self.model.report() | {"k_replica": float(stats["num_speculative_tokens"])}
 
     def predicted_tpot_s(self, report: dict[str, float]) -> float | None:
@@ -188,7 +189,7 @@ class EngineRecorder:
         """Everything /metrics needs from this replica (JSON-able)."""
         report = self.autoscaling_stats(stats)
         gauges = {"num_requests_running": stats["num_running"],
-                  "num_requests_waiting": stats["num_waiting"],
+                  "num_requests_waiting": _waiting(stats),
                   "kv_cache_usage_perc": report["kv_usage"],
                   "num_speculative_tokens": stats["num_speculative_tokens"],
                   "prefix_cache_blocks": stats.get("cached_blocks", 0)}
@@ -316,3 +317,10 @@ class EMA:
 
     def update(self, x: float) -> None:
         self.value = x if self.value is None else (1 - self.alpha) * self.value + self.alpha * x
+
+
+def _waiting(stats: dict) -> int:
+    """Requests admitted but not running: queued (recompute), queued for KV blocks, and
+    pulling their KV (as vLLM counts requests waiting for remote KV as waiting)."""
+    return (stats["num_waiting"] + stats.get("num_awaiting_kv", 0)
+            + stats.get("num_receiving", 0))

@@ -112,9 +112,9 @@ class DecodeReplica:
         return self.context_sum() + self.batch * lookahead(self.k_max) + self.reserved
 
     def report(self) -> dict[str, float]:
-        """= EngineRecorder.autoscaling_stats for a decode replica (the engine's `num_waiting`
-        counts recompute prefills only; requests queued for KV are not in it)."""
-        waiting = sum(1 for r in self.awaiting if r.kv_lost)
+        """= EngineRecorder.autoscaling_stats for a decode replica: waiting counts queued
+        recomputes, requests queued for KV blocks and those pulling their KV."""
+        waiting = len(self.awaiting) + len(self.receiving)
         out = self.windows.report(min(self.kv_used() / self.capacity, 1.0), self.batch, waiting)
         self.adaptive.batch = max(self.batch, 1)
         return out | self.perf.report() | {"k_replica": float(self.adaptive.k)}
