@@ -71,6 +71,15 @@ async def _exercise(app) -> None:
     assert value(after, "vllm:time_to_first_token_seconds_bucket", le="+Inf") == 1
     assert value(after, "vllm:num_requests_running") == 0
 
+    # A request that ends at its first token (gone from the engine when the hook runs) still
+    # has its TTFT timed.
+    async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=60) as c:
+        r = await c.post("/v1/completions", json={"model": MODEL, "prompt": "import os",
+                                                  "max_tokens": 1, "temperature": 0})
+        assert r.status_code == 200, r.text
+        again = parse_samples((await c.get("/metrics")).text)
+    assert value(again, "vllm:time_to_first_token_seconds_count") == 2
+
 
 def test_render_aggregates_replicas_and_keeps_departed_counters() -> None:
     def snap(rid: str, t: float, drafts: int) -> dict:

@@ -122,10 +122,12 @@ class EngineRecorder:
         last = self._last_emit.get(rid)
         if last is None:
             req = engine.requests.get(rid) or engine.prefilled.get(rid)
-            if out.num_output_tokens == n_new and req is not None:
+            # A request that ended at its first token is already gone from the engine.
+            arrival = req.arrival if req is not None else out.arrival
+            if out.num_output_tokens == n_new and arrival is not None:
                 # This engine produced the request's first token: TTFT inside the engine.
-                self.hists["time_to_first_token_seconds"].observe(now - req.arrival)
-                self.prefill.observe(compute_s, now - req.arrival)
+                self.hists["time_to_first_token_seconds"].observe(now - arrival)
+                self.prefill.observe(compute_s, now - arrival)
                 if self.role == "prefill":  # its tokens after the first are decode's
                     return
                 last = now

@@ -23,6 +23,7 @@ class RequestOutput:
     num_accepted: int
     num_rounds: int = 0
     num_cached_tokens: int = 0  # prompt tokens a prefix-cache hit spared
+    arrival: float | None = None  # time.monotonic() the engine took the request
     # One entry per new token when the request asked for logprobs (SamplingParams.logprobs).
     logprobs: list[TokenLogprobs] | None = None
 
@@ -73,5 +74,5 @@ def request_output(req: Request, emitted: list[int],
         num_output_tokens=req.num_output_tokens,
         num_drafted=req.num_drafted, num_accepted=req.num_accepted,
         num_rounds=req.num_rounds, num_cached_tokens=req.num_cached_tokens,
-        logprobs=logprobs,
+        arrival=req.arrival, logprobs=logprobs,
     )

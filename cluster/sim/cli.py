@@ -62,6 +62,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", help="checkpoint folder (default: the embedded model)")
     p.add_argument("--k-max", type=int, default=2)
     p.add_argument("--max-num-seqs", type=int, default=8)
+    p.add_argument("--rounds-per-cell", type=int, default=4,
+                   help="timed decode rounds per (batch, k) cell (more: less noise)")
+    p.add_argument("--prefill-reps", type=int, default=3, help="lone prompts per length")
     p.add_argument("--json", dest="json_out", required=True)
     p.set_defaults(func=_profile)
 
@@ -150,7 +153,8 @@ def _table(args: argparse.Namespace) -> int:
 def _profile(args: argparse.Namespace) -> int:
     from mtpserve.cluster.sim.profile import profile_engine
 
-    data = profile_engine(args.model, args.k_max, args.max_num_seqs)
+    data = profile_engine(args.model, args.k_max, args.max_num_seqs,
+                          rounds_per_cell=args.rounds_per_cell, prefill_reps=args.prefill_reps)
     _write(args.json_out, data)
     print(json.dumps(data, indent=1))
     return 0

@@ -80,8 +80,13 @@ def build_models(sim: SimConfig) -> tuple[ReplicaModel, ReplicaModel]:
 
 
 class Simulator:
+    """`class_alphas`: per-position conditional acceptance of each acceptance class, indexed by
+    `workload.cls` (default: workloads.ACCEPTANCE of `code` and `chat`); a replay of a
+    recorded load gives each request its own measured acceptance this way."""
+
     def __init__(self, sim: SimConfig, workload: Workload | None = None,
-                 models: tuple[ReplicaModel, ReplicaModel] | None = None) -> None:
+                 models: tuple[ReplicaModel, ReplicaModel] | None = None,
+                 class_alphas: list[tuple[float, ...]] | None = None) -> None:
         self.sim = sim
         self.models = dict(zip(ROLES, models or build_models(sim), strict=True))
         dm = self.models["decode"]
@@ -96,7 +101,11 @@ class Simulator:
             workload = generate(scenario, sim.seed, sim.rate_scale, sim.duration_s)
         self.workload = workload
         self.duration = workload.duration_s
-        self.class_alphas = [ACCEPTANCE[c][: max(self.k_max, 1)] for c in CLASSES]
+        if class_alphas is None:
+            class_alphas = [ACCEPTANCE[c] for c in CLASSES]
+        self.class_alphas = [tuple(a[: max(self.k_max, 1)]) for a in class_alphas]
+        if len(workload) and int(workload.cls.max()) >= len(self.class_alphas):
+            raise ValueError("workload.cls names an acceptance class that class_alphas lacks")
         # E(k) of each class: tokens a request emits per round with k drafts.
         self.tokens_per_round = [[expected_tokens(a, k) for k in range(self.k_max + 1)]
                                  for a in self.class_alphas]
@@ -182,7 +191,7 @@ class Simulator:
             for _ in range(self.target[role]):
                 self._new_replica(role, ready=True)
         for req in self.requests:
-            self.schedule(req.arrival, self._arrive, req)
+            self.schedule(req.arrival + self.sim.ingress_overhead_s, self._arrive, req)
         interval = self.cfg.decode.autoscaling.metrics_interval_s
         self.schedule(interval, self._metrics_tick, interval)
         self.schedule(0.0, self._routing_tick)
@@ -278,7 +287,8 @@ class Simulator:
         window = (self.cfg.decode if role == "decode" else self.cfg.prefill).autoscaling.window_s
         if role == "decode":
             rep = DecodeReplica(rid, self.models[role], self, self.k_max,
-                                self.cfg.speculation.adaptive, window, len(CLASSES))
+                                self.cfg.speculation.adaptive, window,
+                                len(self.class_alphas))
         else:
             rep = PrefillReplica(rid, self.models[role], self, self.k_max, window)
         self.replicas[role].append(rep)
@@ -440,5 +450,6 @@ class Simulator:
 
 
 def run(sim: SimConfig, workload: Workload | None = None,
-        models: tuple[ReplicaModel, ReplicaModel] | None = None) -> dict:
-    return Simulator(sim, workload, models).run()
+        models: tuple[ReplicaModel, ReplicaModel] | None = None,
+        class_alphas: list[tuple[float, ...]] | None = None) -> dict:
+    return Simulator(sim, workload, models, class_alphas).run()

@@ -48,6 +48,11 @@ class SimConfig:
     planner_interval_s: float = 180.0
     planner_reactive_s: float = 10.0
     max_drain_s: float = 1800.0  # after the last arrival; then unfinished requests count
+    # Fixed time of every request outside the engines (HTTP, ingress, tokenization, the Serve
+    # calls, streaming the first token back): it reaches prefill this long after it arrives,
+    # so it adds to TTFT and not to TPOT. 0: not modelled (benchmarks/sim_calibration.py
+    # measures it on the live cluster).
+    ingress_overhead_s: float = 0.0
 
 
 def cluster_config(sim: SimConfig, tp: int, k_max: int, max_num_seqs: int,

@@ -21,7 +21,8 @@ PREFILL_LENGTHS = (32, 128, 256, 512, 1024)
 
 def profile_engine(model: str | None = None, k_max: int = 2, max_num_seqs: int = 8,
                    num_kv_blocks: int = 1024, block_size: int = 16,
-                   max_num_batched_tokens: int = 512, seed: int = 0) -> dict:
+                   max_num_batched_tokens: int = 512, seed: int = 0,
+                   rounds_per_cell: int = 4, prefill_reps: int = 3) -> dict:
     import torch
 
     from mtpserve.cluster.sim.model_arch import arch_from_config
@@ -38,15 +39,15 @@ def profile_engine(model: str | None = None, k_max: int = 2, max_num_seqs: int =
                                  max_num_seqs=max_num_seqs,
                                  max_num_batched_tokens=max_num_batched_tokens))
     bs = [b for b in (1, 2, 4, 8) if b <= max_num_seqs]
-    samples = profile_rounds(engine, bs, range(k_max + 1), rounds_per_cell=4, seed=seed,
-                             clock=time.thread_time)
+    samples = profile_rounds(engine, bs, range(k_max + 1), rounds_per_cell=rounds_per_cell,
+                             seed=seed, clock=time.thread_time)
     coef = PerfModel().fit(samples).coef
     # Prefill: lone prompts, one step per chunk.
     rng = np.random.default_rng(seed)
     vocab = engine.model_config.vocab_size
     rows = []
     for n in PREFILL_LENGTHS:
-        for rep in range(3):
+        for rep in range(prefill_reps):
             rid = f"__prefill-{n}-{rep}"
             engine.add_request(rid, rng.integers(3, vocab, n).tolist(),
                                SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))

@@ -11,7 +11,6 @@ import numpy as np
 
 from mtpserve.cluster.sim.lifecycle import RUNNING
 from mtpserve.cluster.sim.requests import OK, REJECTED
-from mtpserve.cluster.sim.workloads import ACCEPTANCE, CLASSES
 
 REPLICA_COLUMNS = ["t", "prefill_starting", "prefill_running", "prefill_draining",
                    "decode_starting", "decode_running", "decode_draining", "target_prefill",
@@ -52,8 +51,7 @@ def timeline_sample(sim, t0: float, t1: float) -> dict[str, Any]:
     out: dict[str, Any] = {"t": _r(t1, 3), "arrivals_rps": _r(len(arr) / dt, 3)}
     if arr:
         out["code_share"] = _r(sum(a[2] == 0 for a in arr) / len(arr), 4)
-        out["alpha0_workload"] = _r(sum(ACCEPTANCE[CLASSES[a[2]]][0] for a in arr) / len(arr),
-                                    4)
+        out["alpha0_workload"] = _r(sum(sim.class_alphas[a[2]][0] for a in arr) / len(arr), 4)
     decode = [r for r in sim.replicas["decode"] if r.state == RUNNING]
     alphas = [a[0] for a in (r.windows.alphas() for r in decode) if a and a[0] is not None]
     if alphas:

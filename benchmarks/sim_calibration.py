@@ -1,0 +1,848 @@
+"""Calibration of the cluster simulator (cluster/sim) against the live cluster on this machine
+(issue 19, item 6): record a load through `mtpserve up`, replay it in the simulator with the
+replicas' fitted models, and compare TTFT and TPOT p50/p99 per phase.
+
+    python -m mtpserve.benchmarks.sim_calibration --json benchmarks/results/sim-calibration-cpu.json
+
+1. Profile: `mtpserve sim profile` (cluster/sim/profile.py: decode round-time model and prefill
+   step times of our engine, in thread CPU time) in a subprocess, eager (MTPSERVE_COMPILE=off).
+2. Live: `mtpserve up` on configs/local-cpu.yaml with 1 prefill + 1 decode replica, fixed (no
+   autoscaling), `engine.compile: off` (so decode runs eager, as the profile does; it also
+   starts in seconds instead of compiling graphs), prefix caching off (the simulator does not
+   model it), port 8767. Two warm-up requests, then idle probes, one at a time (prefill alone:
+   max_tokens 1; then whole requests at batch 1), then the phases: Poisson arrivals at a fixed
+   rate with a fixed seed, prompts cut from the held-out files (`held_out_prompts`' text, in
+   consecutive pieces) at lognormal lengths, `max_tokens` fixed with `ignore_eos`, greedy.
+   Phases are drained one after another. Per request the client records
+   its send time, prompt tokens (usage), output tokens, TTFT and TPOT (streaming, client side:
+   TPOT = (last token - first token) / (tokens - 1), as the simulator defines it) and its
+   `mtp_stats`; per phase the server's counters (/metrics, /v1/mtpserve/stats).
+3. Replay: each phase's exact arrivals and lengths through `cluster.sim.Simulator` with one
+   prefill and one decode replica, fixed; each request is its own acceptance class with
+   per-position acceptance measured for it (its `mtp_stats`, shaped per position by the
+   phase's per-position counters, see `request_alphas`).
+4. Report: measured vs predicted TTFT and TPOT p50/p99 per phase and the p50 errors, for
+   these replica models ("variants"), each adding measured terms (`measurements`: all of them
+   from the idle probes, before the load, or from the replica's own reports):
+
+   - `profile`: the offline profile as it is (thread CPU time; KV pulls at the datapath
+     benchmark's 1.24 GiB/s + 2 ms; nothing outside the engines).
+   - `profile+overhead`: + a fixed per-request time outside the engines (client TTFT - the
+     prefill engine's own TTFT on the idle probes: HTTP, ingress, tokenization, Serve calls),
+     added to TTFT (`SimConfig.ingress_overhead_s`), and the KV pulls' measured bytes per
+     token and end-to-end rate (decode's puller: receive + scatter).
+   - `calibrated`: + the engines' idle speed on this machine: prefill steps x (the prefill
+     engine's TTFT / the profile's prefill time) and decode rounds x (the decode engine's
+     round time at batch 1 / the profile's), both on the idle probes (wall clock vs the
+     profile's thread CPU time).
+   - `replica-start`: `calibrated` with the round-time model the live decode replica fitted
+     at its start (its start profile, wall clock, before any request: what its autoscaling
+     reports) instead of the scaled profile.
+   - `online` (a diagnostic, not a prediction): `replica-start` with the round-time model
+     the decode replica had fitted online by the end of each phase, i.e. from that phase's
+     own rounds. What is left between it and the measurement is the simulator's structure
+     (batching, joins, k choice, KV lane), not the round-time model.
+
+   `diagnostics` splits each phase's TTFT and TPOT into what the server measured (engine TTFT
+   vs the rest; decode-only TPOT; the decode replica's mean round time, batch and k against
+   each round model at that batch and k; KV pulls; machine CPU use).
+
+Nothing in the replay is fitted to the phases' TTFT / TPOT. `--recording OLD.json` replays a
+previous run's recording (and profile) without starting the cluster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+
+from mtpserve.workers.paths import config_path
+
+K_TOL = 1e-9
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    rate: float  # Poisson arrivals per second
+    duration_s: float
+
+
+@dataclass
+class CalibrationArgs:
+    port: int = 8767
+    seed: int = 0
+    phases: tuple[Phase, ...] = (Phase("low", 1.0, 40.0), Phase("mid", 2.0, 40.0),
+                                 Phase("high", 3.0, 30.0))
+    max_tokens: int = 64
+    # Prompt length in characters (~3.6 per token for this tokenizer on code): lognormal.
+    prompt_chars_median: float = 540.0
+    prompt_chars_sigma: float = 0.6
+    prompt_chars_min: int = 120
+    prompt_chars_max: int = 2400
+    num_probes: int = 8
+    num_decode_probes: int = 4
+    num_warmup: int = 2
+    start_timeout_s: float = 300.0
+    config: str = field(default_factory=lambda: str(config_path("local-cpu.yaml")))
+
+
+# Overrides of configs/local-cpu.yaml: fixed 1 + 1 replicas (it has no autoscaling), eager
+# decode like the profile, no prefix caching (not modelled by the simulator).
+LIVE_OVERRIDES = {
+    "prefill": {"replicas": 1},
+    "decode": {"replicas": 1},
+    "engine": {"compile": "off"},
+    "prefix_caching": {"enabled": False},
+}
+
+
+# Load plan -----------------------------------------------------------------------------------
+
+class HeldOutText:
+    """Consecutive pieces of the held-out files (the ones `held_out_prompts` draws from, that
+    the default model never saw), each ending at a line end: distinct prompts of any length
+    (the held-out set is ~340k characters in 31 files, too few files for one per request)."""
+
+    def __init__(self) -> None:
+        from mtpserve.workers.training.data import read_texts, split_files
+
+        self.text = "".join(t if t.endswith("\n") else t + "\n"
+                            for t in read_texts(split_files()[1]))
+        self.pos = 0
+
+    def take(self, chars: int) -> str:
+        if self.pos + chars > len(self.text):
+            self.pos = 0  # wrap around (only for loads larger than the held-out set)
+        end = self.text.rfind("\n", self.pos, self.pos + chars) + 1
+        if end <= self.pos:
+            end = self.pos + chars
+        out, self.pos = self.text[self.pos:end], end
+        return out
+
+
+def plan_load(args: CalibrationArgs) -> dict:
+    """Probes and the phases' requests: Poisson send offsets (from each phase's start) and
+    prompts cut from held-out text at lognormal lengths; fixed by `args.seed`."""
+    rng = np.random.default_rng(args.seed)
+    phases = []
+    for ph in args.phases:
+        offsets, t = [], 0.0
+        while True:
+            t += rng.exponential(1.0 / ph.rate)
+            if t >= ph.duration_s:
+                break
+            offsets.append(t)
+        phases.append(offsets)
+    source = HeldOutText()
+
+    def prompt() -> str:
+        c = math.exp(math.log(args.prompt_chars_median)
+                     + args.prompt_chars_sigma * rng.standard_normal())
+        return source.take(int(np.clip(round(c), args.prompt_chars_min,
+                                       args.prompt_chars_max)))
+
+    return {"warmup": [prompt() for _ in range(args.num_warmup)],
+            "probes": [prompt() for _ in range(args.num_probes)],
+            "decode_probes": [prompt() for _ in range(args.num_decode_probes)],
+            "phases": [{"name": ph.name, "rate": ph.rate, "duration_s": ph.duration_s,
+                        "requests": [{"offset_s": o, "prompt": prompt()} for o in offs]}
+                       for ph, offs in zip(args.phases, phases, strict=True)]}
+
+
+# Client --------------------------------------------------------------------------------------
+
+async def stream_request(client, prompt: str | list[int], max_tokens: int) -> dict:
+    """One streaming completion; times from `time.perf_counter()`. TTFT: send -> first chunk
+    carrying tokens; TPOT: (last token chunk - first) / (tokens - 1)."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+            "ignore_eos": True, "return_token_ids": True,
+            "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    first = last = None
+    tokens = chunks = 0
+    usage: dict = {}
+    mtp: dict = {}
+    async with client.stream("POST", "/v1/completions", json=body) as resp:
+        resp.raise_for_status()
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            now = time.perf_counter()
+            data = json.loads(line[6:])
+            if "error" in data:
+                raise RuntimeError(data["error"])
+            for ch in data.get("choices") or []:
+                n = len(ch.get("token_ids") or [])
+                if n:
+                    tokens += n
+                    chunks += 1
+                    first = now if first is None else first
+                    last = now
+            if data.get("usage"):
+                usage = data["usage"]
+                mtp = data.get("mtp_stats") or {}
+    if first is None:
+        raise RuntimeError("the stream carried no tokens")
+    out_tokens = int(usage.get("completion_tokens", tokens))
+    return {"sent": t0, "ttft_s": first - t0,
+            "tpot_s": (last - first) / (out_tokens - 1) if out_tokens > 1 else None,
+            "prompt_tokens": int(usage.get("prompt_tokens", 0)), "output_tokens": out_tokens,
+            "streamed_tokens": tokens, "chunks": chunks, "last_s": last - t0,
+            "num_drafted": int(mtp.get("num_drafted", 0)),
+            "num_accepted": int(mtp.get("num_accepted", 0)),
+            "num_rounds": int(mtp.get("num_rounds", 0))}
+
+
+def parse_prometheus(text: str) -> dict[tuple[str, tuple], float]:
+    """Prometheus text -> {(sample name, sorted label items): value}: the plain subset
+    router/metrics_api.py renders (no escapes inside label values other than quotes)."""
+    out: dict[tuple[str, tuple], float] = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        head, _, value = line.rpartition(" ")
+        labels: tuple = ()
+        if "{" in head:
+            name, _, rest = head.partition("{")
+            items = []
+            for part in rest.rstrip("}").split(","):
+                if "=" in part:
+                    k, _, v = part.partition("=")
+                    items.append((k.strip(), v.strip().strip('"')))
+            labels = tuple(sorted(items))
+        else:
+            name = head
+        out[(name, labels)] = float(value)
+    return out
+
+
+def counters_of(samples: dict[tuple[str, tuple], float], k_max: int) -> dict[str, float]:
+    """The counters a phase is read by (sums over replicas and labels)."""
+    def total(name: str, **labels: str) -> float:
+        return sum(v for (n, lab), v in samples.items() if n == name
+                   and all(dict(lab).get(k) == x for k, x in labels.items()))
+
+    out = {
+        "drafts": total("vllm:spec_decode_num_drafts_total"),
+        "draft_tokens": total("vllm:spec_decode_num_draft_tokens_total"),
+        "accepted_tokens": total("vllm:spec_decode_num_accepted_tokens_total"),
+        "generation_tokens": total("vllm:generation_tokens_total"),
+        "preemptions": total("vllm:num_preemptions_total"),
+        "engine_ttft_sum": total("vllm:time_to_first_token_seconds_sum"),
+        "engine_ttft_count": total("vllm:time_to_first_token_seconds_count"),
+        "decode_tpot_sum": total("vllm:request_time_per_output_token_seconds_sum"),
+        "decode_tpot_count": total("vllm:request_time_per_output_token_seconds_count"),
+        "kv_bytes": total("mtpserve:kv_transfer_bytes_total"),
+    }
+    for i in range(k_max):
+        out[f"accepted_pos_{i}"] = total("vllm:spec_decode_num_accepted_tokens_per_pos_total",
+                                         position=str(i))
+    return out
+
+
+def _role_stats(stats: dict) -> dict:
+    """The parts of /v1/mtpserve/stats a calibration reads (scalars, KV and autoscaling)."""
+    out = {}
+    for role in ("prefill", "decode"):
+        s = stats.get(role) or {}
+        keep = {k: v for k, v in s.items() if isinstance(v, (int, float, str)) or v is None}
+        for key in ("kv_receiver", "kv_puller", "kv_sender", "autoscaling"):
+            if isinstance(s.get(key), dict):
+                keep[key] = {k: v for k, v in s[key].items() if isinstance(v, (int, float))}
+        out[role] = keep
+    return out
+
+
+def _cpu_times() -> tuple[float, float]:
+    """(busy, total) jiffies of the whole machine (/proc/stat), (0, 0) where absent."""
+    try:
+        vals = [float(x) for x in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
+    except OSError:
+        return 0.0, 0.0
+    idle = vals[3] + (vals[4] if len(vals) > 4 else 0.0)
+    return sum(vals) - idle, sum(vals)
+
+
+async def _snapshot(client, k_max: int, timeout_s: float = 15.0) -> dict:
+    """Counters and stats from replica snapshots pushed after now (replicas push them every
+    second: wait for the next push instead of reading stale ones)."""
+    since = time.time() + 0.2
+    end = time.monotonic() + timeout_s
+    fresh = True
+    while True:
+        stats = (await client.get("/v1/mtpserve/stats")).json()
+        reps = stats.get("replicas", [])
+        if reps and min(r["time"] for r in reps) >= since:
+            break
+        if time.monotonic() > end:  # recorded as stale rather than losing the run
+            fresh = False
+            break
+        await asyncio.sleep(0.1)
+    samples = parse_prometheus((await client.get("/metrics")).text)
+    busy, total = _cpu_times()
+    return {"counters": counters_of(samples, k_max), "stats": _role_stats(stats),
+            "fresh": fresh, "cpu_busy": busy, "cpu_total": total,
+            "loadavg": list(os.getloadavg())}
+
+
+async def _guarded(coro) -> dict:
+    try:
+        return await coro
+    except Exception as e:  # recorded, left out of the statistics and the replay
+        return {"error": repr(e)[:300]}
+
+
+def _delta(a: dict, b: dict) -> dict:
+    return {k: b["counters"][k] - a["counters"].get(k, 0.0) for k in b["counters"]}
+
+
+async def record_load(url: str, plan: dict, max_tokens: int) -> dict:
+    """Run the plan against `url`: warm-up, idle probes, then each phase (drained before the
+    next). Returns the recording (everything the replay needs, JSON-able)."""
+    import httpx
+
+    limits = httpx.Limits(max_connections=512, max_keepalive_connections=64)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+        start = _role_stats((await client.get("/v1/mtpserve/stats")).json())
+        k_max = int(start["decode"].get("num_speculative_tokens", 0) or 0)
+        k_max = int(start["decode"].get("autoscaling", {}).get("k_max", k_max))
+        for p in plan["warmup"]:
+            await _guarded(stream_request(client, p, 8))
+        rec = {"k_max": k_max, "start_stats": start, "phases": []}
+        after = await _snapshot(client, k_max)
+        # Idle probes, one at a time: prefill alone (max_tokens 1: no decode), then whole
+        # requests (prefill, KV pull, decode at batch 1).
+        for key, prompts, n in (("probes", plan["probes"], 1),
+                                ("decode_probes", plan.get("decode_probes", []), max_tokens)):
+            before = after
+            reqs = [await _guarded(stream_request(client, p, n)) for p in prompts]
+            after = await _snapshot(client, k_max)
+            for r in reqs:
+                r.pop("sent", None)
+            rec[key] = {"requests": reqs, "counters": _delta(before, after),
+                        "stats_start": before["stats"], "stats_end": after["stats"],
+                        "fresh": before["fresh"] and after["fresh"]}
+        t_run = time.perf_counter()
+        for ph in plan["phases"]:
+            before = after
+            t_phase = time.perf_counter()
+
+            async def one(item: dict, t_phase: float = t_phase) -> dict:
+                await asyncio.sleep(max(0.0, t_phase + item["offset_s"] - time.perf_counter()))
+                r = await _guarded(stream_request(client, item["prompt"], max_tokens))
+                r["offset_s"] = item["offset_s"]
+                if "sent" in r:
+                    r["arrival_s"] = r.pop("sent") - t_phase
+                return r
+
+            results = await asyncio.gather(*(one(it) for it in ph["requests"]))
+            wall = time.perf_counter() - t_phase
+            after = await _snapshot(client, k_max)
+            rec["phases"].append({
+                "name": ph["name"], "rate": ph["rate"], "duration_s": ph["duration_s"],
+                "start_s": t_phase - t_run, "wall_s": wall, "requests": results,
+                "counters": _delta(before, after), "stats_start": before["stats"],
+                "stats_end": after["stats"], "fresh": before["fresh"] and after["fresh"],
+                "machine_cpu_busy": (after["cpu_busy"] - before["cpu_busy"])
+                / max(after["cpu_total"] - before["cpu_total"], 1.0),
+                "loadavg_end": after["loadavg"]})
+            print(f"phase {ph['name']}: {len(results)} requests in {wall:.1f}s", flush=True)
+    return rec
+
+
+def record_live(args: CalibrationArgs, plan: dict) -> dict:
+    from mtpserve.benchmarks.local_server import running_server, variant_config
+
+    cfg = variant_config(Path(args.config), LIVE_OVERRIDES, args.port)
+    with running_server(cfg, args.start_timeout_s) as start_s:
+        print(f"cluster up in {start_s:.1f}s", flush=True)
+        rec = asyncio.run(record_load(f"http://127.0.0.1:{args.port}", plan, args.max_tokens))
+    app_args = cfg["applications"][0]["args"]
+    rec["server_start_s"] = start_s
+    rec["cluster"] = {
+        "block_size": app_args["block_size"],
+        "prefill_max_num_batched_tokens": app_args["prefill"]["max_num_batched_tokens"],
+        "prefill_num_kv_blocks": app_args["prefill"]["num_kv_blocks"],
+        "decode_max_num_seqs": app_args["decode"]["max_num_seqs"],
+        "decode_num_kv_blocks": app_args["decode"]["num_kv_blocks"],
+        "overrides": LIVE_OVERRIDES,
+    }
+    return rec
+
+
+# Measured acceptance -------------------------------------------------------------------------
+
+def reach(kbar: float, k_max: int) -> list[float]:
+    """P(k > i) for i < k_max when rounds draft the two integers around the mean k `kbar`."""
+    m = int(math.floor(kbar + K_TOL))
+    f = kbar - m
+    return [1.0 if i < m else (f if i == m else 0.0) for i in range(k_max)]
+
+
+def position_alphas(c: dict, k_max: int) -> list[float] | None:
+    """Conditional acceptance per draft position from a phase's counters: rounds with drafts,
+    draft tokens and accepted tokens per position (position i accepted = the round accepted
+    more than i drafts). Position i is tested in rounds that drafted more than i and accepted
+    the i before it; how many rounds drafted more than i is not counted, so their k is taken
+    as the two integers around the mean and independent of acceptance (exact when every round
+    drafts the same k). None without drafts."""
+    drafts = c.get("drafts", 0.0)
+    if k_max == 0 or drafts <= 0:
+        return None
+    w = reach(c["draft_tokens"] / drafts, k_max)
+    out: list[float] = []
+    for i in range(k_max):
+        if i == 0:
+            tested = drafts * w[0]
+        else:
+            tested = c[f"accepted_pos_{i - 1}"] * (w[i] / w[i - 1] if w[i - 1] > 0 else 0.0)
+        if tested > 0:
+            out.append(min(1.0, c[f"accepted_pos_{i}"] / tested))
+        else:
+            out.append(out[-1] if out else 0.0)
+    return out
+
+
+def accepted_per_round(alphas: list[float], w: list[float]) -> float:
+    total, chain = 0.0, 1.0
+    for a, p in zip(alphas, w, strict=False):
+        chain *= a
+        total += p * chain
+    return total
+
+
+def request_alphas(req: dict, shape: list[float] | None, k_max: int) -> tuple[float, ...]:
+    """Per-position acceptance of one request: the phase's per-position shape scaled by one
+    factor so that the request's own accepted drafts per round (its `mtp_stats`, at its own
+    mean k) come out exactly. A request without decode rounds takes the phase's alphas."""
+    if k_max == 0:
+        return ()
+    shape = shape or [1.0] * k_max
+    rounds = req.get("num_rounds", 0)
+    if rounds <= 0 or req.get("num_drafted", 0) <= 0:
+        return tuple(shape)
+    w = reach(req["num_drafted"] / rounds, k_max)
+    target = req["num_accepted"] / rounds
+    base = [max(a, 1e-6) for a in shape]
+
+    def f(s: float) -> float:
+        return accepted_per_round([min(1.0, s * a) for a in base], w)
+
+    hi = 1.0 / min(base)
+    if target >= f(hi):
+        return tuple(min(1.0, hi * a) for a in base)
+    lo = 0.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if f(mid) < target else (lo, mid)
+    return tuple(min(1.0, (lo + hi) / 2 * a) for a in base)
+
+
+# Replay --------------------------------------------------------------------------------------
+
+@dataclass
+class Variant:
+    """What the simulator is given besides the recorded load."""
+
+    name: str
+    profile: dict  # a FittedReplicaModel profile (`mtpserve sim profile`)
+    decode_coef: list[float] | None = None  # round-time model; None: the profile's
+    prefill_scale: float = 1.0  # prefill step time multiplier
+    decode_scale: float = 1.0  # round time multiplier
+    kv_bytes_per_token: float | None = None
+    kv_bytes_per_s: float | None = None
+    kv_latency_s: float | None = None
+    ingress_overhead_s: float = 0.0
+    note: str = ""
+
+
+def build_models(v: Variant, cluster: dict):
+    """(prefill, decode) FittedReplicaModels for the live cluster's shape."""
+    from mtpserve.cluster.sim.replica_models import FittedReplicaModel
+
+    block = cluster["block_size"]
+    p = FittedReplicaModel.from_profile(v.profile)
+    d = FittedReplicaModel.from_profile(v.profile)
+    for m in (p, d):
+        m.max_num_batched_tokens = cluster["prefill_max_num_batched_tokens"]
+        m.prefill_kv_tokens = cluster["prefill_num_kv_blocks"] * block
+        m.decode_kv_tokens = cluster["decode_num_kv_blocks"] * block
+        m.max_num_seqs = cluster["decode_max_num_seqs"]
+        m.prefill = tuple(c * v.prefill_scale for c in m.prefill)
+        if v.kv_bytes_per_token is not None:
+            m.kv_bytes_per_token = v.kv_bytes_per_token
+        if v.kv_bytes_per_s is not None:
+            m.kv_bytes_per_s = v.kv_bytes_per_s
+        if v.kv_latency_s is not None:
+            m.kv_latency_s = v.kv_latency_s
+    coef = v.decode_coef if v.decode_coef is not None else d.coef
+    d.coef = tuple(float(c) * v.decode_scale for c in coef)
+    d.__post_init__()
+    return p, d
+
+
+def replay(requests: list[dict], alphas: list[tuple[float, ...]], v: Variant, cluster: dict
+           ) -> list[dict]:
+    """Simulate `requests` (arrival_s, prompt_tokens, output_tokens) on 1 prefill + 1 decode
+    replica, fixed; request i has acceptance `alphas[i]`. Returns TTFT / TPOT per request, in
+    the order given."""
+    from mtpserve.cluster.sim.cluster import Simulator
+    from mtpserve.cluster.sim.config import SimConfig
+    from mtpserve.cluster.sim.workloads import Workload
+
+    n = len(requests)
+    arrival = np.array([float(r["arrival_s"]) for r in requests])
+    wl = Workload(arrival=arrival, cls=np.arange(n, dtype=np.int64),
+                  prompt=np.array([int(r["prompt_tokens"]) for r in requests], dtype=np.int64),
+                  output=np.array([int(r["output_tokens"]) for r in requests], dtype=np.int64),
+                  duration_s=float(arrival.max()) + 1e-3 if n else 1e-3)
+    models = build_models(v, cluster)
+    sim_cfg = SimConfig(scenario="calibration-replay", policy="mtpserve",
+                        prefill_replicas=(1, 1, 1), decode_replicas=(1, 1, 1),
+                        max_num_seqs=cluster["decode_max_num_seqs"],
+                        max_num_batched_tokens=cluster["prefill_max_num_batched_tokens"],
+                        ingress_overhead_s=v.ingress_overhead_s)
+    sim = Simulator(sim_cfg, workload=wl, models=models, class_alphas=alphas)
+    sim.run()
+    return [{"ttft_s": r.ttft, "tpot_s": r.tpot, "status": r.status} for r in sim.requests]
+
+
+def pct_ms(values: list[float | None], q: float) -> float | None:
+    xs = [v for v in values if v is not None]
+    return float(np.percentile(xs, q)) * 1000.0 if xs else None
+
+
+def err_pct(pred: float | None, meas: float | None) -> float | None:
+    return None if pred is None or not meas else 100.0 * (pred - meas) / meas
+
+
+def ok_requests(phase: dict) -> list[dict]:
+    return [r for r in phase["requests"] if "error" not in r]
+
+
+def phase_row(phase: dict, measured: list[dict], predicted: list[dict]) -> dict:
+    row: dict = {"phase": phase["name"], "rate": phase["rate"], "requests": len(measured)}
+    for key in ("ttft", "tpot"):
+        for q in (50, 99):
+            m = pct_ms([r[f"{key}_s"] for r in measured], q)
+            p = pct_ms([r[f"{key}_s"] for r in predicted], q)
+            row[f"{key}_ms_p{q}_measured"] = m
+            row[f"{key}_ms_p{q}_predicted"] = p
+        for name, rs in (("measured", measured), ("predicted", predicted)):
+            xs = [r[f"{key}_s"] for r in rs if r[f"{key}_s"] is not None]
+            row[f"{key}_ms_mean_{name}"] = 1000 * float(np.mean(xs)) if xs else None
+        row[f"{key}_p50_error_pct"] = err_pct(row[f"{key}_ms_p50_predicted"],
+                                               row[f"{key}_ms_p50_measured"])
+        row[f"{key}_p99_error_pct"] = err_pct(row[f"{key}_ms_p99_predicted"],
+                                               row[f"{key}_ms_p99_measured"])
+    return row
+
+
+def phase_alphas(rec: dict, phase: dict) -> list[tuple[float, ...]]:
+    k = rec["k_max"]
+    shape = position_alphas(phase["counters"], k)
+    return [request_alphas(r, shape, k) for r in ok_requests(phase)]
+
+
+def run_variant(rec: dict, v: Variant, per_phase_coef: list | None = None) -> dict:
+    rows, per_request = [], []
+    for i, phase in enumerate(rec["phases"]):
+        reqs = ok_requests(phase)
+        vv = replace(v, decode_coef=per_phase_coef[i]) if per_phase_coef else v
+        pred = replay(reqs, phase_alphas(rec, phase), vv, rec["cluster"])
+        rows.append(phase_row(phase, reqs, pred))
+        per_request.append(pred)
+    return {"rows": rows, "predicted": per_request}
+
+
+# Measured corrections ------------------------------------------------------------------------
+
+def coef_of(stats: dict) -> list[float] | None:
+    a = (stats.get("decode") or {}).get("autoscaling") or {}
+    if all(f"pm_{j}" in a for j in range(4)):
+        return [float(a[f"pm_{j}"]) for j in range(4)]
+    return None
+
+
+def _kv(stats_start: dict, stats_end: dict) -> tuple[float, float, float]:
+    """(pulls, seconds, bytes) of decode's KV pulls between two stats: the puller's seconds
+    (receive + scatter into the cache: the time a pull holds its request, queueing excluded)
+    and the receiver's bytes."""
+    a, b = stats_start["decode"], stats_end["decode"]
+
+    def d(part: str, key: str) -> float:
+        return float(b.get(part, {}).get(key, 0) - a.get(part, {}).get(key, 0))
+
+    return d("kv_puller", "pulls"), d("kv_puller", "seconds"), d("kv_receiver", "bytes_received")
+
+
+def measurements(rec: dict, profile: dict) -> dict:
+    """What the live run measured on its idle probes (one request at a time, before the load),
+    and the decode replica's own round models; nothing here reads the phases.
+
+    - ingress overhead = client TTFT - the prefill engine's TTFT (arrival in the engine to its
+      first token), means over the probes the engine timed: HTTP, ingress, tokenization,
+      Serve calls, streaming the token back;
+    - prefill scale = the prefill engine's TTFT / the profile's prefill time of the same
+      prompts (wall clock on this shared machine vs thread CPU time);
+    - decode scale = the decode engine's round time on the decode probes (batch 1; its
+      decode-only time per output token x tokens per round) / the profile's T(1, mean k);
+    - KV pulls: bytes per pulled token and end-to-end bytes/s of the decode probes' pulls.
+
+    The prefill engine does not time a request that ends at its first token (max_tokens 1:
+    workers/metrics.py no longer finds it when the output arrives), so only the decode probes
+    give the engine's TTFT; the prefill-only probes give a cross-check, the least-squares line
+    client TTFT = overhead + scale x profile prefill time over their prompt lengths.
+    """
+    from mtpserve.cluster.sim.replica_models import FittedReplicaModel, prefill_alone_s
+    from mtpserve.workers.perf_model import PerfModel
+
+    k = rec["k_max"]
+    out: dict = {}
+    m = FittedReplicaModel.from_profile(profile)
+    m.max_num_batched_tokens = rec["cluster"]["prefill_max_num_batched_tokens"]
+    timed = []  # (client TTFT, engine TTFT sum, engine TTFT count, profile prefill)
+    for key in ("probes", "decode_probes"):
+        group = rec.get(key) or {}
+        reqs = [p for p in group.get("requests", []) if "error" not in p]
+        if not reqs:
+            continue
+        c = group["counters"]
+        client = [p["ttft_s"] for p in reqs]
+        prof = [prefill_alone_s(m, p["prompt_tokens"]) for p in reqs]
+        out[f"{key}_client_ttft_s"] = float(np.mean(client))
+        out[f"{key}_profile_prefill_s"] = float(np.mean(prof))
+        out[f"{key}_engine_ttft_count"] = c["engine_ttft_count"]
+        if c["engine_ttft_count"] == len(reqs):
+            timed.append((sum(client), c["engine_ttft_sum"], len(reqs), sum(prof)))
+        if key == "probes" and len(reqs) >= 2 and np.ptp(prof) > 0:
+            slope, icpt = np.polyfit(prof, client, 1)
+            out["prefill_probe_fit"] = {"overhead_s": float(icpt), "scale": float(slope)}
+    if timed:
+        client, engine, n, prof = (sum(x) for x in zip(*timed, strict=True))
+        out.update(engine_ttft_s=engine / n, client_ttft_s=client / n,
+                   ingress_overhead_s=max((client - engine) / n, 0.0),
+                   prefill_scale=engine / prof, ttft_probes=n)
+    dp = rec.get("decode_probes")
+    reqs = [r for r in (dp or {}).get("requests", []) if "error" not in r]
+    if reqs:
+        c = dp["counters"]
+        rounds = sum(r["num_rounds"] for r in reqs)
+        drafted = sum(r["num_drafted"] for r in reqs)
+        out.update(decode_probes=len(reqs),
+                   decode_probe_client_tpot_s=float(np.mean([r["tpot_s"] for r in reqs])),
+                   decode_probe_client_ttft_s=float(np.mean([r["ttft_s"] for r in reqs])))
+        if c["decode_tpot_count"] and rounds:
+            # (decode-only TPOT x decode tokens) summed over the probes / their rounds; every
+            # probe generated max_tokens tokens.
+            tokens = float(np.mean([r["output_tokens"] - 1 for r in reqs]))
+            round_s = (c["decode_tpot_sum"] / c["decode_tpot_count"] * tokens * len(reqs)
+                       / rounds)
+            kbar = drafted / rounds
+            prof = PerfModel(profile["perf_model"]).round_s(1, kbar)
+            out.update(decode_probe_round_s=round_s, decode_probe_k=kbar,
+                       decode_probe_profile_round_s=prof, decode_scale=round_s / prof)
+        pulls, secs, nbytes = _kv(dp["stats_start"], dp["stats_end"])
+        pulled = sum(r["prompt_tokens"] + max(k - 1, 0) for r in reqs)
+        out.update(kv_probe_pulls=pulls, kv_probe_seconds=secs, kv_probe_bytes=nbytes)
+        if pulls == len(reqs) and secs > 0 and nbytes > 0:
+            out.update(kv_bytes_per_token=nbytes / pulled, kv_bytes_per_s=nbytes / secs)
+    out["decode_coef_start"] = coef_of(rec["start_stats"])
+    out["decode_coef_phase_end"] = [coef_of(ph["stats_end"]) for ph in rec["phases"]]
+    return out
+
+
+def variants(profile: dict, meas: dict) -> dict[str, Variant]:
+    """The replica models compared (module docstring), each adding one measured term."""
+    base = Variant("profile", profile, note="offline profile as it is (thread CPU time; KV "
+                   "pulls at the datapath benchmark's rate; nothing outside the engines)")
+    kv = {"kv_bytes_per_token": meas.get("kv_bytes_per_token"),
+          "kv_bytes_per_s": meas.get("kv_bytes_per_s"),
+          "kv_latency_s": 0.0 if meas.get("kv_bytes_per_s") else None}
+    over = replace(base, name="profile+overhead",
+                   ingress_overhead_s=meas.get("ingress_overhead_s", 0.0), **kv,
+                   note="+ the ingress overhead and KV pulls measured on the idle probes")
+    cal = replace(over, name="calibrated", prefill_scale=meas.get("prefill_scale", 1.0),
+                  decode_scale=meas.get("decode_scale", 1.0),
+                  note="+ prefill and decode speed measured on the idle probes (live engines' "
+                  "wall clock / profile)")
+    out = {v.name: v for v in (base, over, cal)}
+    if meas.get("decode_coef_start"):
+        out["replica-start"] = replace(
+            over, name="replica-start", prefill_scale=meas.get("prefill_scale", 1.0),
+            decode_coef=meas["decode_coef_start"],
+            note="`calibrated` with the round model the decode replica fitted at its start "
+            "(wall clock, as its autoscaling reports it) instead of the scaled profile")
+    return out
+
+
+def analyse(rec: dict, profile: dict) -> dict:
+    meas = measurements(rec, profile)
+    out: dict = {"measurements": meas, "variants": {}}
+    vs = variants(profile, meas)
+    runs: list[tuple[Variant, list | None]] = [(v, None) for v in vs.values()]
+    coefs = meas["decode_coef_phase_end"]
+    if "replica-start" in vs and all(c is not None for c in coefs):
+        runs.append((replace(vs["replica-start"], name="online", note="diagnostic, not a "
+                             "prediction: the decode replica's online round model at each "
+                             "phase's end (fitted on that phase's own rounds)"), coefs))
+    for v, per_phase in runs:
+        res = run_variant(rec, v, per_phase)
+        cfg = _variant_json(v)
+        if per_phase:
+            cfg["decode_coef"] = per_phase
+        out["variants"][v.name] = {"note": v.note, "config": cfg, **res}
+    out["diagnostics"] = diagnostics(rec, profile, meas)
+    return out
+
+
+def _variant_json(v: Variant) -> dict:
+    d = asdict(v)
+    d.pop("profile")
+    return d
+
+
+def _mean_ms(reqs: list[dict], key: str) -> float | None:
+    xs = [r[key] for r in reqs if r[key] is not None]
+    return 1000 * float(np.mean(xs)) if xs else None
+
+
+def diagnostics(rec: dict, profile: dict, meas: dict) -> list[dict]:
+    """Per phase, the terms behind TTFT and TPOT as the server measured them: client vs
+    engine TTFT (the prefill engine's, queueing in the engine included) and client vs
+    decode-only TPOT (the decode engine's, from KV arrival: no pull, no streaming); the decode
+    replica's mean round time, batch and k (its 30 s window at the phase's end) against what
+    the round models predict at that batch and k; KV pulls; acceptance; machine CPU use."""
+    from mtpserve.workers.perf_model import PerfModel
+
+    prof = PerfModel(profile["perf_model"])
+    start = PerfModel(meas["decode_coef_start"]) if meas.get("decode_coef_start") else None
+    scale = meas.get("decode_scale", 1.0)
+    out = []
+    for ph in rec["phases"]:
+        a = ph["stats_end"]["decode"].get("autoscaling", {})
+        c = ph["counters"]
+        reqs = ok_requests(ph)
+        row = {"phase": ph["name"], "errors": len(ph["requests"]) - len(reqs),
+               "machine_cpu_busy": ph.get("machine_cpu_busy"),
+               "loadavg_end": ph.get("loadavg_end"),
+               "alphas": position_alphas(c, rec["k_max"]),
+               "mean_k": c["draft_tokens"] / c["drafts"] if c["drafts"] else None,
+               "client_ttft_mean_ms": _mean_ms(reqs, "ttft_s"),
+               "engine_ttft_mean_ms": 1000 * c["engine_ttft_sum"] / c["engine_ttft_count"]
+               if c["engine_ttft_count"] else None,
+               "client_tpot_mean_ms": _mean_ms(reqs, "tpot_s"),
+               "engine_decode_tpot_mean_ms": 1000 * c["decode_tpot_sum"]
+               / c["decode_tpot_count"] if c["decode_tpot_count"] else None,
+               "preemptions": c["preemptions"]}
+        pulls, secs, nbytes = _kv(ph["stats_start"], ph["stats_end"])
+        row.update(kv_pulls=pulls, kv_pull_ms_mean=1000 * secs / pulls if pulls else None,
+                   kv_bytes_per_s=nbytes / secs if secs > 0 else None)
+        if "round_s" in a and "batch" in a:
+            b, k = a["batch"], a.get("k", 0.0)
+            row.update(window_round_ms=1000 * a["round_s"], window_batch=b, window_k=k,
+                       profile_round_ms=1000 * prof.round_s(b, k),
+                       calibrated_round_ms=1000 * scale * prof.round_s(b, k))
+            if start is not None:
+                row["start_profile_round_ms"] = 1000 * start.round_s(b, k)
+        out.append(row)
+    return out
+
+
+# Report --------------------------------------------------------------------------------------
+
+def format_table(rows: list[dict], title: str) -> str:
+    f = lambda x, p=1: "-" if x is None else f"{x:.{p}f}"  # noqa: E731
+    e = lambda x: "-" if x is None else f"{x:+.0f}%"  # noqa: E731
+    out = [title,
+           "| phase | rate req/s | requests | TTFT p50 ms meas / pred | TTFT p99 ms meas / pred "
+           "| TPOT p50 ms meas / pred | TPOT p99 ms meas / pred | TTFT p50 err | "
+           "TPOT p50 err |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(
+            f"| {r['phase']} | {r['rate']:g} | {r['requests']} | "
+            f"{f(r['ttft_ms_p50_measured'])} / {f(r['ttft_ms_p50_predicted'])} | "
+            f"{f(r['ttft_ms_p99_measured'])} / {f(r['ttft_ms_p99_predicted'])} | "
+            f"{f(r['tpot_ms_p50_measured'], 2)} / {f(r['tpot_ms_p50_predicted'], 2)} | "
+            f"{f(r['tpot_ms_p99_measured'], 2)} / {f(r['tpot_ms_p99_predicted'], 2)} | "
+            f"{e(r['ttft_p50_error_pct'])} | {e(r['tpot_p50_error_pct'])} |")
+    return "\n".join(out)
+
+
+def fit_profile(path: Path, rounds_per_cell: int) -> dict:
+    """`mtpserve sim profile` in a subprocess, eager (MTPSERVE_COMPILE=off), one torch
+    thread (it sets that itself)."""
+    env = dict(os.environ, MTPSERVE_COMPILE="off")
+    subprocess.run([sys.executable, "-m", "mtpserve.cluster.cli", "sim", "profile", "--json",
+                    str(path), "--rounds-per-cell", str(rounds_per_cell)], env=env, check=True,
+                   stdout=subprocess.DEVNULL)
+    return json.loads(path.read_text())
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", dest="json_out", required=True)
+    ap.add_argument("--recording", help="replay the recording in this earlier output JSON "
+                    "instead of running the live cluster")
+    ap.add_argument("--profile", help="a profile JSON (`mtpserve sim profile`); default: fit "
+                    "one now (or, with --recording, the recording's)")
+    ap.add_argument("--rounds-per-cell", type=int, default=12, help="profile: timed decode "
+                    "rounds per (batch, k) cell")
+    ap.add_argument("--port", type=int, default=8767)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--phases", help="name:rate:seconds,... (default low:1:40,mid:2:40,"
+                    "high:3:30)")
+    a = ap.parse_args(argv)
+    args = CalibrationArgs(port=a.port, seed=a.seed, max_tokens=a.max_tokens)
+    if a.phases:
+        args.phases = tuple(Phase(n, float(r), float(s)) for n, r, s in
+                            (p.split(":") for p in a.phases.split(",")))
+    old = json.loads(Path(a.recording).read_text()) if a.recording else None
+    if a.profile:
+        profile = json.loads(Path(a.profile).read_text())
+    elif old is not None:
+        profile = old["profile"]
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            t0 = time.perf_counter()
+            profile = fit_profile(Path(tmp) / "profile.json", a.rounds_per_cell)
+            print(f"profile fitted in {time.perf_counter() - t0:.1f}s: perf_model "
+                  f"{profile['perf_model']}, prefill {profile['prefill']}", flush=True)
+    if old is not None:
+        rec, settings = old["recording"], old["settings"]
+    else:
+        plan = plan_load(args)
+        t0 = time.perf_counter()
+        rec = record_live(args, plan)
+        print(f"live run: {time.perf_counter() - t0:.1f}s", flush=True)
+        settings = asdict(args)
+    res = analyse(rec, profile)
+    for name, v in res["variants"].items():
+        print(format_table(v["rows"], f"\n{name}: {v['note']}"))
+    print("\nmeasurements:", json.dumps({k: v for k, v in res["measurements"].items()},
+                                        default=float))
+    for d in res["diagnostics"]:
+        print("diagnostics:", json.dumps(d))
+    out = {"settings": settings, "profile": profile, "recording": rec, **res}
+    Path(a.json_out).write_text(json.dumps(out, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

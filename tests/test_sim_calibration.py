@@ -1,0 +1,173 @@
+"""benchmarks/sim_calibration.py without Ray or a live cluster: the recorder against a fake
+server (httpx.MockTransport), the measured-acceptance estimate, and the replay of a recorded
+load through the simulator (deterministic; statistics as defined)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+from mtpserve.benchmarks import sim_calibration as cal
+from mtpserve.cluster.sim.replica_models import FittedReplicaModel, prefill_alone_s
+from mtpserve.router.metrics_api import render
+from mtpserve.workers.perf_model import expected_tokens
+
+PROFILE = {
+    "name": "test", "tp_size": 1, "k_max": 2, "max_num_seqs": 8,
+    "max_num_batched_tokens": 512, "perf_model": [0.005, 0.0004, 0.0003, 0.0005],
+    "prefill": [0.001, 2e-4, 5e-8], "decode_kv_tokens": 16384,
+    "kv_bytes_per_token": 7168.0, "kv_transfer": {"latency_s": 0.002, "bytes_per_s": 1.3e9},
+    "start_s": 20.0,
+}
+CLUSTER = {"block_size": 16, "prefill_max_num_batched_tokens": 512,
+           "prefill_num_kv_blocks": 512, "decode_max_num_seqs": 32,
+           "decode_num_kv_blocks": 1024}
+
+
+def _req(arrival: float, prompt: int, output: int = 33, ttft: float = 0.05,
+         tpot: float = 0.005, rounds: int = 12, drafted: int = 24, accepted: int = 20) -> dict:
+    return {"arrival_s": arrival, "prompt_tokens": prompt, "output_tokens": output,
+            "ttft_s": ttft, "tpot_s": tpot, "num_rounds": rounds, "num_drafted": drafted,
+            "num_accepted": accepted}
+
+
+def _counters(drafts=100.0, draft_tokens=200.0, pos=(80.0, 60.0)) -> dict:
+    return {"drafts": drafts, "draft_tokens": draft_tokens,
+            **{f"accepted_pos_{i}": p for i, p in enumerate(pos)}}
+
+
+def _recording(reqs: list[dict]) -> dict:
+    return {"k_max": 2, "cluster": CLUSTER,
+            "phases": [{"name": "p", "rate": 2.0, "requests": reqs, "counters": _counters()}]}
+
+
+def test_position_alphas_from_vllm_counters() -> None:
+    # Every round drafts 2: alpha_0 = accepted_0 / rounds, alpha_1 = accepted_1 / accepted_0.
+    assert cal.position_alphas(_counters(), 2) == pytest.approx([0.8, 0.75])
+    # Mean k 1.5: half the rounds that accepted draft 0 tested draft 1.
+    assert cal.position_alphas(_counters(draft_tokens=150.0, pos=(80.0, 30.0)), 2) == \
+        pytest.approx([0.8, 0.75])
+    assert cal.position_alphas(_counters(drafts=0.0), 2) is None
+
+
+def test_request_alphas_reproduce_the_requests_own_acceptance() -> None:
+    shape = [0.8, 0.75]
+    for rounds, drafted, accepted in ((12, 24, 20), (20, 30, 9), (10, 20, 0), (5, 10, 10)):
+        a = cal.request_alphas({"num_rounds": rounds, "num_drafted": drafted,
+                                "num_accepted": accepted}, shape, 2)
+        got = cal.accepted_per_round(list(a), cal.reach(drafted / rounds, 2))
+        assert got == pytest.approx(accepted / rounds, abs=1e-9)
+        assert all(0.0 <= x <= 1.0 for x in a)
+    # No decode rounds: the phase's alphas.
+    assert cal.request_alphas({"num_rounds": 0}, shape, 2) == tuple(shape)
+
+
+def test_replay_is_deterministic_and_statistics_are_percentiles() -> None:
+    reqs = [_req(0.0, 40), _req(0.01, 300), _req(0.02, 700, ttft=0.2), _req(1.5, 120),
+            _req(1.51, 90, tpot=0.009)]
+    rec = _recording(reqs)
+    v = cal.Variant("t", PROFILE, ingress_overhead_s=0.01)
+    a = cal.run_variant(rec, v)
+    b = cal.run_variant(rec, v)
+    assert json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+    pred = a["predicted"][0]
+    assert len(pred) == len(reqs) and all(p["status"] == "ok" for p in pred)
+    row = a["rows"][0]
+    assert row["requests"] == 5 and row["rate"] == 2.0
+    ttft = [r["ttft_s"] * 1000 for r in reqs]
+    assert row["ttft_ms_p50_measured"] == pytest.approx(float(np.percentile(ttft, 50)))
+    assert row["tpot_ms_p99_measured"] == pytest.approx(
+        float(np.percentile([r["tpot_s"] * 1000 for r in reqs], 99)))
+    p50 = float(np.percentile([p["ttft_s"] * 1000 for p in pred], 50))
+    assert row["ttft_ms_p50_predicted"] == pytest.approx(p50)
+    assert row["ttft_p50_error_pct"] == pytest.approx(100 * (p50 - row["ttft_ms_p50_measured"])
+                                                      / row["ttft_ms_p50_measured"])
+    # Queueing: the 700-token prompt arrived behind two others on one prefill replica.
+    m = FittedReplicaModel.from_profile(PROFILE)
+    assert pred[2]["ttft_s"] > 0.01 + prefill_alone_s(m, 700)
+
+
+def test_a_lone_request_replays_to_the_models_ttft_and_tpot() -> None:
+    req = _req(0.0, 200, output=41, rounds=16, drafted=32, accepted=32)  # accepts everything
+    rec = _recording([req])
+    v = cal.Variant("t", PROFILE, ingress_overhead_s=0.02, decode_coef=[0.004, 0.0, 0.0, 0.001],
+                    prefill_scale=2.0, kv_bytes_per_s=1e8, kv_latency_s=0.0)
+    pred = cal.run_variant(rec, v)["predicted"][0][0]
+    p, d = cal.build_models(v, CLUSTER)
+    assert pred["ttft_s"] == pytest.approx(0.02 + 2.0 * prefill_alone_s(
+        FittedReplicaModel.from_profile(PROFILE), 200), rel=1e-9)
+    # Acceptance 1 at both positions: k = 2 and 3 tokens per round.
+    rounds = math.ceil(40 / expected_tokens((1.0, 1.0), 2))
+    tpot = (d.kv_transfer_s(200 + 1) + rounds * (0.004 + 0.001 * 2)) / 40
+    assert pred["tpot_s"] == pytest.approx(tpot, rel=1e-9)
+
+
+def _fake_server(n_tokens: int) -> httpx.MockTransport:
+    """/v1/completions streams `max_tokens` tokens in chunks of 3 (usage + mtp_stats last);
+    /metrics and /v1/mtpserve/stats count requests."""
+    state = {"requests": 0}
+
+    def snapshot() -> dict:
+        n = state["requests"]
+        return {"role": "decode", "replica": "d", "time": time.time() + 5,
+                "counters": {"spec_decode_num_drafts": 10 * n,
+                             "spec_decode_num_draft_tokens": 20 * n,
+                             "kv_transfer_bytes": 1000 * n},
+                "per_pos": [8 * n, 6 * n],
+                "hists": {"time_to_first_token_seconds": {
+                    "bounds": [1.0], "counts": [n, 0], "sum": 0.01 * n, "count": n}},
+                "gauges": {}}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/metrics":
+            return httpx.Response(200, text=render({"snapshots": [snapshot()]}, "m"))
+        if request.url.path == "/v1/mtpserve/stats":
+            snap = snapshot()
+            return httpx.Response(200, json={
+                "replicas": [{"time": snap["time"]}],
+                "prefill": {"num_waiting": 0},
+                "decode": {"num_speculative_tokens": 2, "kv_puller": {"pulls": 0},
+                           "autoscaling": {"k_max": 2.0, "pm_0": 0.005, "pm_1": 0.0004,
+                                           "pm_2": 0.0003, "pm_3": 0.0005}}})
+        body = json.loads(request.content)
+        state["requests"] += 1
+        n = body["max_tokens"]
+        lines = []
+        for i in range(0, n, 3):
+            ids = list(range(i, min(i + 3, n)))
+            lines.append({"choices": [{"index": 0, "text": "x" * len(ids), "token_ids": ids}]})
+        lines.append({"choices": [], "usage": {"prompt_tokens": 17, "completion_tokens": n},
+                      "mtp_stats": {"num_drafted": 6, "num_accepted": 5, "num_rounds": 3}})
+        text = "".join(f"data: {json.dumps(x)}\n\n" for x in lines) + "data: [DONE]\n\n"
+        return httpx.Response(200, text=text, headers={"content-type": "text/event-stream"})
+
+    return httpx.MockTransport(handler)
+
+
+def test_recorder_reads_streams_and_counters(monkeypatch) -> None:
+    transport = _fake_server(10)
+    real = httpx.AsyncClient
+    monkeypatch.setattr(httpx, "AsyncClient",
+                        lambda **kw: real(transport=transport, **{k: v for k, v in kw.items()
+                                                                  if k != "limits"}))
+    plan = {"warmup": ["w"], "probes": ["a", "b"],
+            "phases": [{"name": "p", "rate": 100.0, "duration_s": 0.05,
+                        "requests": [{"offset_s": 0.0, "prompt": "x"},
+                                     {"offset_s": 0.02, "prompt": "y"}]}]}
+    rec = asyncio.run(cal.record_load("http://fake", plan, max_tokens=10))
+    assert rec["k_max"] == 2
+    assert [p["output_tokens"] for p in rec["probes"]["requests"]] == [1, 1]
+    assert rec["probes"]["counters"]["engine_ttft_count"] == 2
+    ph = rec["phases"][0]
+    assert ph["counters"]["drafts"] == 20 and ph["counters"]["accepted_pos_1"] == 12
+    for r in ph["requests"]:
+        assert r["output_tokens"] == r["streamed_tokens"] == 10
+        assert r["prompt_tokens"] == 17 and r["num_accepted"] == 5 and r["num_rounds"] == 3
+        assert r["ttft_s"] >= 0 and r["tpot_s"] >= 0 and r["arrival_s"] >= r["offset_s"] - 1e-3
+    assert cal.coef_of(rec["start_stats"]) == [0.005, 0.0004, 0.0003, 0.0005]
