@@ -197,6 +197,10 @@ class KVTransferSettings(_Strict):
         None, description="Inclusive [first, last] TCP ports a prefill rank's KV rendezvous "
         "store may listen on (the first free one); None: any free port. The gloo/NCCL data "
         "connections themselves use ephemeral ports.")
+    max_pairs_per_rank: int = Field(
+        64, ge=1, description="Live KV pairs (store connection, gloo/NCCL group, buffers) a "
+        "decode rank keeps to prefill ranks; past it the least recently used idle one is "
+        "closed (the sender closes its side too).")
     max_concurrent_pulls: int = Field(
         4, ge=1, le=64, description="KV pulls a decode rank runs at once (each on its own "
         "thread and buffer); pulls from one prefill rank still go one at a time.")

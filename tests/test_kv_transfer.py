@@ -674,6 +674,23 @@ def test_pulls_queued_on_a_frozen_sender_fail_together_others_complete(prefill, 
         frozen.stop()
 
 
+def test_live_pairs_stay_within_the_budget_lru_closed(prefill):
+    """max_links: opening a pair past the budget closes the least recently used idle one
+    (the sender is told); pulling from its sender again opens it anew."""
+    r = KVReceiver(max_links=1)
+    try:
+        (a, addr_a), (b, addr_b) = prefill
+        for i, (peer, addr) in enumerate([(a, addr_a), (b, addr_b), (a, addr_a)]):
+            peer.call("hold", f"budget-{i}", 30 + i, "float32", (0, NUM_KV_HEADS))
+            kv, _ = r.pull(addr, f"budget-{i}", 0, NUM_KV_HEADS, timeout_s=20)
+            assert torch.equal(kv, expected_kv(30 + i, torch.float32, (0, NUM_KV_HEADS)))
+            assert r.stats()["channels"] == 1
+        s = r.stats()
+        assert s["pairs_closed"] == 2 and s["channel_builds"] == 3
+    finally:
+        r.close()
+
+
 def test_drop_releases_a_hold_at_once_and_refuses_later_pulls(prefill, receiver):
     peer, address = prefill[0]
     peer.call("hold", "dropped", 51, "float32", (0, NUM_KV_HEADS))

@@ -72,6 +72,7 @@ class RankSpec:
     kv_timeout_s: float = 30.0
     kv_hold_ttl_s: float = 60.0
     kv_max_concurrent_pulls: int = 4  # KVPuller lanes per decode rank
+    kv_max_pairs: int = 64  # live KV pairs per decode rank (LRU close of idle ones past it)
     kv_store_port_range: tuple[int, int] | None = None  # KVSender store port (None: any)
     data_timeout_s: float = 600.0  # one model collective on the data group
     num_threads: int | None = None
@@ -145,7 +146,8 @@ class RankCore:
                                    prepack=spec.kv_backend != "nccl")
         else:
             self.receiver = KVReceiver(backend=spec.kv_backend, device=kv_device,
-                                       interface=spec.kv_interface, name=f"decode-r{rank}")
+                                       interface=spec.kv_interface, name=f"decode-r{rank}",
+                                       max_links=spec.kv_max_pairs)
             self.puller = KVPuller(self.receiver, self.runner.kv_cache.layers, spec.tp_size,
                                    rank, on_done=self._wake, name=f"decode-r{rank}",
                                    max_concurrent=spec.kv_max_concurrent_pulls)

@@ -6,10 +6,11 @@ every call on it; what travels on the channel during a pull or probe is in excha
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -40,6 +41,7 @@ _STUCK_WAIT_S = 2.0
 _STAT_KEYS = (
     "bytes_received",
     "bytes_saved",  # KV not pulled: blocks this side's prefix cache already held
+    "pairs_closed",  # idle pairs closed to stay within max_links
     "pull_seconds",
     "pulls",
     "transfers",
@@ -63,6 +65,8 @@ class _Link:
     lock: threading.Lock = field(default_factory=threading.Lock)
     probe_buf: torch.Tensor | None = None  # grow-only, so repeated probes allocate nothing
     dropped: bool = False  # an exchange on it failed or hung: waiters must not reuse it
+    last_used: float = 0.0  # time.monotonic() of its last exchange (LRU close past max_links)
+    retired: bool = False  # closed to stay within max_links: a caller takes a fresh link
 
 
 class KVReceiver:
@@ -81,8 +85,12 @@ class KVReceiver:
         device: torch.device | str = "cpu",
         interface: str | None = None,
         name: str = "decode",
+        max_links: int = 64,
     ) -> None:
         self.receiver_id = f"{name}-{uuid.uuid4().hex[:8]}"
+        # Live pairs (a store connection, a gloo/NCCL group, buffers) are budgeted: past
+        # `max_links`, the least recently used idle one is closed before a new one opens.
+        self.max_links = max(1, max_links)
         self.backend = backend
         self._device = torch.device(device)
         self._interface = interface
@@ -193,13 +201,13 @@ class KVReceiver:
         """
         deadline = time.monotonic() + timeout_s
         try:
-            link = self._link(sender_address, deadline)
-            with link.lock:
+            with self._locked_link(sender_address, deadline) as link:
                 if link.dropped:
                     raise KVTransferError(
                         f"KV sender {sender_address} failed an earlier exchange on this pair "
                         f"while {what} waited for it")
                 deadline = time.monotonic() + timeout_s
+                link.last_used = time.monotonic()
                 abandoned = threading.Event()
 
                 def run() -> _T:
@@ -260,7 +268,54 @@ class KVReceiver:
             raise KVTransferError(f"KV sender {address} accepted no store connection in time")
         with self._lock:
             # Another thread may have connected meanwhile; keep the first link.
-            return self._links.setdefault(address, _Link(address, store))
+            link = self._links.setdefault(address, _Link(address, store))
+            idle = self._over_budget(keep=link)
+        for old in idle:
+            self._retire(old)
+        return link
+
+    @contextlib.contextmanager
+    def _locked_link(self, address: str, deadline: float) -> Iterator[_Link]:
+        """The link to `address`, its lock held; one retired for the pair budget between
+        lookup and lock is replaced by a fresh one."""
+        link = self._link(address, deadline)
+        link.lock.acquire()
+        try:
+            while link.retired:
+                link.lock.release()
+                link = self._link(address, deadline)
+                link.lock.acquire()
+            yield link
+        finally:
+            link.lock.release()
+
+    def _over_budget(self, keep: _Link) -> list[_Link]:
+        """Under self._lock: the least recently used idle links beyond `max_links`, removed
+        from the table (their owner closes them)."""
+        out: list[_Link] = []
+        excess = len(self._links) - self.max_links
+        for link in sorted(self._links.values(), key=lambda x: x.last_used):
+            if excess <= 0:
+                break
+            if link is keep or link.lock.locked():
+                continue  # in use: a pull or probe is on it
+            del self._links[link.address]
+            link.retired = True
+            out.append(link)
+            excess -= 1
+        return out
+
+    def _retire(self, link: _Link) -> None:
+        """Close an idle pair: tell the sender (bounded), then close our side."""
+        with link.lock:
+            channel = link.channel
+            if channel is not None and channel.connected:
+                done, _ = call_bounded(lambda c=channel: _say_close(c),
+                                       time.monotonic() + _CLOSE_TIMEOUT_S, threading.Event())
+                if not done:
+                    return  # a frozen sender: its helper thread still holds the channel
+            self._close_link(link)
+        self._count({"pairs_closed": 1})
 
     def _ensure_channel(self, link: _Link, deadline: float) -> PairChannel:
         """The link's connected channel; (re)builds it under a fresh generation if needed."""
