@@ -221,8 +221,8 @@ class Scheduler:
 
     def _pending_hashes(self, req: Request) -> list[bytes]:
         """Hashes of the blocks a prefilling request will name when its chunks are done."""
-        if not self.bm.prefix_caching:
-            return []
+        if not self.bm.prefix_caching or (req.num_speculative_tokens == 0 and self.bm.has_mtp):
+            return []  # nothing to wait for: it names no blocks (see BlockManager.register)
         n = (req.prefill_target - 1) // self.bm.block_size
         return self.bm.hashes(req)[req.num_registered_blocks : n]
 
