@@ -138,7 +138,8 @@ def _check_reply(
 
 
 def _sync(device: torch.device) -> None:
-    """Wait for a CUDA recv to land: NCCL's wait() may only order the stream, not the host,
-    and the clock must stop at the last byte."""
+    """Wait for a CUDA recv to land: NCCL's wait() may only order the current stream (the
+    pair's own, see KVReceiver._exchange), not the host, and the clock must stop at the last
+    byte. Only that stream is waited for, never the device (the engine's step goes on)."""
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        torch.cuda.current_stream(device).synchronize()

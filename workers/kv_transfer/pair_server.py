@@ -8,6 +8,7 @@ wire protocol, the sender decides what is held and when it is released.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -50,6 +51,11 @@ class PairServer:
         # Grow-only pack buffer: a pair serves one pull at a time and each send has completed
         # before the next pack, so reusing it never overwrites bytes still in flight.
         self._buffer: torch.Tensor | None = None
+        # CUDA: this pair's own stream; packing and the NCCL send run on it (issued on this
+        # thread), after the hold's ready event, so they neither wait for nor delay the
+        # engine's stream.
+        device = sender._device
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def start(self) -> None:
         self.thread.start()
@@ -103,6 +109,10 @@ class PairServer:
 
     def _serve_pull(self, msg: dict[str, Any]) -> None:
         """pull -> header (or an error) -> KV + extras bytes -> ack; releases via the sender."""
+        with _on_stream(self._stream):
+            self._serve_pull_on_stream(msg)
+
+    def _serve_pull_on_stream(self, msg: dict[str, Any]) -> None:
         sender, channel = self._sender, self.channel
         request_id = msg["request_id"]
         head_start, head_end = int(msg["head_start"]), int(msg["head_end"])
@@ -119,6 +129,8 @@ class PairServer:
         nbytes = 0
         try:
             try:
+                if self._stream is not None and held.ready is not None:
+                    self._stream.wait_event(held.ready)  # the KV's writes are done
                 with_extras = bool(msg.get("extras", True))
                 payload, kv, meta = self._pack(held, head_start, head_end, with_extras, skip)
             except Exception as e:  # e.g. a malformed hold: fail the request, not the channel
@@ -173,6 +185,10 @@ class PairServer:
 
     def _serve_probe(self, msg: dict[str, Any]) -> None:
         """Send `num_bytes` raw bytes down the pair, exactly as KV bytes travel (no packing)."""
+        with _on_stream(self._stream):
+            self._serve_probe_on_stream(msg)
+
+    def _serve_probe_on_stream(self, msg: dict[str, Any]) -> None:
         sender, channel = self._sender, self.channel
         probe_id, num_bytes = msg.get("probe_id"), msg.get("num_bytes")
         try:
@@ -185,3 +201,8 @@ class PairServer:
         channel.put({"status": "ok", "probe_id": probe_id, "num_bytes": num_bytes})
         channel.send(buf, sender.transfer_timeout_s, f"probe {probe_id}")
         sender._count({"probes": 1, "probe_bytes_sent": num_bytes})
+
+
+def _on_stream(stream: torch.cuda.Stream | None):
+    """`torch.cuda.stream(stream)`, or nothing off CUDA."""
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()

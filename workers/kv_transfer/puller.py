@@ -149,9 +149,9 @@ class KVPuller:
             lane.keep_buffer(kv)
             heads = slice(step.head_start - local0, step.head_end - local0)
             if lane.stream is not None:
-                # Blocks were freed by the engine only after its step synchronised, but order
-                # after the default stream anyway, then scatter on this lane's own stream.
-                lane.stream.wait_stream(torch.cuda.default_stream(self._device))
+                # Scatter on this lane's own stream, not after the engine's step in flight:
+                # the blocks were free when allocated (the engine frees blocks only after its
+                # step's host sync), so no kernel of the engine touches them.
                 with torch.cuda.stream(lane.stream):
                     scatter_blocks(self.kv_layers, job.block_ids[: kv.shape[2]], kv, heads)
                 lane.stream.synchronize()  # the buffer is reused by this lane's next pull

@@ -67,6 +67,7 @@ class _Link:
     dropped: bool = False  # an exchange on it failed or hung: waiters must not reuse it
     last_used: float = 0.0  # time.monotonic() of its last exchange (LRU close past max_links)
     retired: bool = False  # closed to stay within max_links: a caller takes a fresh link
+    stream: Any = None  # CUDA: the pair's own stream; every NCCL op of the pair is issued on it
 
 
 class KVReceiver:
@@ -210,7 +211,17 @@ class KVReceiver:
                 link.last_used = time.monotonic()
                 abandoned = threading.Event()
 
+                if self._device.type == "cuda" and link.stream is None:
+                    link.stream = torch.cuda.Stream(self._device)
+
                 def run() -> _T:
+                    # Issued on this (helper) thread: the stream must be made current here.
+                    ctx = (torch.cuda.stream(link.stream) if link.stream is not None
+                           else contextlib.nullcontext())
+                    with ctx:
+                        return run_ops()
+
+                def run_ops() -> _T:
                     try:
                         for attempt in (0, 1):
                             channel = self._ensure_channel(link, deadline)

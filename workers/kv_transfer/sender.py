@@ -63,6 +63,10 @@ class Held:
     # so a pull of the whole range only sends (the gather is off the pull's critical path).
     packed: Packed | None = None
     packing: threading.Event | None = None  # set once packing ahead has ended
+    # CUDA: recorded on the holding thread's stream right after the hold, i.e. after the
+    # kernels that wrote this KV; pair threads pack on their own streams after waiting for it
+    # (never the whole device).
+    ready: torch.cuda.Event | None = None
 
 
 class KVSender:
@@ -146,6 +150,7 @@ class KVSender:
             num_heads=kv_layers[0].shape[3],
             extras=dict(extras or {}),
             deadline=time.monotonic() + (self.hold_ttl_s if ttl_s is None else ttl_s),
+            ready=_record_event(kv_layers[0].device),
         )
         with self._lock:
             if self._closed:
@@ -392,3 +397,12 @@ def _listen(host: str, port: int | tuple[int, int], timeout: timedelta) -> dist.
         except (RuntimeError, dist.DistError) as e:  # in use: try the next one
             last = e
     raise RuntimeError(f"no free KV store port in {ports}: {last}")
+
+
+def _record_event(device: torch.device) -> torch.cuda.Event | None:
+    """An event on the current CUDA stream of this thread (None off CUDA)."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
