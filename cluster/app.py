@@ -83,7 +83,8 @@ def ingress_options(cfg: ClusterConfig) -> dict:
     replica) before Serve's proxy would, so Serve's cap sits above it."""
     ing = cfg.ingress
     opts: dict = {
-        "ray_actor_options": {"num_cpus": ing.cpus},
+        "ray_actor_options": {"num_cpus": ing.cpus,
+                              **({"resources": dict(ing.resources)} if ing.resources else {})},
         "max_ongoing_requests": cfg.limits.max_concurrent_requests + 64,
         "graceful_shutdown_timeout_s": cfg.graceful_shutdown_timeout_s,
         "graceful_shutdown_wait_loop_s": 1.0,

@@ -128,6 +128,9 @@ class IngressSettings(_Strict):
 
     replicas: int = Field(1, ge=1, description="Ingress replicas (initial, with autoscaling).")
     cpus: float = Field(0.25, ge=0, description="CPUs reserved per ingress replica.")
+    resources: dict[str, float] = Field(
+        default_factory=dict, description="Custom Ray resources each ingress replica asks for, "
+        "e.g. {\"mtpserve-ingress\": 1} to keep it on the nodes that run Serve's proxy.")
     autoscaling: IngressAutoscaling | None = Field(
         None, description="Request-based autoscaling; None keeps `replicas` fixed.")
 
