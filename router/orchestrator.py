@@ -293,11 +293,16 @@ class DisaggOrchestrator:
             detail = _short(failure)
             if (use_params and not got_chunk and names & _BUSY
                     and cfg.kv_failure_policy == "recompute"
-                    and time.monotonic() + backoff < min(retry_until, hold_until)):
+                    and time.monotonic() + backoff < retry_until
+                    and (time.monotonic() + backoff < hold_until
+                         or await self._renew(params))):
                 # Backpressure is not failure: every decode replica is busy, the prefill still
-                # holds the KV. Wait and offer the same transfer again; nothing is recomputed.
-                # (Under failure_policy "fail" a hold that expires while the request waits for
-                # KV blocks there would be a 503, so that policy recomputes at once instead.)
+                # holds the KV (its lease renewed when it would run out). Wait and offer the
+                # same transfer again; nothing is recomputed. (Under failure_policy "fail" a
+                # hold that expires while the request waits for KV blocks there would be a
+                # 503, so that policy recomputes at once instead.)
+                if time.monotonic() + backoff >= hold_until:
+                    hold_until = time.monotonic() + cfg.kv_hold_ttl_s - cfg.kv_timeout_s
                 self.num_busy_retries += 1
                 await self._sleep(backoff, deadline)
                 backoff = min(2 * backoff, _MAX_BACKOFF_S)
@@ -381,6 +386,17 @@ class DisaggOrchestrator:
                     return
             await asyncio.sleep(backoff)
             backoff = min(2 * backoff, _MAX_BACKOFF_S)
+
+    async def _renew(self, params: KVTransferParams) -> bool:
+        """Extend the prefill hold's lease by kv_hold_ttl_s (pinned to the holding replica,
+        like a release); False if it is no longer held there or the call failed."""
+        try:
+            response = self.prefill.renew.remote(
+                params.request_id, **{TARGET_REPLICA: params.prefill_replica})
+            return bool(await asyncio.wait_for(_await(response), self.config.stall_timeout_s))
+        except Exception as e:
+            logger.debug("renewing the hold of %s failed: %s", params.request_id, _short(e))
+            return False
 
     def _release(self, params: KVTransferParams) -> None:
         """`_release_now` in the background (from a closing generator, which cannot wait)."""

@@ -727,3 +727,24 @@ def test_sender_store_takes_the_first_free_port_of_its_range():
             busy.close()
         return
     pytest.skip("no two adjacent free ports found")
+
+
+def test_renew_extends_a_hold_past_its_ttl():
+    """A renewed lease outlives the original TTL; an unknown request cannot be renewed."""
+    released: list[tuple[str, str]] = []
+    sender = KVSender(on_release=lambda rid, why: released.append((rid, why)),
+                      hold_ttl_s=0.3, transfer_timeout_s=5)
+    receiver = KVReceiver()
+    try:
+        layers = [t.contiguous() for t in global_cache(91, torch.float32)]
+        sender.hold("leased", layers, BLOCK_IDS, NUM_TOKENS, 0, {})
+        assert sender.renew("leased", 30.0) and not sender.renew("unknown")
+        deadline = time.monotonic() + 0.9  # three original TTLs
+        while time.monotonic() < deadline:
+            assert sender.held_request_ids() == ["leased"], released
+            time.sleep(0.05)
+        kv, _ = receiver.pull(sender.address, "leased", 0, NUM_KV_HEADS, timeout_s=20)
+        assert torch.equal(kv, expected_kv(91, torch.float32, (0, NUM_KV_HEADS)))
+    finally:
+        receiver.close()
+        sender.close()

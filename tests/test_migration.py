@@ -91,6 +91,8 @@ class Prefill:
         self.fail = fail  # calls that fail like a dead replica
         self.held: set[str] = set()
         self.calls = 0
+        self.renewals = 0
+        self.renewable = True  # False: a hold whose lease cannot be extended (lost)
 
     async def prefill(self, req: GenerateRequest) -> KVTransferParams:
         self.calls += 1
@@ -109,6 +111,10 @@ class Prefill:
         found = request_id in self.held
         self.held.discard(request_id)
         return found
+
+    async def renew(self, request_id: str, target_replica: str | None = None) -> bool:
+        self.renewals += 1
+        return self.renewable and request_id in self.held
 
 
 class Decode:
@@ -397,10 +403,24 @@ def test_busy_decode_keeps_the_prefill_hold(engine, prompts, offline) -> None:
     assert prefill.held == set()  # the successful pull acknowledged it
 
 
-def test_busy_decode_past_the_hold_recomputes(engine, prompts, offline) -> None:
-    """Once the hold would expire, the KV is released and the request recomputed on decode."""
+def test_busy_decode_past_the_hold_renews_its_lease(engine, prompts, offline) -> None:
+    """A hold that would expire while decode is busy gets its lease renewed on the holding
+    prefill replica: the same transfer is offered until decode takes it, nothing recomputed."""
     orch, prefill, decodes = build(engine, retry_window_s=5.0, kv_hold_ttl_s=0.5,
                                    kv_timeout_s=0.45)
+    offered = _busy_then_serve(decodes, 6)
+    assert run(collect(orch, request(0, prompts[0]))) == offline[0]
+    assert all(p is not None for p in offered) and prefill.renewals >= 1
+    assert (orch.num_kv_recomputes, orch.num_migrations) == (0, 0)
+    assert prefill.held == set()
+
+
+def test_busy_decode_past_a_lost_hold_recomputes(engine, prompts, offline) -> None:
+    """Once the hold would expire and its lease cannot be renewed, the KV is released and the
+    request recomputed on decode."""
+    orch, prefill, decodes = build(engine, retry_window_s=5.0, kv_hold_ttl_s=0.5,
+                                   kv_timeout_s=0.45)
+    prefill.renewable = False
     offered = _busy_then_serve(decodes, 6)
     assert run(collect(orch, request(0, prompts[0]))) == offline[0]
     assert offered[0] is not None and offered[-1] is None  # recomputed without the KV

@@ -41,6 +41,19 @@ class PrefillServer(EngineReplica):
         (workers.messages.TARGET_REPLICA) is the routing hint that brought the call here."""
         return await self.engine.acall(lambda e: self.poller.release(request_id))
 
+    async def renew(self, request_id: str, target_replica: str | None = None) -> bool:
+        """Extend a held request's lease by `kv_transfer.hold_ttl_s` from now on every rank:
+        the decode deployment is busy and the orchestrator is still offering the transfer.
+        False if it is not held here (pulled, released, expired or unknown)."""
+        from mtpserve.workers.tp_commands import RenewKV
+
+        def renew(e) -> bool:
+            if request_id not in self.driver.core.holds:
+                return False
+            return bool(self.driver.run(RenewKV(request_id)))
+
+        return await self.engine.acall(renew)
+
     async def inject_fault(self, send_delay_s: float = 0.0, count: int = 1) -> None:
         """Tests only (MTPSERVE_ENABLE_FAULT_INJECTION=1): the next `count` KV sends on every
         prefill rank sleep `send_delay_s` first."""

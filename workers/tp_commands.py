@@ -25,6 +25,14 @@ class ReleaseKV:
 
 
 @dataclass
+class RenewKV:
+    """Extend a hold's lease (decode is busy, the orchestrator is still waiting for it)."""
+
+    request_id: str
+    ttl_s: float | None = None
+
+
+@dataclass
 class PullKV:
     """Pull a held request's KV into `block_ids`: the request's blocks after the first
     `skip_blocks`, which this replica's prefix cache already holds (not sent)."""

@@ -43,6 +43,7 @@ from mtpserve.workers.tp_commands import (
     ProbeKV,
     PullOutcome,
     ReleaseKV,
+    RenewKV,
     StartPulls,
 )
 
@@ -186,6 +187,8 @@ class RankCore:
             return None
         if isinstance(cmd, ReleaseKV):
             return self.sender.drop(cmd.request_id)
+        if isinstance(cmd, RenewKV):
+            return self.sender.renew(cmd.request_id, cmd.ttl_s)
         if isinstance(cmd, StartPulls):
             for p in cmd.pulls:
                 self.inflight.append(p.request_id)

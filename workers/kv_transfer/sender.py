@@ -162,6 +162,17 @@ class KVSender:
         if self._prepack is not None:
             self._prepack.put(request_id)
 
+    def renew(self, request_id: str, ttl_s: float | None = None) -> bool:
+        """Extend a hold's lease to at least `ttl_s` (default hold_ttl_s) from now: the
+        decode side is busy, not gone. False if the request is not held (any more)."""
+        with self._lock:
+            held = self._holds.get(request_id)
+            if held is None or held.failed:
+                return False
+            ttl = self.hold_ttl_s if ttl_s is None else ttl_s
+            held.deadline = max(held.deadline, time.monotonic() + ttl)
+            return True
+
     def drop(self, request_id: str) -> bool:
         """Release a hold now (decode will not pull it). A transfer of it in flight finishes
         first and then releases it as failed; False if the request is not held."""
