@@ -204,6 +204,9 @@ class KVTransferSettings(_Strict):
         64, ge=1, description="Live KV pairs (store connection, gloo/NCCL group, buffers) a "
         "decode rank keeps to prefill ranks; past it the least recently used idle one is "
         "closed (the sender closes its side too).")
+    send_buffer_budget_mib: int = Field(
+        1024, ge=0, description="Pack buffers a prefill rank's KV pairs keep for their next "
+        "pull, summed over pairs (MiB); past it a pair frees its buffer after each pull.")
     max_concurrent_pulls: int = Field(
         4, ge=1, le=64, description="KV pulls a decode rank runs at once (each on its own "
         "thread and buffer); pulls from one prefill rank still go one at a time.")

@@ -748,3 +748,22 @@ def test_renew_extends_a_hold_past_its_ttl():
     finally:
         receiver.close()
         sender.close()
+
+
+def test_kept_send_buffers_stay_within_the_senders_budget():
+    """Each pair keeps its pack buffer for its next pull only while the sum over pairs stays
+    within send_buffer_budget_bytes; the pulls are exact either way."""
+    layers = [t.contiguous() for t in global_cache(95, torch.float32)]
+    one = sum(t[:, BLOCK_IDS].numel() * 4 for t in layers)  # one payload (no extras)
+    sender = KVSender(prepack=False, transfer_timeout_s=5, send_buffer_budget_bytes=one + 64)
+    receivers = [KVReceiver(), KVReceiver()]
+    try:
+        for i, r in enumerate(receivers):
+            sender.hold(f"buf-{i}", layers, BLOCK_IDS, NUM_TOKENS, 0, {})
+            kv, _ = r.pull(sender.address, f"buf-{i}", 0, NUM_KV_HEADS, timeout_s=20)
+            assert torch.equal(kv, expected_kv(95, torch.float32, (0, NUM_KV_HEADS)))
+        assert 0 < sender.send_buffer_bytes() <= one + 64  # the second pair freed its buffer
+    finally:
+        for r in receivers:
+            r.close()
+        sender.close()

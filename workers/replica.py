@@ -50,6 +50,7 @@ class EngineReplica:
             device=cfg.device, kv_backend=kv.backend, kv_host=host, kv_interface=interface,
             kv_timeout_s=kv.timeout_s, kv_hold_ttl_s=kv.hold_ttl_s,
             kv_max_concurrent_pulls=kv.max_concurrent_pulls, kv_max_pairs=kv.max_pairs_per_rank,
+            kv_send_buffer_budget_mib=kv.send_buffer_budget_mib,
             kv_store_port_range=kv.store_port_range,
             num_threads=max(1, int(side.cpus_per_rank)),
             draft_vocab_size=cfg.speculation.draft_vocab_size, compile=cfg.engine.compile,

@@ -74,6 +74,7 @@ class RankSpec:
     kv_hold_ttl_s: float = 60.0
     kv_max_concurrent_pulls: int = 4  # KVPuller lanes per decode rank
     kv_max_pairs: int = 64  # live KV pairs per decode rank (LRU close of idle ones past it)
+    kv_send_buffer_budget_mib: int = 1024  # pack buffers prefill pairs keep, summed
     kv_store_port_range: tuple[int, int] | None = None  # KVSender store port (None: any)
     data_timeout_s: float = 600.0  # one model collective on the data group
     num_threads: int | None = None
@@ -138,6 +139,7 @@ class RankCore:
         if spec.role == "prefill":
             port = tuple(spec.kv_store_port_range) if spec.kv_store_port_range else 0
             self.sender = KVSender(host=spec.kv_host, port=port, backend=spec.kv_backend,
+                                   send_buffer_budget_bytes=spec.kv_send_buffer_budget_mib << 20,
                                    device=kv_device, interface=spec.kv_interface,
                                    hold_ttl_s=spec.kv_hold_ttl_s,
                                    transfer_timeout_s=spec.kv_timeout_s,

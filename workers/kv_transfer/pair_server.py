@@ -178,10 +178,17 @@ class PairServer:
             self._buffer
         )
         if payload.device == held.kv_layers[0].device:
-            # Still on the cache device, so it is (or outgrew) our buffer: reuse it next time.
+            # Still on the cache device, so it is (or outgrew) our buffer: reuse it next time,
+            # if the sender's budget for kept send buffers allows (else it is freed after use).
             storage = payload.untyped_storage()
-            self._buffer = torch.empty(0, dtype=torch.uint8, device=payload.device).set_(storage)
+            keep = self._sender._may_keep_buffer(self, storage.nbytes())
+            self._buffer = (torch.empty(0, dtype=torch.uint8, device=payload.device)
+                            .set_(storage) if keep else None)
         return payload, kv, meta
+
+    @property
+    def buffer_bytes(self) -> int:
+        return self._buffer.untyped_storage().nbytes() if self._buffer is not None else 0
 
     def _serve_probe(self, msg: dict[str, Any]) -> None:
         """Send `num_bytes` raw bytes down the pair, exactly as KV bytes travel (no packing)."""

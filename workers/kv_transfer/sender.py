@@ -94,9 +94,13 @@ class KVSender:
         on_release: ReleaseCallback | None = None,
         name: str = "prefill",
         prepack: bool = True,
+        send_buffer_budget_bytes: int = 1 << 30,
     ) -> None:
         self.name = name
         self.pair_idle_s = pair_idle_s  # a pair unused this long is closed (its peer may be gone)
+        # Pack buffers pairs keep for their next pull, summed over pairs (they grow with the
+        # number of decode ranks): past this, a pair frees its buffer after each pull.
+        self.send_buffer_budget_bytes = send_buffer_budget_bytes
         self.backend = backend
         self.hold_ttl_s = hold_ttl_s
         self.transfer_timeout_s = transfer_timeout_s
@@ -376,6 +380,17 @@ class KVSender:
         with self._lock:
             for key, n in deltas.items():
                 self._stats[key] += n
+
+    def _may_keep_buffer(self, server: PairServer, nbytes: int) -> bool:
+        """Whether `server` may keep a pack buffer of `nbytes` within the budget."""
+        with self._lock:
+            others = sum(s.buffer_bytes for s in self._servers.values() if s is not server)
+        return others + nbytes <= self.send_buffer_budget_bytes
+
+    def send_buffer_bytes(self) -> int:
+        """Bytes of pack buffers the pairs keep now."""
+        with self._lock:
+            return sum(s.buffer_bytes for s in self._servers.values())
 
     def _pair_ended(self, server: PairServer) -> None:
         """Forget a pair whose thread ends, unless a newer generation replaced it already."""
