@@ -118,7 +118,7 @@ def _shape(cfg: dict) -> list[int]:
             cfg["vocab_size"]]
 
 
-def pilots_section(cfg: dict, pilots_json: Path) -> list[str]:
+def pilots_section(cfg: dict, pilots_json: Path, note: str | None = None) -> list[str]:
     pilots = json.loads(pilots_json.read_text())
     shape = _shape(cfg)
     chosen = [name for name, r in pilots.items() if list(r["shape"]) == shape]
@@ -141,6 +141,8 @@ def pilots_section(cfg: dict, pilots_json: Path) -> list[str]:
     if chosen and best != chosen[0]:
         lines.append(f"The lowest held-out bits/byte in these pilots is `{best}`'s "
                      f"({pilots[best]['heldout_bits_per_byte']:.3f}).")
+    if note:
+        lines.append(note)
     return [*lines, ""]
 
 
@@ -358,7 +360,7 @@ def write_card(path: Path, stages: list[tuple[str, Path]], eval_command: str,
                eval_json: Path, pip_eval_command: str | None = None,
                pip_eval_json: Path | None = None,
                pilots_json: Path | None = PILOTS_JSON,
-               draft_vocab_command: str | None = None) -> str:
+               draft_vocab_command: str | None = None, size_note: str | None = None) -> str:
     """`stages`: (exact command, its train_result.json) in order; the data section describes
     the first stage's corpus. The pip section is written when `pip_eval_json` is given, the
     size section when `pilots_json` exists."""
@@ -390,7 +392,7 @@ def write_card(path: Path, stages: list[tuple[str, Path]], eval_command: str,
         "- `config.json` loads with `transformers.AutoModelForCausalLM` (main model; the MTP",
         "  tensors are reported as unused there) and with mtpserve's loader (main + MTP).",
         "",
-        *(pilots_section(cfg, Path(pilots_json))
+        *(pilots_section(cfg, Path(pilots_json), size_note)
           if pilots_json is not None and Path(pilots_json).is_file() else []),
         *data,
         "## Training",
@@ -451,6 +453,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="the exact `mtpserve draft-vocab` command that wrote draft_vocab.json")
     ap.add_argument("--pilots-json", type=Path, default=PILOTS_JSON,
                     help="the size pilots (benchmarks/results/model_pilots.json)")
+    ap.add_argument("--size-note", help="why this size was chosen, after the pilots table")
     args = ap.parse_args(argv)
     if (args.pip_eval_command is None) != (args.pip_eval_json is None):
         ap.error("--pip-eval-command and --pip-eval-json go together")
@@ -459,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
     write_card(args.model, [(cmd, Path(res)) for cmd, res in args.stage], args.eval_command,
                args.eval_json, args.pip_eval_command, args.pip_eval_json, args.pilots_json,
-               args.draft_vocab_command)
+               args.draft_vocab_command, args.size_note)
     print(f"wrote {args.model / 'README.md'}")
     return 0
 
