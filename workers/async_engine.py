@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 from mtpserve.workers.engine import Engine, EngineError, RequestOutput
-from mtpserve.workers.messages import ERROR_ENGINE, GenerateRequest, TokenChunk
+from mtpserve.workers.messages import ERROR_ENGINE, GenerateRequest, TokenChunk, merge_chunks
 from mtpserve.workers.request import Request
 from mtpserve.workers.sampling_params import SamplingParams
 
@@ -151,11 +151,21 @@ class AsyncEngine:
             # Inside the try: a caller cancelled while the add is queued still aborts it.
             await self.acall(register_and_add)
             while True:
-                chunk: TokenChunk = await q.get()
-                finished = chunk.finished
-                yield chunk
-                if finished:
-                    return
+                chunks: list[TokenChunk] = [await q.get()]
+                # A consumer slower than the engine gets what piled up as one chunk (one
+                # message through Serve, the ingress and the proxy instead of one per round).
+                while not chunks[-1].finished and not q.empty():
+                    chunks.append(q.get_nowait())
+                # A failure stays a chunk of its own: the tokens before it were emitted.
+                failed = chunks.pop() if (len(chunks) > 1 and chunks[-1].finish_reason
+                                          in ("error", "abort")) else None
+                for chunk in (merge_chunks(chunks), failed):
+                    if chunk is None:
+                        continue
+                    finished = chunk.finished
+                    yield chunk
+                    if finished:
+                        return
         finally:
             if not finished:
                 self._listeners.pop(rid, None)

@@ -8,6 +8,7 @@ Everything here is plain data (picklable, no torch tensors) so it crosses Ray ha
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 from dataclasses import dataclass, field
 
@@ -110,3 +111,18 @@ class TokenChunk:
     error: str | None = None  # set with finish_reason "error"
     error_kind: str | None = None  # with "error": ERROR_KV_TRANSFER | ERROR_ENGINE
     logprobs: list[TokenLogprobs] | None = None  # one per token id, if requested
+
+
+def merge_chunks(chunks: list[TokenChunk]) -> TokenChunk:
+    """Consecutive chunks of one sequence as one: their tokens (and logprobs) in order, the
+    last one's counters and finish state (counters are running totals). What a stream sends
+    when its consumer fell behind the engine: one message instead of one per round."""
+    if len(chunks) == 1:
+        return chunks[0]
+    last = chunks[-1]
+    logprobs = None
+    if any(c.logprobs for c in chunks):
+        logprobs = [lp for c in chunks for lp in (c.logprobs or [])]
+    return dataclasses.replace(
+        last, token_ids=[t for c in chunks for t in c.token_ids], logprobs=logprobs,
+        num_cached_tokens=max(c.num_cached_tokens for c in chunks))

@@ -1,0 +1,50 @@
+"""A consumer slower than the engine gets what piled up as one chunk: the same tokens,
+logprobs and counters as chunk by chunk, in fewer messages; a failure stays its own chunk."""
+
+from __future__ import annotations
+
+import asyncio
+
+from mtpserve.workers.async_engine import AsyncEngine
+from mtpserve.workers.engine import Engine, EngineConfig
+from mtpserve.workers.messages import GenerateRequest, TokenChunk, TokenLogprobs, merge_chunks
+
+
+def test_merge_keeps_tokens_logprobs_and_the_last_counters() -> None:
+    a = TokenChunk([1, 2], num_output_tokens=2, num_drafted=2, num_accepted=1, num_rounds=1,
+                   logprobs=[TokenLogprobs(1, -0.1), TokenLogprobs(2, -0.2)])
+    b = TokenChunk([3], finished=True, finish_reason="length", num_output_tokens=3,
+                   num_drafted=4, num_accepted=1, num_rounds=2,
+                   logprobs=[TokenLogprobs(3, -0.3)])
+    m = merge_chunks([a, b])
+    assert m.token_ids == [1, 2, 3] and [lp.token_id for lp in m.logprobs] == [1, 2, 3]
+    assert (m.finished, m.finish_reason, m.num_output_tokens, m.num_drafted, m.num_rounds) == (
+        True, "length", 3, 4, 2)
+    assert merge_chunks([a]) is a
+
+
+def test_a_slow_consumer_gets_the_backlog_as_one_chunk(tiny_qwen3) -> None:
+    eng = AsyncEngine(Engine(EngineConfig(model=str(tiny_qwen3), num_speculative_tokens=2,
+                                          num_kv_blocks=64)))
+
+    async def run(slow: bool) -> list[TokenChunk]:
+        req = GenerateRequest("r-slow" if slow else "r-fast", [5, 6, 7, 8], 40,
+                              temperature=0.0, ignore_eos=True)
+        chunks = []
+        async for c in eng.generate(req):
+            chunks.append(c)
+            if slow and len(chunks) == 1:
+                # Fall behind: do not read again until the engine has finished the request.
+                while await eng.acall(lambda e: req.request_id in e.requests):
+                    await asyncio.sleep(0.01)
+        return chunks
+
+    try:
+        fast = asyncio.run(run(False))
+        slow = asyncio.run(run(True))
+    finally:
+        eng.shutdown()
+    tokens = [t for c in fast for t in c.token_ids]
+    assert len(tokens) == 40 and [t for c in slow for t in c.token_ids] == tokens
+    assert len(fast) > 2 and len(slow) == 2  # the first chunk, then everything else at once
+    assert slow[-1].finished and slow[-1].num_rounds == fast[-1].num_rounds
