@@ -123,6 +123,11 @@ def _up(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
+        short = _unplaceable(cfg, ray.cluster_resources())
+        if short:
+            # Serve would wait for resources that never come (the replicas stay pending).
+            print(f"mtpserve: {short}", file=sys.stderr)
+            return 2
         serve.start(http_options={"host": cfg.http.host, "port": cfg.http.port})
         serve.run(build_app(cfg), name="mtpserve", route_prefix="/", blocking=False)
         url = f"http://{cfg.http.host}:{cfg.http.port}"
@@ -141,6 +146,19 @@ def _up(args: argparse.Namespace) -> int:
     finally:
         if not _bounded(_shutdown_ray, 60, "shutdown"):
             os._exit(1)
+
+
+def _unplaceable(cfg, have: dict) -> str | None:
+    """Why the app's initial replicas cannot all be placed on this Ray cluster, or None."""
+    from mtpserve.cluster.serve_options import resource_demand
+
+    for res, need in resource_demand(cfg).items():
+        if need > have.get(res, 0.0) + 1e-9:
+            return (f"the config reserves {need:g} {res} (ingress, prefill and decode replicas "
+                    f"x TP ranks x {res.lower()}s per rank) but this Ray cluster has "
+                    f"{have.get(res, 0.0):g}; lower `cpus_per_rank` / replicas or pass "
+                    "--num-cpus")
+    return None
 
 
 def _shutdown_ray() -> None:

@@ -44,3 +44,22 @@ def autoscaling_config(cfg: ClusterConfig, role: str) -> dict:
     a = cfg.prefill.autoscaling
     return autoscaling_options(a, cfg.prefill.replicas, "PrefillPolicy",
                                {"target_ttft_ms": a.target_ttft_ms, "window_s": a.window_s})
+
+
+def initial_replicas(replicas: int, autoscaling) -> int:
+    """The replica count a deployment starts with (Serve's initial_replicas with autoscaling)."""
+    if autoscaling is None:
+        return replicas
+    return min(max(replicas, autoscaling.min_replicas), autoscaling.max_replicas)
+
+
+def resource_demand(cfg: ClusterConfig) -> dict[str, float]:
+    """Logical CPUs and GPUs the application reserves at its initial replica counts: what a
+    Ray cluster needs before the app can be ready (`mtpserve up` checks it up front)."""
+    cpus = initial_replicas(cfg.ingress.replicas, cfg.ingress.autoscaling) * cfg.ingress.cpus
+    gpus = 0.0
+    for side in (cfg.prefill, cfg.decode):
+        n = initial_replicas(side.replicas, side.autoscaling) * side.tp_size
+        cpus += n * side.cpus_per_rank
+        gpus += n * side.gpus_per_rank
+    return {"CPU": cpus, "GPU": gpus}

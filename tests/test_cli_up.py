@@ -88,3 +88,23 @@ def test_up_serves_and_stops_cleanly(default_model) -> None:
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_up_refuses_a_config_the_cluster_cannot_place(tmp_path) -> None:
+    """A config reserving more CPUs than the local Ray cluster has fails at once with a clear
+    message, instead of waiting for replicas that can never be scheduled."""
+    from mtpserve.cluster.config import ClusterConfig
+    from mtpserve.cluster.serve_options import resource_demand
+
+    cfg = tmp_path / "big.yaml"
+    cfg.write_text("applications:\n  - name: mtpserve\n    import_path: "
+                   "mtpserve.cluster.app:build_app\n    args:\n      prefill:\n"
+                   "        replicas: 3\n        cpus_per_rank: 1\n")
+    need = resource_demand(ClusterConfig(prefill={"replicas": 3, "cpus_per_rank": 1}))["CPU"]
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "mtpserve.cluster.cli", "up", "--config",
+                          str(cfg), "--num-cpus", "2"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert f"reserves {need:g} CPU" in out.stderr and "has 2" in out.stderr, out.stderr
+    assert time.monotonic() - t0 < 60
