@@ -275,6 +275,8 @@ class DisaggOrchestrator:
                     except Exception as e:
                         failure = e
                         break
+                    if chunk.heartbeat:
+                        continue  # alive and still working on it: not a stall, nothing to send
                     if chunk.finish_reason in ("error", "abort"):
                         failure = _StreamFailed(chunk.error or f"decode {chunk.finish_reason}",
                                                 chunk.error_kind)

@@ -355,3 +355,25 @@ def test_prefill_waiting_for_held_blocks_sleeps_and_resumes_on_release(tiny_qwen
         assert params.request_id == "waits" and not params.finished
     finally:
         shutdown(p, d)
+
+
+def test_decode_stream_sends_heartbeats_while_the_request_waits(tiny_qwen3) -> None:
+    """While its KV pull is delayed the decode stream sends heartbeat chunks (no tokens), so
+    the orchestrator does not take a live, busy replica for a stalled one."""
+    p, d = make_servers(tiny_qwen3, migration={"stall_timeout_s": 0.8})
+    try:
+        req = greq("hb", prompts(1, seed=7)[0], 6)
+        want = offline(tiny_qwen3, [req.prompt_token_ids], 6)[0]
+
+        async def main():
+            params = await p.prefill(req)
+            await d.inject_fault(pull_delay_s=1.0)
+            chunks = [c async for c in d.generate(req, params)]
+            return [params.first_token_id], chunks
+
+        first, chunks = asyncio.run(main())
+        beats = [c for c in chunks if c.heartbeat]
+        assert beats and all(not c.token_ids and not c.finished for c in beats)
+        assert first + [t for c in chunks for t in c.token_ids] == want
+    finally:
+        shutdown(p, d)

@@ -124,6 +124,7 @@ class Decode:
         self.die_after: int | None = None  # chunks; then this replica is dead for good
         self.fail_after: int | None = None  # chunks; fails every stream, stays alive
         self.freeze_after: int | None = None  # chunks; then silent forever
+        self.busy_for: tuple[float, float] | None = None  # (seconds, heartbeat period) first
         self.kv_fail = 0
         self.kv_fail_async = False  # fail as the pull does after admission: an error chunk
         self.kv_fail_kind = "kv_transfer"  # that chunk's error_kind
@@ -145,6 +146,11 @@ class Decode:
                                  error_kind=self.kv_fail_kind)
                 return
             self.prefill.held.discard(params.request_id)  # the pull acknowledges the hold
+        if self.busy_for is not None:  # alive but slow to start: heartbeats, no tokens
+            until = asyncio.get_running_loop().time() + self.busy_for[0]
+            while asyncio.get_running_loop().time() < until:
+                await asyncio.sleep(self.busy_for[1])
+                yield TokenChunk([], heartbeat=True)
         skip = params is not None  # the prefill side already sent the first token
         sent = 0
         async for chunk in self.engine.generate(req):
@@ -209,6 +215,7 @@ async def collect(orch, req: GenerateRequest) -> list[int]:
     tokens: list[int] = []
     finished = 0
     async for chunk in orch.generate(req):
+        assert not chunk.heartbeat, "heartbeats stay between the orchestrator and decode"
         tokens += chunk.token_ids
         assert chunk.num_output_tokens == len(tokens)
         assert chunk.num_prompt_tokens == len(req.prompt_token_ids)
@@ -454,3 +461,14 @@ def test_a_release_refused_by_a_full_queue_is_retried(engine, prompts) -> None:
 
     run(main())
     assert prefill.held == set() and refusals["n"] == 0
+
+
+def test_a_live_replica_that_sends_heartbeats_is_not_migrated(engine, prompts, offline) -> None:
+    """Busy for longer than the stall timeout, but sending heartbeats: it keeps the request
+    (no migration), the client sees no empty chunk, the output is exact; a replica that is
+    silent as long is migrated (test_frozen_... above)."""
+    orch, prefill, decodes = build(engine, num_decode=1, stall_timeout_s=0.6,
+                                   kv_timeout_s=0.1)
+    decodes[0].busy_for = (1.5, 0.2)
+    assert run(collect(orch, request(0, prompts[0]))) == offline[0]
+    assert orch.num_migrations == 0 and decodes[0].streams == 1

@@ -89,9 +89,11 @@ class DecodeServer(EngineReplica):
         load = self.expected[req.request_id] = [min(req.max_tokens, int(typical)), 0]
         last = None
         try:
-            async for chunk in self.engine.generate(req, add=add):
-                last = chunk
-                load[1] += len(chunk.token_ids)
+            async for chunk in _with_heartbeats(self.engine.generate(req, add=add),
+                                                self.cfg.migration.stall_timeout_s / 4):
+                if not chunk.heartbeat:
+                    last = chunk
+                    load[1] += len(chunk.token_ids)
                 yield chunk
         finally:
             self.expected.pop(req.request_id, None)
@@ -127,3 +129,35 @@ class DecodeServer(EngineReplica):
     async def record_autoscaling_stats(self) -> dict:
         # Window aggregates that empty when idle (workers/signals.py) + the perf model.
         return self.recorder.autoscaling_stats(await self.engine.acall(lambda e: e.stats()))
+
+
+async def _with_heartbeats(chunks: AsyncIterator[TokenChunk], every_s: float
+                           ) -> AsyncIterator[TokenChunk]:
+    """`chunks`, plus a heartbeat chunk whenever `every_s` pass without one: a request that
+    waits here (for KV blocks, its pull, a busy engine) is not mistaken for a stalled replica
+    and migrated. A frozen or dead replica sends nothing, heartbeats included."""
+    it = chunks.__aiter__()
+    pending: asyncio.Future | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(it.__anext__())
+            done, _ = await asyncio.wait({pending}, timeout=every_s)
+            if not done:
+                yield TokenChunk([], heartbeat=True)
+                continue
+            try:
+                chunk = pending.result()
+            except StopAsyncIteration:
+                return
+            finally:
+                pending = None
+            yield chunk
+    finally:
+        if pending is not None:
+            pending.cancel()
+            try:
+                await pending
+            except (asyncio.CancelledError, StopAsyncIteration, Exception):
+                pass
+        await it.aclose()

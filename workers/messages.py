@@ -111,6 +111,9 @@ class TokenChunk:
     error: str | None = None  # set with finish_reason "error"
     error_kind: str | None = None  # with "error": ERROR_KV_TRANSFER | ERROR_ENGINE
     logprobs: list[TokenLogprobs] | None = None  # one per token id, if requested
+    # No tokens: the replica is alive and still working on the request (queued for KV
+    # blocks, pulling, prefilling). A stream that goes silent instead is stalled.
+    heartbeat: bool = False
 
 
 def merge_chunks(chunks: list[TokenChunk]) -> TokenChunk:
