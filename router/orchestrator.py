@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mtpserve.router.errors import APIError, overloaded
+from mtpserve.workers.kv_transfer.mailbox import drop_holds
 from mtpserve.workers.messages import (
     ERROR_KV_TRANSFER,
     TARGET_REPLICA,
@@ -52,6 +53,8 @@ _BUSY = {"BackPressureError"}
 _UNAVAILABLE = {"RayActorError", "ActorDiedError", "ActorUnavailableError",
                 "DeploymentUnavailableError", "ReplicaUnavailableError"}
 _MAX_BACKOFF_S = 2.0
+# A release posted to the senders' stores: a reachable store answers in milliseconds.
+_DIRECT_RELEASE_TIMEOUT_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -162,6 +165,7 @@ class DisaggOrchestrator:
         self.num_kv_recomputes = 0
         self.num_busy_retries = 0  # a busy decode deployment refused; the KV hold was kept
         self.replica_key: str | None = None  # its snapshot in the metrics hub (Serve ingress)
+        self.num_direct_releases = 0  # releases posted straight to the senders' stores
 
     # Public ----------------------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
@@ -370,9 +374,15 @@ class DisaggOrchestrator:
 
     async def _release_now(self, params: KVTransferParams) -> None:
         """Tell the prefill replica holding the KV to free it now (best effort: hold_ttl_s
-        frees it anyway). The call carries that replica's id, which the request router
+        frees it anyway). First straight to its ranks' KV sender stores (a `drop` in their
+        mailboxes: never queued behind prefill requests); if a store cannot be reached, through
+        the replica: the call carries that replica's id, which the request router
         (mtpserve.router.routing) sends it to; if that replica is gone, another answers False."""
         rid = params.request_id
+        if params.sender_addresses and await asyncio.to_thread(
+                drop_holds, list(params.sender_addresses), rid, _DIRECT_RELEASE_TIMEOUT_S):
+            self.num_direct_releases += 1
+            return
         backoff, until = self.config.retry_backoff_s, time.monotonic() + self.config.stall_timeout_s
         while True:
             try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -767,3 +768,30 @@ def test_kept_send_buffers_stay_within_the_senders_budget():
         for r in receivers:
             r.close()
         sender.close()
+
+
+def test_drop_posted_to_the_store_releases_the_hold():
+    """The orchestrator's direct release: a `drop` posted to the sender's store frees the
+    hold without any call through the prefill replica; an unreachable store says False."""
+    from mtpserve.workers.kv_transfer.mailbox import drop_holds
+
+    released = threading.Event()
+    reasons: list[str] = []
+
+    def on_release(rid: str, why: str) -> None:
+        reasons.append(why)
+        released.set()
+
+    sender = KVSender(on_release=on_release, transfer_timeout_s=5)
+    try:
+        layers = [t.contiguous() for t in global_cache(97, torch.float32)]
+        sender.hold("direct", layers, BLOCK_IDS, NUM_TOKENS, 0, {})
+        assert drop_holds([sender.address], "direct", 5.0)
+        assert released.wait(10) and reasons == ["released"]
+        assert sender.held_request_ids() == []
+    finally:
+        sender.close()
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        closed = f"127.0.0.1:{s.getsockname()[1]}"
+    assert not drop_holds([closed], "direct", 2.0)

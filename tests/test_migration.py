@@ -103,7 +103,8 @@ class Prefill:
         first = await gen.__anext__()
         await gen.aclose()
         self.held.add(req.request_id)
-        return KVTransferParams(req.request_id, ["10.0.0.1:1"], 1, 2, 0,
+        # No sender stores to reach: releases go through `release` (the Serve path).
+        return KVTransferParams(req.request_id, [], 1, 2, 0,
                                 len(req.prompt_token_ids), first.token_ids[0], 2,
                                 first.finished, first.finish_reason)
 

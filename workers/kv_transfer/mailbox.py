@@ -47,3 +47,28 @@ class QueueReader:
         finally:
             store.set_timeout(default)
         return json.loads(raw)
+
+
+def drop_holds(sender_addresses: list[str], request_id: str, timeout_s: float) -> bool:
+    """Release a request's KV holds by posting `drop` to every prefill rank's sender store:
+    the orchestrator's release path that never waits behind prefill requests in a Serve
+    queue. True if every post went through within `timeout_s` (a frozen store hangs its
+    client, so each post runs bounded); the sender drops the hold when it reads it."""
+    import threading
+    import time
+
+    from mtpserve.workers.kv_transfer.channel import connect_store
+    from mtpserve.workers.kv_transfer.deadlines import call_bounded
+
+    deadline = time.monotonic() + timeout_s
+    for address in sender_addresses:
+        def send(a: str = address) -> None:
+            post(connect_store(a, max(deadline - time.monotonic(), 1e-3)), MAILBOX,
+                 {"op": "drop", "request_id": request_id})
+        try:
+            done, _ = call_bounded(send, deadline, threading.Event())
+        except Exception:  # unreachable store: the caller falls back
+            return False
+        if not done:
+            return False
+    return True

@@ -242,6 +242,9 @@ class KVSender:
                 continue
             if msg["op"] == "stop":
                 return
+            if msg["op"] == "drop":  # a release posted straight to this store (drop_holds)
+                self.drop(str(msg.get("request_id")))
+                continue
             receiver_id, generation = msg["receiver"], int(msg["generation"])
             # The pair thread's own client: its waits block only this connection.
             pair_store = connect_store(self.address, self.transfer_timeout_s)
