@@ -49,7 +49,8 @@ def deployment_options(cfg: ClusterConfig, role: str) -> dict:
         "request_router_config": RequestRouterConfig(
             request_router_class=ROUTER, request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
             request_router_kwargs={"routing": cfg.prefix_caching.routing,
-                                   "max_load_gap": cfg.prefix_caching.max_load_gap}),
+                                   "max_load_gap": cfg.prefix_caching.max_load_gap,
+                                   "min_hit_fraction": cfg.prefix_caching.min_hit_fraction}),
         "health_check_period_s": 10.0,
         "health_check_timeout_s": 60.0,
     }

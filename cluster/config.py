@@ -150,6 +150,10 @@ class PrefixCachingSettings(_Strict):
         4.0, ge=0, description="A replica more than this many requests busier than the "
         "least-loaded one is not chosen for its cache (decode load in requests = expected "
         "tokens / tokens per request).")
+    min_hit_fraction: float = Field(
+        0.5, ge=0, le=1, description="Route by cache only when the cached prefix covers at "
+        "least this share of the prompt's full blocks (a short common head, such as a licence "
+        "header, does not outweigh load).")
     published_blocks: int = Field(
         8192, ge=0, description="Most cached block hashes a replica publishes for routing "
         "(8 bytes each, refreshed with the routing stats every second).")

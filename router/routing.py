@@ -12,7 +12,8 @@ cached block hashes (`prefix` in its routing stats, workers/block_manager.py `su
 router hashes the request's prompt the same way (chained over the replica's salt) and puts
 first the replica holding the longest cached prefix, unless it is more than `max_load_gap`
 requests busier than the least-loaded replica (then load decides: a hot prefix must not pile
-every request onto one replica). Routing works on block hashes, never on prompt text.
+every request onto one replica), and only if the cached prefix covers at least
+`min_hit_fraction` of the prompt's full blocks. Routing works on block hashes, never on prompt text.
 
 A Ray Serve custom request router: the ranked list goes most- to least-preferred, so Serve
 falls back to the next replica when the first rejects (queue full).
@@ -142,7 +143,7 @@ class PublishedPrefixes:
 
 def rank_cache_aware(replicas: list, queue_len: Callable[[object], int | None],
                      tokens: Sequence[int] | None, prefixes: PublishedPrefixes,
-                     max_load_gap: float) -> list[list]:
+                     max_load_gap: float, min_hit_fraction: float = 0.5) -> list[list]:
     """`rank_by_load`, with the replica holding the longest cached prefix of `tokens` moved
     first if it is at most `max_load_gap` requests busier than the least-loaded one. When
     none holds any of it, the least-loaded replica caching the fewest blocks goes first, so
@@ -160,7 +161,10 @@ def rank_cache_aware(replicas: list, queue_len: Callable[[object], int | None],
         if loads[id(r)] > least + max_load_gap:
             continue
         hits = prefixes.cached_blocks(r, tokens, memo)
-        if hits > best_hits:
+        total = len(prefixes.hashes(r, tokens, memo) or ())
+        # A short shared head (a license header, a chat template's first block) is no reason
+        # to give up load balance: the hit must cover a good part of the prompt.
+        if hits > best_hits and hits >= min_hit_fraction * total:
             best, best_hits = g, hits
     if best is None:
         idle = [g for g in ranked if loads[id(g[0])] == least]
@@ -196,9 +200,10 @@ class CacheAwareRouter(FIFOMixin, RequestRouter):
     ("cache_aware" | "least_loaded") and `max_load_gap` (requests)."""
 
     def initialize_state(self, routing: str = "cache_aware", max_load_gap: float = 4.0,
-                         **_: object) -> None:
+                         min_hit_fraction: float = 0.5, **_: object) -> None:
         self.routing = routing
         self.max_load_gap = max_load_gap
+        self.min_hit_fraction = min_hit_fraction
         self.prefixes = PublishedPrefixes()
 
     async def choose_replicas(
@@ -215,7 +220,7 @@ class CacheAwareRouter(FIFOMixin, RequestRouter):
         if getattr(self, "routing", "least_loaded") == "cache_aware":
             return rank_cache_aware(candidate_replicas, self._queue_len,
                                     request_tokens(pending_request), self.prefixes,
-                                    self.max_load_gap)
+                                    self.max_load_gap, self.min_hit_fraction)
         return rank_by_load(candidate_replicas, self._queue_len)
 
     def _fulfill_next_pending_request(self, replica: RunningReplica, request_metadata=None

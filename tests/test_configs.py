@@ -161,6 +161,7 @@ def test_prefix_caching_accepts_a_bool_and_reaches_the_engines() -> None:
     cfg = ClusterConfig(prefix_caching={"routing": "least_loaded", "max_load_gap": 2})
     assert cfg.prefix_caching.enabled is True
     router = deployment_options(cfg, "prefill")["request_router_config"]
-    assert router.request_router_kwargs == {"routing": "least_loaded", "max_load_gap": 2.0}
+    assert router.request_router_kwargs == {"routing": "least_loaded", "max_load_gap": 2.0,
+                                            "min_hit_fraction": 0.5}
     with pytest.raises(ValueError):
         ClusterConfig(prefix_caching={"routing": "random"})

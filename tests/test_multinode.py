@@ -80,7 +80,7 @@ def test_decode_node_removed_mid_stream_streams_migrate(default_model) -> None:
     from mtpserve.workers.training.prompts import held_out_prompts
 
     prompts = held_out_prompts(4, num_chars=200)
-    max_tokens = 96
+    max_tokens = 320  # long enough that every stream is still running when the node goes
     want = [r.text for r in LLM(str(default_model), num_speculative_tokens=2).generate(
         prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))]
     cluster = Cluster(initialize_head=True,
@@ -107,9 +107,9 @@ def test_decode_node_removed_mid_stream_streams_migrate(default_model) -> None:
         serve.run(build_app(cfg), name="mtpserve", route_prefix="/")
         base = f"http://127.0.0.1:{port}"
         started = concurrent.futures.ThreadPoolExecutor(4)
-        first_chunks = []
+        first_chunks: set[int] = set()
 
-        def stream(p: str) -> str:
+        def stream(i: int, p: str) -> str:
             import json
 
             text = ""
@@ -122,13 +122,13 @@ def test_decode_node_removed_mid_stream_streams_migrate(default_model) -> None:
                         data = json.loads(line[6:])
                         assert "error" not in data, data
                         text += data["choices"][0]["text"]
-                        first_chunks.append(1)
+                        first_chunks.add(i)
             return text
 
-        futures = [started.submit(stream, p) for p in prompts]
-        while len(first_chunks) < 8:  # every stream is under way
+        futures = [started.submit(stream, i, p) for i, p in enumerate(prompts)]
+        while len(first_chunks) < len(prompts):  # every stream is under way
             assert not any(f.done() for f in futures), [f.result() for f in futures]
-        cluster.remove_node(doomed)
+        cluster.remove_node(doomed, allow_graceful=False)  # a node lost, not drained
         got = [f.result(timeout=300) for f in futures]
         assert got == want
         s = httpx.get(f"{base}/v1/mtpserve/stats",

@@ -171,3 +171,23 @@ def test_request_tokens_reads_the_generate_request() -> None:
     assert request_tokens(SimpleNamespace(args=[req, None], kwargs={})) == [1, 2, 3, 9]
     assert request_tokens(SimpleNamespace(args=["rid"], kwargs={})) is None
     assert request_tokens(None) is None
+
+
+def test_a_short_common_head_does_not_outweigh_load() -> None:
+    """A hit on one block of a long prompt (a licence header) is below min_hit_fraction: load
+    decides; a hit on most of it wins."""
+    from mtpserve.router.routing import PublishedPrefixes, rank_cache_aware
+
+    head, rest = list(range(10, 15)), list(range(100, 140))
+    a, b = _cached("a", head + [7] * 3, load=1), _cached("b", [], load=0)
+    queues = {"a": 1, "b": 0}
+
+    def first(tokens) -> str:
+        return rank_cache_aware([a, b], lambda r: queues[r.name], tokens, PublishedPrefixes(),
+                                4.0, 0.5)[0][0].name
+
+    assert first(head + [7] * 3 + rest) == "b"  # 1 of 11 blocks cached on a
+    a2 = _cached("a", head + [7] * 3 + rest[:30], load=1)
+    assert rank_cache_aware([a2, b], lambda r: queues["a" if r is a2 else "b"],
+                            head + [7] * 3 + rest, PublishedPrefixes(), 4.0,
+                            0.5)[0][0].name == "a"
