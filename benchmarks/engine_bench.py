@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from mtpserve.workers.engine import DTYPES, Engine, EngineConfig
+from mtpserve.workers.engine_config import resolve_dtype
 from mtpserve.workers.model_runner import ModelRunner
 from mtpserve.workers.sampling_params import SamplingParams
 from mtpserve.workers.tokenizer import load_tokenizer
@@ -31,13 +32,29 @@ class Variant:
     draft_vocab_size: int | None = None  # None: the full vocabulary
     cpp_wrapper: bool = True  # graphs' kernel-calling code in C++ (False: Python)
     greedy_rounds: bool = False  # a whole greedy round as one graph
+    cuda_graphs: bool = True  # CUDA: replay the compiled buckets as CUDA graphs
+    attention_backend: str = "gather"  # "flex": FlexAttention over the block table
+    ahead_of_time: bool = True  # CPU: AOTInductor packages (disk-cached); False: torch.compile
 
 
 def parse_variant(name: str) -> Variant:
     """"eager" | "graphs" | "graphs-pywrap" (graphs called through inductor's Python
     wrapper), then optional "-mtp-bf16", "-dv<N>" (a draft vocabulary of the N most
     frequent tokens) and "-rounds" (a whole greedy round as one graph), in that order, e.g.
-    "graphs-dv1024-rounds"."""
+    "graphs-dv1024-rounds"; then optionally "-nocg" (CUDA: compiled graphs called, not
+    replayed as CUDA graphs), "-flex" (the flex attention backend), e.g. "eager-flex", and
+    "-jit" (CPU: torch.compile in the process instead of ahead-of-time packages)."""
+    extra: dict = {}
+    for suffix, field_value in (("-jit", ("ahead_of_time", False)),
+                                ("-flex", ("attention_backend", "flex")),
+                                ("-nocg", ("cuda_graphs", False))):
+        if name.endswith(suffix):
+            name = name[: -len(suffix)]
+            extra[field_value[0]] = field_value[1]
+    return dataclasses.replace(_parse_base(name), **extra)
+
+
+def _parse_base(name: str) -> Variant:
     base, *rest = name.split("-", 1)
     if base not in ("eager", "graphs"):
         raise ValueError(f"variant {name!r}: starts with eager or graphs")
@@ -69,7 +86,7 @@ class BenchArgs:
     max_tokens: int = 128
     ks: tuple[int, ...] = (0, 1, 2, 3)
     batch_sizes: tuple[int, ...] = (1, 8)
-    dtype: str = "float32"
+    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
     num_prompts: int = 8
     prompt_tokens: int = 256
     device: str = "cpu"
@@ -139,11 +156,13 @@ def _runner(args: BenchArgs, variant: str, max_context: int) -> tuple[ModelRunne
     """One runner per variant, shared by every k (compiled graphs are per runner); graphs are
     compiled here, before anything is timed."""
     v = parse_variant(variant)
-    runner = ModelRunner(args.model, args.num_kv_blocks, args.block_size, DTYPES[args.dtype],
-                         args.device, decode_graphs=v.graphs,
+    runner = ModelRunner(args.model, args.num_kv_blocks, args.block_size,
+                         DTYPES[resolve_dtype(args.dtype, args.device)], args.device,
+                         decode_graphs=v.graphs, cuda_graphs=v.cuda_graphs,
+                         attention_backend=v.attention_backend,
                          mtp_dtype=DTYPES[v.mtp_dtype] if v.mtp_dtype else None,
                          draft_vocab_size=v.draft_vocab_size, cpp_wrapper=v.cpp_wrapper,
-                         greedy_rounds=v.greedy_rounds)
+                         greedy_rounds=v.greedy_rounds, compile_ahead_of_time=v.ahead_of_time)
     t0 = time.perf_counter()
     batches = [1 << i for i in range(max(args.batch_sizes).bit_length())]
     queries = list(range(1, max(args.ks) + 2))
@@ -185,8 +204,9 @@ def run_bench(args: BenchArgs) -> dict:
     tok = load_tokenizer(args.model)
     texts = args.prompts or held_out_prompts(args.num_prompts, num_chars=4 * args.prompt_tokens)
     prompts = [tok.encode(t)[: args.prompt_tokens] for t in texts]
-    dtype = DTYPES[args.dtype]
-    result: dict = {"model": args.model, "dtype": args.dtype, "num_prompts": len(prompts),
+    dtype = DTYPES[resolve_dtype(args.dtype, args.device)]
+    result: dict = {"model": args.model, "dtype": resolve_dtype(args.dtype, args.device),
+                    "num_prompts": len(prompts),
                     "prompt_tokens": [len(p) for p in prompts], "max_tokens": args.max_tokens,
                     "threads": torch.get_num_threads()}
     result["device"] = args.device

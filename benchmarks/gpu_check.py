@@ -3,12 +3,18 @@
     python -m mtpserve.benchmarks.gpu_check --out DIR            # on the GPU machine
     python -m mtpserve.benchmarks.gpu_check --out DIR --device cpu   # dry run of the same script
 
-1. engine: `bench engine` on CUDA in float32 and bfloat16, k = 0..3, batch 1 and 32.
+1. engine: `bench engine` on CUDA in float32 and bfloat16, k = 0..3, batch 1 and 8, against
+   transformers.generate (eager).
+1b. fast-path: the GPU fast path, bf16 (the CUDA default), within a time budget: device checks
+   (keyed uniforms bit-equal on CUDA and CPU; rejection sampling on the device gives the host's
+   tokens; flex == gather logits), then decode tok/s at k = 0..3, batch 1 / 8 / 32 for eager,
+   compiled (inductor, no CUDA graphs), compiled + CUDA graphs, and the same with the flex
+   attention backend (eager-flex and graphs-flex); greedy tokens compared across variants.
 2. disagg-gloo: the disaggregated app with prefill and decode on the *same* GPU (0.5 GPU
    each), KV over the gloo path (host staging: NCCL cannot put two ranks of one communicator
    on one GPU); greedy HTTP output == the offline engine on the same device; KV pull vs raw
-   send/recv and TPOT of running streams while long prompts are pulled
-   (mtpserve.benchmarks.serve_bench).
+   send/recv, one-stream TPOT (the served single stream, default engine settings) and TPOT of
+   running streams while long prompts are pulled (mtpserve.benchmarks.serve_bench).
 3. nccl-kv / nccl-tp: only with >= 2 (>= 4 for TP 2 -> 2) visible GPUs: the same app with
    KV over NCCL, one GPU per rank; printed as skipped otherwise.
 
@@ -71,8 +77,9 @@ def engine_part(out: Path, device: str, dry: bool) -> dict:
     names = {f.name for f in dataclasses.fields(BenchArgs)}
     res = {}
     for dtype in ("float32", "bfloat16"):
+        # Sized to leave the 8-minute budget to the fast-path part (which covers batch 32).
         kw = dict(model=_model(), dtype=dtype, device=device, ks=(0, 1, 2, 3),
-                  batch_sizes=(1, 32), num_prompts=32, max_tokens=64, prompt_tokens=256)
+                  batch_sizes=(1, 8), num_prompts=8, max_tokens=64, prompt_tokens=256)
         if dry:
             kw.update(ks=(0, 2), batch_sizes=(1, 2), num_prompts=2, max_tokens=8,
                       prompt_tokens=32)
@@ -85,6 +92,138 @@ def engine_part(out: Path, device: str, dry: bool) -> dict:
         r = main(BenchArgs(**{k: v for k, v in kw.items() if k in names}), str(path))
         res[dtype] = {"json": path.name, "rows": len(r.get("engine", []))}
     return res
+
+
+# 1b. The GPU fast path ---------------------------------------------------------------------------
+
+def _device_checks(device: str, model: str) -> dict:
+    """Sampling on the device draws what the host draws; flex == gather on this device."""
+    import torch
+
+    from mtpserve.workers.model_runner import ForwardBatch, ModelRunner
+    from mtpserve.workers.sampling_params import SamplingParams
+    from mtpserve.workers.spec.keyed_random import SLOT_DRAFT, keyed_uniforms
+    from mtpserve.workers.spec.rejection_sampler import RejectionSampler
+
+    g = torch.Generator().manual_seed(0)
+    seeds = torch.randint(-(1 << 62), 1 << 62, (4096,), generator=g)
+    pos = torch.randint(0, 1 << 20, (4096,), generator=g)
+    u_host = keyed_uniforms(seeds, pos, SLOT_DRAFT + 1)
+    u_dev = keyed_uniforms(seeds.to(device), pos.to(device), SLOT_DRAFT + 1).cpu()
+    res: dict = {"uniforms_bit_equal": bool(torch.equal(u_host, u_dev))}
+    # Rejection sampling of the same float32 logits on the host and on the device.
+    R, K, V = 16, 3, 4096
+    logits = torch.randn(R, K + 1, V, generator=g) * 3
+    drafts = torch.randint(0, V, (R, K), generator=g).tolist()
+    q = torch.softmax(torch.randn(R, K, V, generator=g), -1)
+    params = [SamplingParams(temperature=0.8, top_p=0.95, seed=i) for i in range(R)]
+    args = (drafts, list(q), params, list(range(R)), [100] * R)
+    host = RejectionSampler()(logits, *args)
+    dev = RejectionSampler()(logits.to(device), drafts, [x.to(device) for x in q], *args[2:])
+    res["rejection_sampler_same_tokens"] = host.output_token_ids == dev.output_token_ids
+    # flex == gather: prefill, verify and MTP shapes through the eager runner.
+    outs = []
+    for backend in ("gather", "flex"):
+        r = ModelRunner(model, 64, 16, torch.float32, device, decode_graphs=False,
+                        attention_backend=backend)
+        prompts = [list(range(3, 3 + n)) for n in (37, 21, 50)]
+        tables = [[5, 9, 2, 7], [1, 3, 4, 6], [10, 11, 12, 13]]
+        S = max(map(len, prompts))
+        a = r.execute(ForwardBatch("main", prompts, [0, 0, 0], tables,
+                                   [b * S + len(p) - 1 for b, p in enumerate(prompts)]))
+        news, starts = [[7], [8, 9], [10, 11, 12]], [len(p) for p in prompts]
+        b = r.execute(ForwardBatch("main", news, starts, tables, [0, 3, 4, 6, 7, 8]))
+        c = r.execute(ForwardBatch("mtp", news, starts, tables, [0, 4, 8], hidden_from="main",
+                                   hidden_rows=[[0], [3, 4], [6, 7, 8]]))
+        outs.append([x.float().cpu() for x in (a, b, c)])
+    res["flex_vs_gather_max_abs_diff"] = max((x - y).abs().max().item()
+                                             for x, y in zip(*outs, strict=True))
+    res["flex_vs_gather_argmax_equal"] = all(
+        torch.equal(x.argmax(-1), y.argmax(-1)) for x, y in zip(*outs, strict=True))
+    print(f"[fast-path] device checks: {res}")
+    return res
+
+
+def fast_path_part(out: Path, device: str, dry: bool, budget_s: float) -> dict:
+    """Decode tok/s of each runner variant (see the module docstring), inside `budget_s`:
+    each compiled runner gets what is left of the budget for its warm-up (buckets it does
+    not reach run eagerly, and the row says how many graphs it had)."""
+    from mtpserve.benchmarks.engine_bench import BenchArgs, _engine, _engine_run
+    from mtpserve.workers.engine_config import DTYPES, resolve_dtype
+    from mtpserve.workers.model_runner import ModelRunner
+    from mtpserve.workers.sampling_params import SamplingParams
+    from mtpserve.workers.tokenizer import load_tokenizer
+    from mtpserve.workers.training.prompts import held_out_prompts
+
+    t_end = time.perf_counter() + budget_s
+    model = _model()
+    res: dict = {"device_checks": _device_checks(device, model), "rows": [], "runners": []}
+    ks, batches = ((0, 1), (1, 2)) if dry else ((0, 1, 2, 3), (1, 8, 32))
+    n_prompts, max_tokens = (2, 6) if dry else (32, 48)
+    tok = load_tokenizer(model)
+    prompts = [tok.encode(t)[:128] for t in held_out_prompts(n_prompts, num_chars=600)]
+    args = BenchArgs(model=model, dtype="auto", device=device, ks=ks, batch_sizes=batches,
+                     num_kv_blocks=1024)
+    dtype = resolve_dtype("auto", device)
+    res["dtype"] = dtype
+    max_context = max(map(len, prompts)) + max_tokens + 2 * max(ks) + 2
+    # (name, attention backend, compiled?); "-nocg" rows reuse the compiled runner with its
+    # CUDA graphs switched off, so the two differ only in replay vs call.
+    plan = [("eager", "gather", False), ("eager-flex", "flex", False),
+            ("graphs", "gather", True), ("graphs-flex", "flex", True)]
+    tokens: dict[str, list] = {}
+    for name, backend, compiled in plan:
+        left = t_end - time.perf_counter()
+        if left < 20:
+            print(f"[fast-path] {name}: skipped, budget spent")
+            res["runners"].append({"variant": name, "skipped": "budget"})
+            continue
+        t0 = time.perf_counter()
+        runner = ModelRunner(model, args.num_kv_blocks, args.block_size, DTYPES[dtype], device,
+                             decode_graphs=compiled, attention_backend=backend)
+        n = 0
+        if compiled:  # the buckets these rows hit, likeliest first; what does not fit: eager
+            n = runner.warmup_graphs(list(batches), list(range(1, max(ks) + 2)), max_context,
+                                     budget_s=0.0 if dry else max(0.0, left * 0.45 - 10))
+        info = {"variant": name, "graphs_compiled": n,
+                "cuda_graphs": len(runner.cuda_graphs.captured) if runner.cuda_graphs else 0,
+                "setup_s": round(time.perf_counter() - t0, 1)}
+        res["runners"].append(info)
+        print(f"[fast-path] {info}")
+        modes = [(name, True)] + ([(name.replace("graphs", "compiled-nocg"), False)]
+                                  if compiled and runner.cuda_graphs is not None else [])
+        for k in ks:
+            eng = _engine(args, runner, k)
+            _engine_run(eng, prompts[:1], 1, 4)  # warm-up (eager flex compiles its shapes)
+            for b in batches:
+                group = prompts[: max(4 if b == 1 else 2 * b, b)]
+                for mode, replay in modes:
+                    if time.perf_counter() > t_end:
+                        break
+                    saved = runner.cuda_graphs
+                    if not replay:
+                        runner.cuda_graphs = None
+                    try:
+                        r = _engine_run(eng, group, b, max_tokens)
+                    finally:
+                        runner.cuda_graphs = saved
+                    row = {"variant": mode, "k": k, "batch_size": b, **r}
+                    res["rows"].append(row)
+                    print(f"[fast-path] {mode:<18} k={k} batch={b:<3} "
+                          f"{r['tokens_per_s']:8.1f} tok/s  ({r['mean_accepted_length']:.2f} "
+                          "tokens/round)")
+        # Greedy tokens of the same prompts, to compare variants (bf16: near-ties may flip).
+        eng = _engine(args, runner, max(ks))
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        reqs = [eng.add_request(f"eq-{i}", p, params) for i, p in enumerate(prompts[:4])]
+        while eng.has_unfinished():
+            eng.step()
+        tokens[name] = [r.output_token_ids for r in reqs]
+        del runner, eng
+    ref = tokens.get("eager")
+    res["greedy_equal_to_eager"] = {n: t == ref for n, t in tokens.items() if ref is not None}
+    (out / f"fast-path-{device}.json").write_text(json.dumps(res, indent=2, default=str))
+    return {k: v for k, v in res.items() if k != "rows"} | {"num_rows": len(res["rows"])}
 
 
 # 2./3. The disaggregated app --------------------------------------------------------------------
@@ -151,6 +290,12 @@ def app_part(out: Path, device: str, dry: bool, backend: str, tp: int, name: str
                "migrations": stats.get("orchestrator", {}).get("num_migrations")}
         print(f"[{name}] greedy == offline: {res['greedy_equal']}  "
               f"(pulls {res['kv_pulls']}, migrations {res['migrations']})")
+        one = asyncio_run(run(ServeBenchArgs(url=base, api_key=ADMIN_KEY, concurrency=1,
+                                             num_requests=2 if dry else 6,
+                                             max_tokens=8 if dry else 64, prompt_tokens=128)))
+        res["one_stream"] = one
+        print(f"[{name}] one stream: TPOT p50 {one.get('tpot_ms_p50')} ms, "
+              f"TTFT p50 {one.get('ttft_ms_p50')} ms")
         n = 2 if dry else 8
         pull = asyncio_run(run(ServeBenchArgs(url=base, api_key=ADMIN_KEY, concurrency=1,
                                               num_requests=n, max_tokens=8,
@@ -182,6 +327,9 @@ def main() -> None:
     ap.add_argument("--out", default="gpu-check")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                     help="cpu: a small dry run of the same steps (no GPU needed)")
+    ap.add_argument("--fast-path-budget-s", type=float, default=210.0,
+                    help="seconds the fast-path part may take (it skips what does not fit)")
+    ap.add_argument("--only", help="comma-separated parts to run (default: all)")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -195,12 +343,15 @@ def main() -> None:
     print(f"gpu_check: device={a.device} visible GPUs={n_gpus} torch={torch.__version__}")
     parts: list[tuple[str, Callable[[], dict] | None, str]] = [
         ("engine", lambda: engine_part(out, a.device, dry), ""),
+        ("fast-path", lambda: fast_path_part(out, a.device, dry, a.fast_path_budget_s), ""),
         ("disagg-gloo", lambda: app_part(out, a.device, dry, "gloo", 1, "disagg-gloo"), ""),
         ("nccl-kv", (lambda: app_part(out, a.device, dry, "nccl", 1, "nccl-kv"))
          if n_gpus >= 2 else None, "needs >= 2 GPUs (one NCCL rank per GPU)"),
         ("nccl-tp", (lambda: app_part(out, a.device, dry, "nccl", 2, "nccl-tp"))
          if n_gpus >= 4 else None, "needs >= 4 GPUs (prefill TP 2 + decode TP 2)"),
     ]
+    if a.only:
+        parts = [p for p in parts if p[0] in a.only.split(",")]
     summary: dict = {"device": a.device, "gpus": n_gpus, "parts": {}}
     for name, fn, why in parts:
         if fn is None:

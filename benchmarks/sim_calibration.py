@@ -38,6 +38,16 @@ replicas' fitted models, and compare TTFT and TPOT p50/p99 per phase.
    - `replica-start`: `calibrated` with the round-time model the live decode replica fitted
      at its start (its start profile, wall clock, before any request: what its autoscaling
      reports) instead of the scaled profile.
+   - `shared-cpu`: `calibrated` + CPU sharing (cluster/sim/cpu.py): the replicas, ingress,
+     proxy and client share this host's cores, so prefill steps, decode rounds, KV pulls and
+     each request's work outside the engines run as jobs under processor sharing, each at
+     min(1, cores / (busy jobs + other jobs' busy threads)) relative to its speed alone (as the
+     idle probes measured it). Its parameters are machine facts known before the load: the
+     cores and the cores other jobs kept busy, measured before `mtpserve up` (`machine` in
+     the recording; `--cores` / `--other-busy-cores` for a recording without them), and
+     optionally a CPU cost per streamed chunk (`--stream-ms-per-chunk`, default 0).
+   - `shared-cpu-pinned`: as `shared-cpu`, but the other jobs keep to their own cores and
+     ours share the rest: min(1, free cores / busy jobs).
    - `online` (a diagnostic, not a prediction): `replica-start` with the round-time model
      the decode replica had fitted online by the end of each phase, i.e. from that phase's
      own rounds. What is left between it and the measurement is the simulator's structure
@@ -363,15 +373,32 @@ async def record_load(url: str, plan: dict, max_tokens: int) -> dict:
     return rec
 
 
+def machine_facts(window_s: float = 5.0) -> dict:
+    """What the host gives the cluster, measured before it starts (issue 19 calibration, CPU
+    sharing): its cores and how many of them other jobs keep busy (/proc/stat over
+    `window_s`, nothing of ours running yet)."""
+    b0, t0 = _cpu_times()
+    time.sleep(window_s)
+    b1, t1 = _cpu_times()
+    cores = os.cpu_count() or 1
+    busy = (b1 - b0) / (t1 - t0) if t1 > t0 else 0.0
+    return {"cores": cores, "other_busy_cores": round(busy * cores, 3), "window_s": window_s,
+            "loadavg": list(os.getloadavg()),
+            "source": "measured before `mtpserve up` (/proc/stat, os.cpu_count)"}
+
+
 def record_live(args: CalibrationArgs, plan: dict) -> dict:
     from mtpserve.benchmarks.local_server import running_server, variant_config
 
+    machine = machine_facts()
+    print(f"machine: {machine}", flush=True)
     cfg = variant_config(Path(args.config), LIVE_OVERRIDES, args.port)
     with running_server(cfg, args.start_timeout_s) as start_s:
         print(f"cluster up in {start_s:.1f}s", flush=True)
         rec = asyncio.run(record_load(f"http://127.0.0.1:{args.port}", plan, args.max_tokens))
     app_args = cfg["applications"][0]["args"]
     rec["server_start_s"] = start_s
+    rec["machine"] = machine
     rec["cluster"] = {
         "block_size": app_args["block_size"],
         "prefill_max_num_batched_tokens": app_args["prefill"]["max_num_batched_tokens"],
@@ -466,6 +493,9 @@ class Variant:
     kv_bytes_per_s: float | None = None
     kv_latency_s: float | None = None
     ingress_overhead_s: float = 0.0
+    # CPU sharing between the co-located replicas (cluster/sim/cpu.py CpuSharing fields);
+    # None: each replica its own machine.
+    cpu: dict | None = None
     note: str = ""
 
 
@@ -501,6 +531,7 @@ def replay(requests: list[dict], alphas: list[tuple[float, ...]], v: Variant, cl
     the order given."""
     from mtpserve.cluster.sim.cluster import Simulator
     from mtpserve.cluster.sim.config import SimConfig
+    from mtpserve.cluster.sim.cpu import CpuSharing
     from mtpserve.cluster.sim.workloads import Workload
 
     n = len(requests)
@@ -514,7 +545,8 @@ def replay(requests: list[dict], alphas: list[tuple[float, ...]], v: Variant, cl
                         prefill_replicas=(1, 1, 1), decode_replicas=(1, 1, 1),
                         max_num_seqs=cluster["decode_max_num_seqs"],
                         max_num_batched_tokens=cluster["prefill_max_num_batched_tokens"],
-                        ingress_overhead_s=v.ingress_overhead_s)
+                        ingress_overhead_s=v.ingress_overhead_s,
+                        cpu=CpuSharing(**v.cpu) if v.cpu else None)
     sim = Simulator(sim_cfg, workload=wl, models=models, class_alphas=alphas)
     sim.run()
     return [{"ttft_s": r.ttft, "tpot_s": r.tpot, "status": r.status} for r in sim.requests]
@@ -660,6 +692,7 @@ def measurements(rec: dict, profile: dict) -> dict:
         out.update(kv_probe_pulls=pulls, kv_probe_seconds=secs, kv_probe_bytes=nbytes)
         if pulls == len(reqs) and secs > 0 and nbytes > 0:
             out.update(kv_bytes_per_token=nbytes / pulled, kv_bytes_per_s=nbytes / secs)
+    out["machine"] = rec.get("machine")
     out["decode_coef_start"] = coef_of(rec["start_stats"])
     out["decode_coef_phase_end"] = [coef_of(ph["stats_end"]) for ph in rec["phases"]]
     return out
@@ -680,6 +713,20 @@ def variants(profile: dict, meas: dict) -> dict[str, Variant]:
                   note="+ prefill and decode speed measured on the idle probes (live engines' "
                   "wall clock / profile)")
     out = {v.name: v for v in (base, over, cal)}
+    machine = meas.get("machine") or {}
+    if machine.get("cores"):
+        share = {"cores": float(machine["cores"]),
+                 "other_threads": float(machine.get("other_busy_cores", 0.0)),
+                 "stream_s_per_chunk": float(machine.get("stream_s_per_chunk", 0.0))}
+        out["shared-cpu"] = replace(
+            cal, name="shared-cpu", cpu=share | {"pinned": False},
+            note=f"`calibrated` + CPU sharing (cluster/sim/cpu.py): prefill steps, decode "
+            f"rounds, KV pulls and the work outside the engines share {share['cores']:g} cores "
+            f"with {share['other_threads']:g} busy threads of other jobs, fairly per thread")
+        out["shared-cpu-pinned"] = replace(
+            cal, name="shared-cpu-pinned", cpu=share | {"pinned": True},
+            note="as `shared-cpu`, but the other jobs keep to their own cores: ours share "
+            f"the {share['cores'] - share['other_threads']:g} left")
     if meas.get("decode_coef_start"):
         out["replica-start"] = replace(
             over, name="replica-start", prefill_scale=meas.get("prefill_scale", 1.0),
@@ -808,6 +855,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--phases", help="name:rate:seconds,... (default low:1:40,mid:2:40,"
                     "high:3:30)")
+    ap.add_argument("--cores", type=float, help="CPU sharing: the host's cores (default: "
+                    "the recording's machine facts)")
+    ap.add_argument("--other-busy-cores", type=float, help="CPU sharing: cores other jobs "
+                    "kept busy (default: the recording's machine facts)")
+    ap.add_argument("--stream-ms-per-chunk", type=float, default=0.0, help="CPU sharing: "
+                    "CPU time to stream one output chunk through ingress, proxy and client "
+                    "(default 0: not modelled apart from decode)")
     a = ap.parse_args(argv)
     args = CalibrationArgs(port=a.port, seed=a.seed, max_tokens=a.max_tokens)
     if a.phases:
@@ -832,6 +886,14 @@ def main(argv: list[str] | None = None) -> int:
         rec = record_live(args, plan)
         print(f"live run: {time.perf_counter() - t0:.1f}s", flush=True)
         settings = asdict(args)
+    machine = dict(rec.get("machine") or {})
+    if a.cores is not None or a.other_busy_cores is not None:
+        machine.update({k: v for k, v in (("cores", a.cores),
+                                          ("other_busy_cores", a.other_busy_cores))
+                        if v is not None}, source="command line")
+    if machine:
+        machine["stream_s_per_chunk"] = a.stream_ms_per_chunk / 1000
+        rec = dict(rec, machine=machine)
     res = analyse(rec, profile)
     for name, v in res["variants"].items():
         print(format_table(v["rows"], f"\n{name}: {v['note']}"))

@@ -31,7 +31,8 @@ def add_commands(sub: argparse._SubParsersAction, bench: argparse._SubParsersAct
     p.add_argument("--min-tokens", type=int, default=0, help="no EOS/stop token before this")
     p.add_argument("--stop-token-ids", type=_ints, default=(), help="comma-separated ids")
     p.add_argument("--logprobs", type=int, help="with --json: log probs + N alternatives")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                   help="auto: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
                    help="compiled decode graphs (auto: where measured faster; "
                    "MTPSERVE_COMPILE overrides)")
@@ -45,7 +46,8 @@ def add_commands(sub: argparse._SubParsersAction, bench: argparse._SubParsersAct
     p.add_argument("--ks", type=_ints, default=(0, 1, 2, 3))
     p.add_argument("--batch-sizes", type=_ints, default=(1, 8))
     p.add_argument("--num-prompts", type=int, default=8)
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                   help="auto: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--variants", type=lambda s: tuple(s.split(",")), default=("graphs",),
                    help="runner variants measured side by side: eager, graphs, "

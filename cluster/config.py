@@ -169,6 +169,16 @@ class EngineSettings(_Strict):
     warmup_budget_s: float = Field(
         90.0, ge=0, description="Seconds a decode replica may spend compiling graphs at "
         "start, before it reports ready (likeliest buckets first; the rest run eagerly).")
+    compile_cache_dir: str | None = Field(
+        None, description="Folder of compiled decode graphs kept between starts (CPU: "
+        "AOTInductor packages keyed by weights, model code, torch, CPU and bucket): a "
+        "restarted or added replica loads them instead of compiling. None: "
+        "MTPSERVE_COMPILE_CACHE or ~/.cache/mtpserve/compile on each node; '' turns the "
+        "cache off.")
+    attention_backend: Literal["auto", "gather", "flex"] = Field(
+        "auto", description="Paged attention: gather (copy each row's context, then SDPA), "
+        "flex (FlexAttention over the block table, reads the cache in place; unmeasured on "
+        "GPUs) or auto (gather until flex is measured faster).")
 
 
 class SpeculationSettings(_Strict):
@@ -354,8 +364,8 @@ class ClusterConfig(_Strict):
     served_model_name: str | None = Field(
         None, description="Model id in the API; defaults to the folder name."
     )
-    dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="Compute and KV dtype."
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Compute and KV dtype; auto = bfloat16 on CUDA, float32 on CPU."
     )
     device: Literal["cpu", "cuda"] = Field("cpu", description="Where the engines run.")
     max_model_len: int | None = Field(

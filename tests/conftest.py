@@ -1,7 +1,10 @@
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -15,6 +18,11 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # engines, so it runs them eager and tests compiled graphs where it says so (ModelRunner(
 # decode_graphs=True), compile="on" with this variable removed).
 os.environ.setdefault("MTPSERVE_COMPILE", "off")
+# Compiled graphs go to a cache private to this run (not the user's ~/.cache): tests that
+# compile the same bucket of the same model load it the second time.
+_COMPILE_CACHE = tempfile.mkdtemp(prefix="mtpserve-test-compile-")
+os.environ.setdefault("MTPSERVE_COMPILE_CACHE", _COMPILE_CACHE)
+atexit.register(shutil.rmtree, _COMPILE_CACHE, True)
 
 import torch  # noqa: E402
 from tiny_models import make_tiny_checkpoint  # noqa: E402

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+
 from mtpserve.cluster.autoscaling_policy import (
     DOWN_HEADROOM,
     UP_HEADROOM,
@@ -164,7 +166,9 @@ def test_scale_down_needs_a_sustained_smaller_prediction() -> None:
 def test_prefill_sizes_from_arrivals_compute_and_queue() -> None:
     assert prefill_replicas(0, None, 0, 1.0, 1, 4) == 1
     assert prefill_replicas(2.0, 0.1, 0, 1.0, 1, 4) == 1  # rho 0.2
-    assert prefill_replicas(15.0, 0.1, 0, 1.0, 1, 4) == 2  # rho 1.5 on one replica
+    # 1.5 s of prompts a second: 2 replicas would meet the TTFT, but the reserve keeps each
+    # under PREFILL_MAX_UTIL (0.5): 4.
+    assert prefill_replicas(15.0, 0.1, 0, 1.0, 1, 4) == 4
     # Backlog drain: 40 queued x 0.1 s over n replicas must fit 0.8 s with the wait: n = 6.
     assert prefill_replicas(5.0, 0.1, 40, 1.0, 1, 8) == 6
     clock = Clock()
@@ -172,7 +176,28 @@ def test_prefill_sizes_from_arrivals_compute_and_queue() -> None:
     for _ in range(450):  # 15 prompts/s over the 30 s window, 0.1 s each
         w.observe(0.1, 0.12)
     pol = PrefillPolicy(target_ttft_ms=1000, window_s=30.0, publish=False)
-    assert pol(ctx({"a": w.report(queue=0)}, 1, clock))[0] == 2
+    assert pol(ctx({"a": w.report(queue=0)}, 1, clock))[0] == 4
+
+
+def test_prefill_keeps_a_reserve_for_a_step_of_arrivals() -> None:
+    """Utilisation 0.7 on one replica meets the TTFT (0.1 / 0.3 = 0.33 s < 0.8 s), but a 2x
+    step would saturate it for a whole start-up: prefill keeps each replica under
+    PREFILL_MAX_UTIL, scaled by the headroom ratio for scale-down (hysteresis kept)."""
+    from mtpserve.cluster.autoscaling_policy import DOWN_HEADROOM, PREFILL_MAX_UTIL
+
+    assert PREFILL_MAX_UTIL < 1.0
+    assert prefill_replicas(7.0, 0.1, 0, 1.0, 1, 4) == 2
+    assert prefill_replicas(4.5, 0.1, 0, 1.0, 1, 4) == 1  # 0.45: under the reserve
+    # Scale-down needs utilisation under 0.5 x 0.65 / 0.8 = 0.41: 0.45 holds 2 replicas.
+    assert prefill_replicas(4.5, 0.1, 0, 1.0, 1, 4, DOWN_HEADROOM) == 2
+
+
+def test_the_demand_board_lives_in_its_own_module() -> None:
+    from mtpserve.cluster import autoscaling_policy, demand_board
+
+    assert autoscaling_policy.DemandBoard is demand_board.DemandBoard
+    assert autoscaling_policy.BOARD is demand_board.BOARD
+    assert autoscaling_policy.arrival_growth is demand_board.arrival_growth
 
 
 def test_hysteresis_scales_down_step_after_step() -> None:
@@ -207,3 +232,69 @@ def test_requests_queued_at_the_handles_count_as_demand() -> None:
     queued.total_queued_requests = 24.0  # three more batches' worth waiting at the handles
     with_queue, _ = policy()(queued)
     assert with_queue > without
+
+
+def test_a_hot_replica_scales_up_where_the_mean_would_not() -> None:
+    """Same 32 requests on two replicas: evenly spread they fit, but one replica carrying 28
+    of them misses the SLO (found hidden by the averaged load before)."""
+    clock = Clock()
+    alphas = [0.9, 0.85, 0.8]
+    even = {r: decode_report(clock, 16, alphas) for r in "ab"}
+    hot = {"a": decode_report(clock, 28, alphas), "b": decode_report(clock, 4, alphas)}
+    assert predicted_tpot_s(decode_load(hot), 2) <= UP_HEADROOM * TARGET_MS / 1000
+    assert policy()(ctx(even, 2, clock))[0] == 2
+    assert policy()(ctx(hot, 2, clock))[0] == 3
+    # A replica on a slower device (its own model: 1.6x the round time) is hot as well.
+    slow = dict(even["b"]) | {f"pm_{j}": 1.6 * c for j, c in enumerate(MODEL.coef[:4])}
+    assert policy()(ctx({"a": even["a"], "b": slow}, 2, clock))[0] > 2
+
+
+def test_long_contexts_need_more_replicas() -> None:
+    """The round-time model's context term: the same batches at 16k tokens of context per
+    request predict slower rounds than at 1k, and the policy sizes for it."""
+    clock = Clock()
+    alphas = [0.9, 0.85, 0.8]
+    ctx_cost = {"pm_4": 0.0002}  # 0.2 ms per thousand context tokens per round
+    short = {r: decode_report(clock, 16, alphas) | ctx_cost | {"pm_ctx": 1000.0} for r in "ab"}
+    long = {r: decode_report(clock, 16, alphas) | ctx_cost | {"pm_ctx": 16000.0} for r in "ab"}
+    assert predicted_tpot_s(decode_load(long), 2) > predicted_tpot_s(decode_load(short), 2)
+    n_short, n_long = policy()(ctx(short, 2, clock))[0], policy()(ctx(long, 2, clock))[0]
+    assert n_long > n_short
+
+
+def test_prefill_arrival_growth_reaches_decode_through_the_board() -> None:
+    """A burst the prefill deployment cannot yet serve (its queue grows) is decode demand one
+    prefill start later: the prefill policy posts the growth, the decode policy of the same
+    application sizes for it at once; stale posts and a steady prefill post nothing."""
+    from mtpserve.cluster.autoscaling_policy import DemandBoard
+
+    clock, board = Clock(), DemandBoard()
+    w = PrefillWindows(clock=clock)
+    for _ in range(450):  # 15 prompts/s served over the 30 s window, 0.1 s each
+        w.observe(0.1, 0.12)
+    pre = PrefillPolicy(target_ttft_ms=1000, window_s=30.0, publish=False, board=board)
+    dec = DecodePolicy(target_tpot_ms=TARGET_MS, publish=False, board=board)
+    alphas = [0.9, 0.85, 0.8]
+    decode = {r: decode_report(clock, 12, alphas) for r in "ab"}
+    n_before = dec(ctx(decode, 2, clock))[0]
+    state: dict = {}
+    for q in (0, 20, 40, 60):  # the queue grows by 20 prompts a second
+        n_pre, state = pre(ctx({"p": w.report(queue=q)}, 2, clock, state))
+        clock.t += 1.0
+    assert n_pre > 2
+    assert board.growth("", clock.t, 10.0) == pytest.approx(1 + 20 / 15, rel=0.01)
+    n_after = dec(ctx({r: decode_report(clock, 12, alphas) for r in "ab"}, 2, clock))[0]
+    assert n_after > n_before
+    assert board.growth("", clock.t + 11.0, 10.0) == 1.0  # stale
+    assert board.growth("", clock.t - 100.0, 10.0) == 1.0  # another run's clock
+    assert board.growth("other-app", clock.t, 10.0) == 1.0
+    # A steady queue (prefill not short of replicas) posts no growth.
+    calm, board2 = PrefillWindows(clock=clock), DemandBoard()
+    for _ in range(30):
+        calm.observe(0.1, 0.12)
+    steady = PrefillPolicy(target_ttft_ms=1000, window_s=30.0, publish=False, board=board2)
+    state = {}
+    for q in (0, 3, 1, 4):
+        _, state = steady(ctx({"p": calm.report(queue=q)}, 2, clock, state))
+        clock.t += 1.0
+    assert board2.growth("", clock.t, 10.0) == 1.0

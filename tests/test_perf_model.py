@@ -7,6 +7,7 @@ import statistics
 import time
 
 import numpy as np
+import pytest
 
 from mtpserve.workers.engine import Engine, EngineConfig
 from mtpserve.workers.perf_model import PerfModel, expected_tokens, profile_rounds
@@ -27,7 +28,7 @@ def test_fit_recovers_coefficients_and_online_updates_track_a_change() -> None:
     samples = [(b, float(k), float(true @ [1, b, k, b * k]) * rng.uniform(0.98, 1.02))
                for b, k in cells for _ in range(3)]
     m = PerfModel().fit(samples)
-    assert np.allclose(m.coef, true, rtol=0.1, atol=2e-4)
+    assert np.allclose(m.coef[:4], true, rtol=0.1, atol=2e-4) and m.coef[4] == 0.0
     # The replica slows down 2x (e.g. a noisy neighbour): online rounds pull the model there.
     for _ in range(40):
         for b, k in cells:
@@ -35,6 +36,48 @@ def test_fit_recovers_coefficients_and_online_updates_track_a_change() -> None:
     for b, k in cells:
         want = 2 * float(true @ [1, b, k, b * k])
         assert abs(m.round_s(b, k) - want) / want < 0.1
+
+
+def test_longer_context_predicts_a_longer_round() -> None:
+    # Rounds cost 1 ms per thousand context tokens on top of the (batch, k) terms.
+    true = np.array([0.005, 0.0002, 0.001, 0.0001, 0.001])
+    rng = np.random.default_rng(1)
+    samples = [(b, float(k), float(true @ [1, b, k, b * k, b * c / 1000]), b * c)
+               for b in (1, 4, 16) for k in (0, 2) for c in (200, 2000, 8000)]
+    m = PerfModel().fit(samples)
+    assert np.allclose(m.coef, true, rtol=0.05, atol=1e-6)
+    assert m.round_s(8, 2, 8 * 4000) > m.round_s(8, 2, 8 * 500) * 1.2
+    # Online: a profile without contexts (c4 = 0), then rounds whose context varies: the model
+    # learns the context term and the mean context per request it predicts at by default.
+    online = PerfModel().fit([(b, float(k), float(true @ [1, b, k, b * k, 0.0]))
+                              for b in (1, 2, 4, 8) for k in (0, 1, 2, 3)])
+    assert online.coef[4] == 0.0
+    for _ in range(300):
+        b, k, c = int(rng.integers(4, 64)), int(rng.integers(0, 4)), float(rng.uniform(500, 6000))
+        online.observe(b, k, float(true @ [1, b, k, b * k, b * c / 1000]), b * c)
+    online._solve()
+    assert online.coef[4] == pytest.approx(0.001, rel=0.1)
+    assert 2000 < online.ctx_per_seq < 4500
+    want = float(true @ [1, 32, 2, 64, 32 * online.ctx_per_seq / 1000])
+    assert online.round_s(32, 2) == pytest.approx(want, rel=0.05)
+    # It travels in the report; a replica reporting only pm_0..pm_3 means no context term.
+    back = PerfModel.from_report(online.report())
+    assert back.round_s(32, 2) == pytest.approx(online.round_s(32, 2), rel=1e-9)
+    old = PerfModel.from_report({f"pm_{j}": float(c) for j, c in enumerate(true[:4])})
+    assert old.coef[4] == 0.0 and old.round_s(4, 1, 1e6) == pytest.approx(old.round_s(4, 1, 0))
+
+
+def test_context_cost_is_never_negative() -> None:
+    # Context that only grows with the batch (same per request) cannot be told from batch
+    # cost; noise must not turn it into a negative context cost.
+    m = PerfModel().fit([(b, 0.0, 0.01 + 0.001 * b) for b in (1, 2, 4, 8)])
+    rng = np.random.default_rng(2)
+    for _ in range(200):
+        b = int(rng.integers(1, 32))
+        m.observe(b, 0.0, (0.01 + 0.001 * b) * rng.uniform(0.9, 1.1), b * 1000.0)
+    m._solve()
+    assert m.coef[4] >= 0.0
+    assert m.round_s(16, 0) == pytest.approx(0.026, rel=0.1)
 
 
 def test_best_k_is_zero_where_speculation_does_not_pay() -> None:

@@ -123,7 +123,7 @@ def test_one_request_on_one_replica_sees_exactly_the_model() -> None:
 def test_the_simulator_calls_the_policies_the_deployments_are_configured_with(
         monkeypatch) -> None:
     from mtpserve.cluster import app
-    from mtpserve.cluster.autoscaling_policy import DecodePolicy, PrefillPolicy
+    from mtpserve.cluster.autoscaling_policy import BOARD, DecodePolicy, PrefillPolicy
 
     sim = Simulator(_short())
     for role, cls in (("decode", DecodePolicy), ("prefill", PrefillPolicy)):
@@ -138,7 +138,9 @@ def test_the_simulator_calls_the_policies_the_deployments_are_configured_with(
         kwargs = ac["policy"]["policy_kwargs"]
         assert policy.downscale_hold_s == kwargs["downscale_hold_s"]
         assert policy.max_age_s == kwargs["max_age_s"]
-        assert policy.publish is False  # the one added kwarg: no Ray actor to publish to
+        assert policy.publish is False  # added: no Ray actor to publish to
+        # Added: a demand board of this run, shared by its two policies (not the process's).
+        assert policy.board is sim.autoscalers["decode"].policy.board is not BOARD
     assert sim.autoscalers["decode"].policy.target_tpot_s * 1000 == pytest.approx(
         ac_tpot := app.deployment_options(sim.cfg, "decode")["autoscaling_config"]
         ["policy"]["policy_kwargs"]["target_tpot_ms"])
@@ -255,11 +257,12 @@ def test_serve_wrapper_port_composes_like_ray() -> None:
 def test_bulk_observations_equal_repeated_ones() -> None:
     a, b = PerfModel([0.01, 0.001, 0.002, 0.0001]), PerfModel([0.01, 0.001, 0.002, 0.0001])
     for _ in range(37):
-        a.observe(12, 2.0, 0.031)
-    observe_rounds(b, 12, 2.0, 0.031, 37)
+        a.observe(12, 2.0, 0.031, 30_000.0)
+    observe_rounds(b, 12, 2.0, 0.031, 37, 30_000.0)
     a._solve()
     b._solve()
     assert b.coef == pytest.approx(a.coef, rel=1e-9)
+    assert b.ctx_per_seq == pytest.approx(a.ctx_per_seq, rel=1e-9) == 2500.0
     # AdaptiveK: 40 requests that all draft 3 and accept exactly 1 test positions 0 and 1.
     c, d = AdaptiveK(3), AdaptiveK(3)
     for _ in range(40):
@@ -337,3 +340,26 @@ def test_simulator_is_ray_free() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=300, check=True)
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+
+
+def test_replica_start_delay_is_made_of_stated_parts() -> None:
+    """Process + weights at the stated bandwidth + (decode only) graphs: warm from the on-disk
+    compile cache by default, compiled within the warm-up budget with cold_start; every part
+    is in hardware.json `start` with a source."""
+    from mtpserve.cluster.sim.cluster import build_models
+    from mtpserve.cluster.sim.hardware import DATA_DIR, load_hardware
+
+    hw = load_hardware("h200")
+    arch = load_arch("mimo-7b-like")
+    weights_s = arch.total_params() * arch.weight_bytes / hw.load_bw
+    pre, dec = build_models(SimConfig())
+    assert pre.start_parts == pytest.approx(
+        {"process_s": hw.process_start_s, "weights_s": weights_s, "graphs_s": 0.0})
+    assert dec.start_parts["graphs_s"] == hw.graph_warm_s
+    assert dec.start_s == pytest.approx(hw.process_start_s + weights_s + hw.graph_warm_s)
+    _, cold = build_models(SimConfig(cold_start=True))
+    assert cold.start_s - dec.start_s == pytest.approx(hw.graph_cold_s - hw.graph_warm_s)
+    _, fast = build_models(SimConfig(load_gbs=hw.load_bw / 1e9 * 2))
+    assert fast.start_parts["weights_s"] == pytest.approx(weights_s / 2)
+    start = json.loads((DATA_DIR / "hardware.json").read_text())["start"]
+    assert set(start["sources"]) == set(start) - {"sources"}

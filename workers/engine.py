@@ -21,7 +21,14 @@ import time
 
 from mtpserve.workers.adaptive_k import AdaptiveK
 from mtpserve.workers.block_manager import BlockManager, blocks_for
-from mtpserve.workers.engine_config import DTYPES, EngineConfig, EngineError, compile_enabled
+from mtpserve.workers.engine_config import (
+    DTYPES,
+    EngineConfig,
+    EngineError,
+    compile_enabled,
+    resolve_attention_backend,
+    resolve_dtype,
+)
 from mtpserve.workers.model_runner import ForwardBatch, ModelRunner
 from mtpserve.workers.outputs import RequestOutput, append_tokens
 from mtpserve.workers.prefix_cache import cache_salt
@@ -42,10 +49,14 @@ class Engine(RoundOutcomes):
 
     def __init__(self, config: EngineConfig, runner: ModelRunner | None = None) -> None:
         self.config = config
+        dtype = resolve_dtype(config.dtype, config.device)
         self.runner = runner or ModelRunner(
             config.model, config.num_kv_blocks, config.block_size,
-            DTYPES[config.dtype], config.device, draft_vocab_size=config.draft_vocab_size,
+            DTYPES[dtype], config.device, draft_vocab_size=config.draft_vocab_size,
             decode_graphs=compile_enabled(config.compile, config.device),
+            compile_cache_dir=config.compile_cache_dir,
+            attention_backend=resolve_attention_backend(config.attention_backend,
+                                                        config.device),
         )
         mcfg = self.runner.config
         self.model_config = mcfg
@@ -55,7 +66,7 @@ class Engine(RoundOutcomes):
             raise EngineError("num_speculative_tokens > 0 needs a model with an MTP module")
         self.block_manager = BlockManager(
             config.num_kv_blocks, config.block_size, prefix_caching=config.prefix_caching,
-            salt=cache_salt(dataclasses.asdict(mcfg), config.dtype, config.block_size),
+            salt=cache_salt(dataclasses.asdict(mcfg), dtype, config.block_size),
             has_mtp=mcfg.num_mtp_modules > 0)
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
@@ -75,7 +86,7 @@ class Engine(RoundOutcomes):
         self.totals = {"rounds": 0, "drafted": 0, "accepted": 0, "emitted": 0}
 
     def warmup(self, max_batch: int | None = None, max_context: int | None = None,
-               budget_s: float | None = None) -> int:
+               budget_s: float | None = None, cached_only: bool = False) -> int:
         """Compile the decode buckets requests can hit (a no-op for an eager runner) before
         they run: batches up to `max_batch` (default max_num_seqs), verify rows of 1..k+1
         tokens, contexts up to `max_context` (default the window). Serving engines call it at
@@ -88,7 +99,8 @@ class Engine(RoundOutcomes):
                                       min(max_context or self.max_model_len, self.max_model_len),
                                       mtp_modules=None if k else 0,  # k = 0 never drafts
                                       budget_s=self.config.warmup_budget_s if budget_s is None
-                                      else budget_s, log=logger.info)
+                                      else budget_s, log=logger.info,
+                                      cached_only=cached_only)
         if n:
             logger.info("warm-up: %d decode graphs compiled in %.1f s", n,
                         time.monotonic() - t0)

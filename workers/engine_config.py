@@ -14,7 +14,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 @dataclass(frozen=True)
 class EngineConfig:
     model: str
-    dtype: str = "float32"
+    # "auto": bfloat16 on CUDA, float32 on CPU (`resolve_dtype`).
+    dtype: str = "auto"
     device: str = "cpu"
     num_speculative_tokens: int = 2
     adaptive_k: bool = False
@@ -42,6 +43,12 @@ class EngineConfig:
     # Warm-up compiles the likeliest decode buckets first, within this many seconds; a bucket
     # it did not reach runs eagerly (nothing compiles inside a request).
     warmup_budget_s: float = 90.0
+    # Compiled graphs kept between starts (workers.model.compile_cache); None: the default
+    # folder, "": no cache.
+    compile_cache_dir: str | None = None
+    # Paged attention: "gather" (copy each row's context, SDPA), "flex" (FlexAttention over
+    # the block table, no copy) or "auto" (`resolve_attention_backend`).
+    attention_backend: Literal["auto", "gather", "flex"] = "auto"
 
 
 CompileMode = Literal["auto", "on", "off"]
@@ -70,6 +77,29 @@ def compile_enabled(mode: str, device: str, tp_size: int = 1) -> bool:
     if tp_size > 1:
         return False
     return mode == "on" or (mode == "auto" and device == "cpu")
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """"auto": bfloat16 on CUDA (half the bytes of every weight and KV read, the format GPU
+    checkpoints ship in), float32 on CPU (measured here: this CPU has no fast bf16 GEMV, and
+    the CPU tests compare with float32 references). Any other value is kept."""
+    if dtype == "auto":
+        return "bfloat16" if torch.device(device).type == "cuda" else "float32"
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r}: expected auto | {' | '.join(DTYPES)}")
+    return dtype
+
+
+def resolve_attention_backend(backend: str, device: str) -> str:
+    """"auto": gather everywhere for now. On CPU gather is measured (a fused paged attention
+    did not beat gather + SDPA here, README lever 3); on CUDA FlexAttention over the block
+    table is written and tested for equality on CPU but not yet measured on a GPU
+    (`benchmarks/gpu_check.py` compares them), so auto keeps the measured path."""
+    if backend == "auto":
+        return "gather"
+    if backend not in ("gather", "flex"):
+        raise ValueError(f"attention backend {backend!r}: expected auto | gather | flex")
+    return backend
 
 
 class EngineError(ValueError):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -38,8 +39,9 @@ class GenerationResult:
 
 # Decode tokens one generate call must ask for before `compile: auto` compiles for it. A
 # decode graph saves ~2.2 ms per token at k=0 and ~1.3 ms at k=2 on the default model (2-core
-# CPU), and batch 1 compiles 4 graphs in ~40-60 s (inductor's on-disk cache does not keep
-# frozen graphs): the cold compile pays back after ~18k-31k tokens.
+# CPU), and batch 1 compiles 4 graphs in ~40-60 s cold: the compile pays back after ~18k-31k
+# tokens. Graphs already in the on-disk compile cache load in well under a second each, so a
+# smaller call uses those.
 AUTO_COMPILE_MIN_TOKENS = 20_000
 
 
@@ -63,12 +65,15 @@ class LLM:
         ids_list = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
         # Compile what these prompts can hit before any of them runs (kept per engine). Under
         # `auto` only a call with enough tokens to decode pays for a cold compile; a smaller
-        # one runs eagerly (the engine never compiles inside a request).
+        # one loads what the on-disk compile cache holds (a fraction of a second per graph)
+        # and runs the rest eagerly (the engine never compiles inside a request).
         k = self.engine.config.num_speculative_tokens
         small = len(ids_list) * params.max_tokens < AUTO_COMPILE_MIN_TOKENS
-        budget = 0.0 if small and compile_mode(self.engine.config.compile) == "auto" else None
+        cached_only = small and compile_mode(self.engine.config.compile) == "auto"
+        # compile: on compiles whatever it takes (no time budget).
         self.engine.warmup(len(ids_list), max((len(x) for x in ids_list), default=0)
-                           + params.max_tokens + 2 * k + 2, budget_s=budget)
+                           + params.max_tokens + 2 * k + 2, budget_s=math.inf,
+                           cached_only=cached_only)
         reqs = []
         for p, ids in zip(prompts, ids_list, strict=True):
             self._counter += 1

@@ -100,7 +100,10 @@ class EngineRecorder:
         compute_s = 0.0
         if rounds > 0:  # a decode round of `rounds` requests
             mean_k = drafted / rounds
-            self.model.observe(rounds, mean_k, seconds)
+            # Context the round attended (requests that finished in it have left `running`:
+            # a slight undercount, O(batch) ints per round).
+            ctx = sum(r.num_computed_tokens for r in engine.scheduler.running)
+            self.model.observe(rounds, mean_k, seconds, ctx)
             self.decode.observe_round(rounds, mean_k, seconds)
         else:  # a prefill step: prompts finishing now share the prefill time since the last
             self._prefill_busy_s += seconds

@@ -17,11 +17,12 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from mtpserve.workers.engine_config import compile_enabled
+from mtpserve.workers.engine_config import compile_enabled, resolve_attention_backend
 from mtpserve.workers.kv_cache import KVCache
 from mtpserve.workers.model.attention_metadata import AttentionMetadata
 from mtpserve.workers.model.config import ModelConfig
-from mtpserve.workers.model.decode_graph import DecodeGraphs
+from mtpserve.workers.model.cuda_graphs import CUDAGraphs
+from mtpserve.workers.model.decode_graph import DecodeGraphs, GraphInputs
 from mtpserve.workers.model.loader import load_model
 from mtpserve.workers.model.parallel import get_tp
 from mtpserve.workers.spec.draft_vocab import draft_token_ids
@@ -82,7 +83,8 @@ class Runner(Protocol):
 
     def warmup_graphs(self, batch_sizes: list[int], query_lens: list[int], max_context: int,
                       mtp_modules: int | None = None, budget_s: float | None = None,
-                      log: Callable[[str], None] | None = None) -> int: ...
+                      log: Callable[[str], None] | None = None,
+                      cached_only: bool = False) -> int: ...
 
     @property
     def fuses_greedy_rounds(self) -> bool: ...
@@ -108,9 +110,16 @@ class ModelRunner:
         draft_vocab_size: int | None = None,
         cpp_wrapper: bool = True,
         greedy_rounds: bool | None = None,
+        compile_cache_dir: str | Path | None = None,
+        compile_ahead_of_time: bool = True,
+        attention_backend: str = "auto",
+        cuda_graphs: bool | None = None,
     ) -> None:
         self.device = torch.device(device)
         self.model = load_model(model_path, dtype=dtype, device=self.device)
+        # Eager forwards and compiled graphs both read it (workers/model/attention_metadata).
+        self.attention_backend = resolve_attention_backend(attention_backend, self.device.type)
+        self.model.attention_backend = self.attention_backend
         if self.device.type == "cpu":
             column_major_linears(self.model)
         self.config = self.model.config
@@ -131,20 +140,35 @@ class ModelRunner:
         if greedy_rounds is None:
             greedy_rounds = os.environ.get("MTPSERVE_GREEDY_ROUNDS", "0") == "1"
         self.graphs = (DecodeGraphs(self.model, self.kv_cache, cpp_wrapper=cpp_wrapper,
-                                    greedy_rounds=greedy_rounds)
+                                    greedy_rounds=greedy_rounds, cache_dir=compile_cache_dir,
+                                    ahead_of_time=compile_ahead_of_time)
                        if decode_graphs and get_tp().size == 1 else None)
+        # CUDA: every bucket warm-up compiles is also captured as a CUDA graph and replayed
+        # (workers/model/cuda_graphs.py); None on CPU, where nothing changes.
+        if cuda_graphs is None:
+            cuda_graphs = self.device.type == "cuda"
+        self.cuda_graphs = (CUDAGraphs(self.graphs) if cuda_graphs and self.graphs is not None
+                            and self.device.type == "cuda" else None)
 
     @torch.inference_mode()
     def warmup_graphs(self, batch_sizes: list[int], query_lens: list[int], max_context: int,
                       mtp_modules: int | None = None, budget_s: float | None = None,
-                      log: Callable[[str], None] | None = None) -> int:
+                      log: Callable[[str], None] | None = None,
+                      cached_only: bool = False) -> int:
         """Compile the decode graphs these shapes can hit, likeliest first, within `budget_s`
-        seconds (no-op without graphs); returns how many were compiled."""
+        seconds (no-op without graphs); returns how many were compiled or loaded.
+        `cached_only`: only load what the on-disk compile cache holds, compile nothing."""
         if self.graphs is None:
             return 0
         n = self.config.num_mtp_modules if mtp_modules is None else mtp_modules
         deadline = None if budget_s is None else time.monotonic() + budget_s
-        return self.graphs.warmup(batch_sizes, query_lens, max_context, n, log, deadline)
+        done = self.graphs.warmup(batch_sizes, query_lens, max_context, n, log, deadline,
+                                  cached_only)
+        if self.cuda_graphs is not None:  # capturing costs milliseconds per bucket
+            captured = self.cuda_graphs.capture_pending()
+            if log and captured:
+                log(f"captured {captured} CUDA graph(s)")
+        return done
 
     @property
     def fuses_greedy_rounds(self) -> bool:
@@ -166,7 +190,7 @@ class ModelRunner:
         inp = g.prepare(key, input_ids, starts, tables, [])
         room_t = torch.tensor(room + [0] * (key.batch - len(room)), dtype=torch.long,
                               device=self.device)
-        accepted, bonus, drafts = g.run(inp, room_t)
+        accepted, bonus, drafts = self._run_graph(inp, room_t)
         n = len(input_ids)
         rows = torch.cat([accepted[:n, None], bonus[:n, None], drafts[:n]], 1).tolist()
         return ([r[0] for r in rows], [r[1] for r in rows], [r[2:] for r in rows])
@@ -181,7 +205,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ForwardBatch) -> torch.Tensor:
-        """Run one forward; returns float32 logits [len(logit_rows), V]."""
+        """Run one forward; returns float32 logits [len(logit_rows), V] on the model's
+        device, valid until the next `execute` (a CUDA graph reuses its output buffer)."""
         key = None
         if self.graphs is not None:
             key = self.graphs.key_for(batch.kind, batch.module,
@@ -194,12 +219,21 @@ class ModelRunner:
             prev = None
             if batch.kind == "mtp":
                 prev = self._prev_hidden(batch, key.query_len, key.batch)
-            flat, logits = self.graphs.run(inp, prev)
+            flat, logits = self._run_graph(inp, prev)
             S = max(len(x) for x in batch.input_ids)
             self._hidden[batch.kind] = (flat, S, key.query_len)
             logits = logits[: len(batch.logit_rows)]
-        # Sampling and verification run on the host (rank 0); only the few selected rows move.
-        return logits if logits.device.type == "cpu" else logits.cpu()
+        # Logits stay on the model's device: sampling, acceptance and drafting run there, and
+        # only sampled ids (and requested logprob values) reach the host. On CUDA graphs they
+        # are the bucket's static output: the caller consumes them before the next forward.
+        return logits
+
+    def _run_graph(self, inp: GraphInputs, prev: torch.Tensor | None
+                   ) -> tuple[torch.Tensor, ...]:
+        """A compiled bucket: replayed as a CUDA graph when captured, else called."""
+        if self.cuda_graphs is not None and inp.key in self.cuda_graphs:
+            return self.cuda_graphs.replay(inp, prev)
+        return self.graphs.run(inp, prev)
 
     def _execute_eager(self, batch: ForwardBatch) -> torch.Tensor:
         lens = [len(x) for x in batch.input_ids]
@@ -209,7 +243,7 @@ class ModelRunner:
         positions = starts + torch.arange(S).unsqueeze(0)  # padding runs past; masked out
         positions = torch.minimum(positions, starts + torch.tensor(lens).unsqueeze(1) - 1)
         attn = AttentionMetadata.build(positions, lens, batch.block_tables, self.block_size,
-                                       self.device)
+                                       self.device, self.attention_backend)
         ids, positions = ids.to(self.device), positions.to(self.device)
         caches = self.kv_cache.buffers
         if batch.kind == "main":

@@ -58,11 +58,15 @@ def token_logprobs(raw: torch.Tensor, token_ids: list[int], num_top: int | None
         return None
     lp = torch.log_softmax(raw.float(), dim=-1)  # [N, V]
     ids = torch.tensor(token_ids, device=lp.device)
-    chosen = lp.gather(1, ids.unsqueeze(1)).squeeze(1).tolist()
+    chosen = lp.gather(1, ids.unsqueeze(1))  # [N, 1]
     top_v, top_i = lp.topk(num_top, dim=-1)  # [N, num_top]; num_top may be 0
-    top_v, top_i = top_v.tolist(), top_i.tolist()
-    return [TokenLogprobs(t, chosen[j], list(zip(top_i[j], top_v[j], strict=True)))
-            for j, t in enumerate(token_ids)]
+    # One transfer from the logits' device (float64 holds the float32 values and the ids
+    # exactly).
+    rows = torch.cat([chosen.double(), top_v.double(), top_i.double()], dim=1).tolist()
+    n = num_top
+    return [TokenLogprobs(t, r[0], [(int(i), v) for i, v in zip(r[1 + n:], r[1:1 + n],
+                                                                strict=True)])
+            for t, r in zip(token_ids, rows, strict=True)]
 
 
 def request_output(req: Request, emitted: list[int],

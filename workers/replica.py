@@ -54,6 +54,8 @@ class EngineReplica:
             kv_store_port_range=kv.store_port_range,
             num_threads=max(1, int(side.cpus_per_rank)),
             draft_vocab_size=cfg.speculation.draft_vocab_size, compile=cfg.engine.compile,
+            compile_cache_dir=cfg.engine.compile_cache_dir,
+            attention_backend=cfg.engine.attention_backend,
         )
         self.driver, self.workers, self.kv_addresses = start_group(
             spec, side.cpus_per_rank, side.gpus_per_rank)
@@ -66,6 +68,8 @@ class EngineReplica:
             max_num_batched_tokens=getattr(side, "max_num_batched_tokens", 512),
             max_model_len=cfg.max_model_len, role=self.role, compile=cfg.engine.compile,
             warmup_budget_s=cfg.engine.warmup_budget_s,
+            compile_cache_dir=cfg.engine.compile_cache_dir,
+            attention_backend=cfg.engine.attention_backend,
             prefix_caching=cfg.prefix_caching.enabled,
         ), runner=self.driver)  # warms up the decode graphs before Serve sees it ready
         self.poller = self._make_poller()

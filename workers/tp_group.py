@@ -64,7 +64,7 @@ class RankSpec:
     tp_size: int
     num_kv_blocks: int
     block_size: int = 16
-    dtype: str = "float32"
+    dtype: str = "auto"  # EngineConfig.dtype (auto: bfloat16 on CUDA, float32 on CPU)
     device: str = "cpu"
     init_method: str | None = None  # tcp://host:port of rank 0's rendezvous (tp_size > 1)
     kv_backend: str = "gloo"
@@ -80,6 +80,8 @@ class RankSpec:
     num_threads: int | None = None
     draft_vocab_size: int | None = None
     compile: str = "auto"  # EngineConfig.compile
+    compile_cache_dir: str | None = None  # EngineConfig.compile_cache_dir
+    attention_backend: str = "auto"  # EngineConfig.attention_backend
 
 
 class RankCore:
@@ -87,6 +89,7 @@ class RankCore:
 
     def __init__(self, spec: RankSpec, rank: int) -> None:
         from mtpserve.workers.engine import DTYPES
+        from mtpserve.workers.engine_config import resolve_attention_backend, resolve_dtype
         from mtpserve.workers.kv_transfer import KVReceiver, KVSender
         from mtpserve.workers.kv_transfer.puller import KVPuller
 
@@ -123,8 +126,12 @@ class RankCore:
         graphs = spec.role == "decode" and compile_enabled(spec.compile, spec.device,
                                                            spec.tp_size)
         self.runner = ModelRunner(spec.model, spec.num_kv_blocks, spec.block_size,
-                                  DTYPES[spec.dtype], spec.device, decode_graphs=graphs,
-                                  draft_vocab_size=spec.draft_vocab_size)
+                                  DTYPES[resolve_dtype(spec.dtype, spec.device)],
+                                  spec.device, decode_graphs=graphs,
+                                  compile_cache_dir=spec.compile_cache_dir,
+                                  draft_vocab_size=spec.draft_vocab_size,
+                                  attention_backend=resolve_attention_backend(
+                                      spec.attention_backend, spec.device))
         cfg = self.runner.config
         self.head_start = rank * cfg.num_key_value_heads // spec.tp_size
         self._lock = threading.Lock()
@@ -329,10 +336,11 @@ class TPDriver:
     # these calls then need no broadcast. A TP > 1 runner has none, so they are no-ops.
     def warmup_graphs(self, batch_sizes: list[int], query_lens: list[int], max_context: int,
                       mtp_modules: int | None = None, budget_s: float | None = None,
-                      log: Callable[[str], None] | None = None) -> int:
+                      log: Callable[[str], None] | None = None,
+                      cached_only: bool = False) -> int:
         assert self.tp_size == 1 or self.runner.graphs is None
         return self.runner.warmup_graphs(batch_sizes, query_lens, max_context, mtp_modules,
-                                         budget_s, log)
+                                         budget_s, log, cached_only)
 
     @property
     def fuses_greedy_rounds(self) -> bool:

@@ -15,5 +15,6 @@ policy with a real context (tests/test_sim.py enforces both).
 | `metrics_store`, `serve_port` | Serve's controller view and its policy wrapper, ported |
 | `policies`, `slo_planner` | mtpserve / Serve default / Dynamo-style planner |
 | `config`, `cluster` | what a run is; the simulation itself |
+| `cpu` | co-located replicas sharing a CPU host's cores (off at GPU scale) |
 | `results`, `plot`, `cli` | JSON, PNG and `mtpserve sim ...` |
 """

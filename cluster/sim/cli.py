@@ -33,6 +33,11 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--duration-s", type=float, help="shorten the scenario (default 1 h)")
     p.add_argument("--ttft-slo-ms", type=float, default=500.0)
     p.add_argument("--tpot-slo-ms", type=float, default=8.0)
+    p.add_argument("--cold-start", action="store_true",
+                   help="decode replicas compile their graphs at start (within the warm-up "
+                   "budget) instead of loading them from the on-disk compile cache")
+    p.add_argument("--load-gbs", type=float,
+                   help="weight-loading bandwidth per GPU, GB/s (default: hardware.json)")
     p.add_argument("--serve-target-ongoing", type=_pair, metavar="DECODE,PREFILL",
                    help="serve-default's target_ongoing_requests (default: profiled)")
 
@@ -77,7 +82,8 @@ def sim_config(args: argparse.Namespace, scenario: str, policy: str):
         model_config=args.model_config, profile=args.profile, tp=args.tp,
         mtp_depth=args.mtp_depth, max_num_seqs=args.max_num_seqs, seed=args.seed,
         rate_scale=args.rate_scale, duration_s=args.duration_s, ttft_slo_ms=args.ttft_slo_ms,
-        tpot_slo_ms=args.tpot_slo_ms, serve_target_ongoing=args.serve_target_ongoing)
+        tpot_slo_ms=args.tpot_slo_ms, serve_target_ongoing=args.serve_target_ongoing,
+        cold_start=args.cold_start, load_gbs=args.load_gbs)
 
 
 def format_summary(res: dict) -> str:

@@ -24,6 +24,7 @@ from collections.abc import Callable
 
 from mtpserve.cluster.serve_options import autoscaling_config, max_ongoing
 from mtpserve.cluster.sim.config import SimConfig, cluster_config, serve_default_config
+from mtpserve.cluster.sim.cpu import SharedCpu
 from mtpserve.cluster.sim.decode_replica import DecodeReplica
 from mtpserve.cluster.sim.events import EventQueue
 from mtpserve.cluster.sim.hardware import load_hardware
@@ -69,13 +70,17 @@ def build_models(sim: SimConfig) -> tuple[ReplicaModel, ReplicaModel]:
         return m, m
     arch = load_arch(sim.model_config)
     hw = load_hardware(sim.hardware)
+    if sim.load_gbs:
+        hw = load_hardware(sim.hardware, load_bw=sim.load_gbs * 1e9)
     tp = sim.tp or int(arch.setting("tp", 1))
     k = sim.mtp_depth if sim.mtp_depth is not None else int(arch.setting("mtp_depth", 1))
     seqs = sim.max_num_seqs or int(arch.setting("max_num_seqs", 128))
     if not arch.mtp_layers:
         k = 0
-    prefill = RooflineReplicaModel(hw, arch, tp, k, seqs, sim.max_num_batched_tokens)
-    decode = RooflineReplicaModel(hw, arch, tp, k, seqs, sim.max_num_batched_tokens)
+    prefill = RooflineReplicaModel(hw, arch, tp, k, seqs, sim.max_num_batched_tokens,
+                                   "prefill", sim.cold_start)
+    decode = RooflineReplicaModel(hw, arch, tp, k, seqs, sim.max_num_batched_tokens,
+                                  "decode", sim.cold_start)
     return prefill, decode
 
 
@@ -116,6 +121,8 @@ class Simulator:
             for i in range(len(workload))]
         self.events = EventQueue()
         self.now = 0.0
+        # Co-located replicas share the host's cores (sim/cpu.py); None: separate machines.
+        self.cpu = SharedCpu(self, sim.cpu) if sim.cpu is not None else None
         self._seq = 0
         self.done = 0
         self.replicas: dict[str, list] = {r: [] for r in ROLES}
@@ -191,7 +198,10 @@ class Simulator:
             for _ in range(self.target[role]):
                 self._new_replica(role, ready=True)
         for req in self.requests:
-            self.schedule(req.arrival + self.sim.ingress_overhead_s, self._arrive, req)
+            if self.cpu is not None and self.sim.ingress_overhead_s > 0:
+                self.schedule(req.arrival, self._ingress, req)
+            else:
+                self.schedule(req.arrival + self.sim.ingress_overhead_s, self._arrive, req)
         interval = self.cfg.decode.autoscaling.metrics_interval_s
         self.schedule(interval, self._metrics_tick, interval)
         self.schedule(0.0, self._routing_tick)
@@ -223,6 +233,10 @@ class Simulator:
         return self.now < self.duration or self.done < len(self.requests)
 
     # Requests -----------------------------------------------------------------------------------
+    def _ingress(self, req: SimRequest) -> None:
+        """Shared CPU: the work outside the engines is a job on the host's cores."""
+        self.cpu.start(self.sim.ingress_overhead_s, self._arrive, req)
+
     def _arrive(self, req: SimRequest) -> None:
         self.fe_arrival.append((self.now, float(req.prompt), req.cls))
         if self.handle["prefill"] or not self._route("prefill", req):

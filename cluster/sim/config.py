@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from mtpserve.cluster.config import ClusterConfig
 from mtpserve.cluster.serve_options import autoscaling_config
+from mtpserve.cluster.sim.cpu import CpuSharing
 
 
 @dataclass
@@ -37,6 +38,11 @@ class SimConfig:
     window_s: float = 30.0
     graceful_shutdown_timeout_s: float = 30.0
     max_num_batched_tokens: int = 8192
+    # Replica start delay (roofline models; parts and sources in sim_data/hardware.json
+    # `start`): decode graphs load warm from the on-disk compile cache unless `cold_start`;
+    # `load_gbs` overrides the weight-loading bandwidth per GPU (GB/s).
+    cold_start: bool = False
+    load_gbs: float | None = None
     # Serve's controller ticks every 0.1 s; replicas report every metrics_interval_s, so a
     # coarser tick only delays a decision by < control_interval_s (delays are timed).
     control_interval_s: float = 1.0
@@ -53,6 +59,10 @@ class SimConfig:
     # so it adds to TTFT and not to TPOT. 0: not modelled (benchmarks/sim_calibration.py
     # measures it on the live cluster).
     ingress_overhead_s: float = 0.0
+    # Replicas co-located on one CPU host (sim/cpu.py): their work (prefill steps, decode
+    # rounds, KV pulls, the ingress overhead above) shares the host's cores. None (default,
+    # every GPU-scale run): each replica is its own machine and runs at its model's speed.
+    cpu: CpuSharing | None = None
 
 
 def cluster_config(sim: SimConfig, tp: int, k_max: int, max_num_seqs: int,

@@ -83,12 +83,20 @@ class DecodeReplica:
         self.step_k: list[int] = [0] * c
         self.step_E: list[float] = [1.0] * c
         self.step_B = 0
+        self.step_ctx = 0.0
         # Routing hints (DecodeServer.record_routing_stats, refreshed every period).
         self.output_ema: float | None = None
         self.snapshot = (0.0, 0, DEFAULT_EXPECTED_TOKENS)
         # Counters.
         self.rounds_total = 0
         self.preemptions = 0
+        # Co-located replicas share the host's cores (sim/cpu.py): the stretch of rounds, the
+        # KV lane's pulls and the streaming of output chunks are jobs on them.
+        self.cpu = getattr(host, "cpu", None)
+        self.job = None  # the stretch in progress
+        self.lane: deque[tuple[SimRequest, float]] = deque()  # pulls waiting for the lane
+        self.lane_busy = False
+        self.stream_job = None
 
     # Load --------------------------------------------------------------------------------------
     @property
@@ -160,11 +168,27 @@ class DecodeReplica:
             self.awaiting.popleft()
             dur = (prefill_alone_s(self.model, req.context) if req.kv_lost
                    else self.model.kv_transfer_s(req.prompt + max(self.k_max - 1, 0)))
-            start = max(now, self.lane_free)
-            self.lane_free = start + dur
             self.receiving[req.rid] = (req, slots)
             self.reserved += slots
+            if self.cpu is not None:
+                self.lane.append((req, dur))
+                self._next_pull()
+                continue
+            start = max(now, self.lane_free)
+            self.lane_free = start + dur
             self.host.schedule(start + dur, self._kv_landed, req)
+
+    def _next_pull(self) -> None:
+        """Shared CPU: the serial lane's next pull is a job on the host's cores."""
+        if not self.lane_busy and self.lane:
+            req, dur = self.lane.popleft()
+            self.lane_busy = True
+            self.cpu.start(dur, self._pulled, req)
+
+    def _pulled(self, req: SimRequest) -> None:
+        self.lane_busy = False
+        self._next_pull()
+        self._kv_landed(req)
 
     def _kv_landed(self, req: SimRequest) -> None:
         item = self.receiving.pop(req.rid, None)
@@ -175,6 +199,11 @@ class DecodeReplica:
         if not self.busy:
             self._join_ready()
             self._start_step()
+        elif self.cpu is not None:  # join at the end of the round in progress
+            done = max(1, math.ceil(self.cpu.done_work(self.job) / self.step_T - 1e-9))
+            if done < self.step_rounds:
+                self.step_rounds = done
+                self.cpu.set_work(self.job, done * self.step_T)
         else:  # join at the end of the round in progress
             now = self.host.now
             done = max(1, math.ceil((now - self.step_start) / self.step_T - 1e-9))
@@ -240,15 +269,22 @@ class DecodeReplica:
         self.busy = True
         self.step_seq += 1
         self.step_start, self.step_T, self.step_rounds = now, T, rounds
-        self.step_k, self.step_E, self.step_B = ks, E, B
-        self.host.schedule(now + rounds * T, self._step_end, self.step_seq)
+        self.step_k, self.step_E, self.step_B, self.step_ctx = ks, E, B, ctx
+        if self.cpu is not None:
+            self.job = self.cpu.start(rounds * T, self._step_end, self.step_seq)
+        else:
+            self.host.schedule(now + rounds * T, self._step_end, self.step_seq)
 
     def _step_end(self, seq: int) -> None:
         if seq != self.step_seq or self.state == STOPPED:
             return
         now = self.host.now
         m, B, T, ks, E = self.step_rounds, self.step_B, self.step_T, self.step_k, self.step_E
-        self._account(m, B, T, ks)
+        if self.cpu is not None:
+            self.job = None
+            T = (now - self.step_start) / m  # the engine times rounds by wall clock
+            self._stream(m * B)
+        self._account(m, B, T, ks, self.step_ctx)
         for c in range(len(E)):
             self.progress[c] += m * E[c]
         self.rounds_total += m
@@ -267,13 +303,24 @@ class DecodeReplica:
             return
         self._start_step()
 
-    def _account(self, m: int, B: int, T: float, ks: list[int]) -> None:
+    def _stream(self, chunks: int) -> None:
+        """Shared CPU: `chunks` output chunks to stream through ingress, proxy and client, on
+        one backlog job."""
+        work = chunks * self.cpu.sharing.stream_s_per_chunk
+        if work <= 0:
+            return
+        if self.stream_job is not None and self.stream_job.active:
+            self.cpu.set_work(self.stream_job, self.stream_job.work + work)
+        else:
+            self.stream_job = self.cpu.start(work, lambda: None)
+
+    def _account(self, m: int, B: int, T: float, ks: list[int], ctx: float) -> None:
         """What m identical rounds feed the windows, the online model and the k controller
         (the sums m rounds of per-round and per-request observations would add)."""
         k_mean = sum(ks[c] * self.count[c] for c in range(len(ks))) / B
         self.windows.rounds.add([m, m * B, m * T, m * k_mean * B])
         self.windows.recent.add([m, m * B])
-        observe_rounds(self.perf, B, k_mean, T, m)
+        observe_rounds(self.perf, B, k_mean, T, m, ctx)
         kw = max(self.k_max, 1)
         row = [0.0] * (2 * kw)
         tested = [0.0] * kw  # AdaptiveK counts positions actually tested
@@ -334,9 +381,14 @@ class DecodeReplica:
         resumes it on another replica with the tokens it already streamed)."""
         if self.busy:  # rounds completed up to now count
             now = self.host.now
-            done = int((now - self.step_start) / self.step_T + 1e-9)
+            if self.cpu is not None and self.job is not None:
+                done = int(self.cpu.done_work(self.job) / self.step_T + 1e-9)
+                self.cpu.cancel(self.job)
+                self.job = None
+            else:
+                done = int((now - self.step_start) / self.step_T + 1e-9)
             if done > 0:
-                self._account(done, self.step_B, self.step_T, self.step_k)
+                self._account(done, self.step_B, self.step_T, self.step_k, self.step_ctx)
                 for c in range(len(self.step_E)):
                     self.progress[c] += done * self.step_E[c]
         out = list(self.awaiting) + [r for r, _ in self.receiving.values()] + list(self.ready)
@@ -354,14 +406,18 @@ class DecodeReplica:
         return out
 
 
-def observe_rounds(model: PerfModel, batch: int, k: float, seconds: float, m: int) -> None:
-    """`m` calls of `PerfModel.observe(batch, k, seconds)` in closed form (the decayed normal
-    equations); the solve is left to the caller (the engine solves every 8 rounds)."""
-    x = features(batch, k)
+def observe_rounds(model: PerfModel, batch: int, k: float, seconds: float, m: int,
+                   ctx_tokens: float = 0.0) -> None:
+    """`m` calls of `PerfModel.observe(batch, k, seconds, ctx_tokens)` in closed form (the
+    decayed normal equations and context sums); the solve is left to the caller (the engine
+    solves every 8 rounds)."""
+    x = features(batch, k, ctx_tokens)
     dm = model.decay ** m
     w = (1 - dm) / (1 - model.decay)
     model._xtx = dm * model._xtx + w * (x[:, None] * x[None, :])
     model._xty = dm * model._xty + w * x * seconds
+    model._ctx_sum = dm * model._ctx_sum + w * ctx_tokens
+    model._seq_sum = dm * model._seq_sum + w * batch
     model._n += m
 
 

@@ -3,6 +3,7 @@
 Spec numbers (HBM size and bandwidth, dense BF16 / FP8 tensor FLOP/s, NVLink and NIC bandwidth)
 are the vendors' published figures; the efficiencies and overheads (`assumptions` in the JSON)
 are not measured here and are what the calibration benchmark (issue 19, item 6) will replace.
+The parts of a replica's start delay (`start` in the JSON) state their sources there.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "sim_data"
 GB = 1e9
+NOT_HARDWARE = ("_about", "assumptions", "start")
 
 
 @dataclass(frozen=True)
@@ -35,9 +37,13 @@ class Hardware:
     per_seq_overhead_s: float  # ... per running request
     allreduce_latency_s: float
     kv_transfer_latency_s: float  # per transfer: control messages + rendezvous
-    start_fixed_s: float  # replica process, TP group and KV channels up
+    # Start delay parts (hardware.json `start`, sources there): the replica process and its
+    # Serve actor up, weights read at `load_bw`, then (decode) the compiled graphs loaded from
+    # the on-disk cache (`graph_warm_s`) or compiled cold (`graph_cold_s`).
+    process_start_s: float
     load_bw: float  # bytes/s per GPU reading weights
-    warmup_s: float  # profile + graph capture before the replica reports ready
+    graph_warm_s: float
+    graph_cold_s: float
 
     def flops(self, weight_bytes: int) -> float:
         return self.fp8_flops if weight_bytes == 1 else self.bf16_flops
@@ -45,16 +51,16 @@ class Hardware:
 
 def available() -> list[str]:
     data = json.loads((DATA_DIR / "hardware.json").read_text())
-    return sorted(k for k in data if k not in ("_about", "assumptions"))
+    return sorted(k for k in data if k not in NOT_HARDWARE)
 
 
 def load_hardware(name: str, **overrides: float) -> Hardware:
     """`name`: a key of hardware.json (h100, h200). `overrides`: any Hardware field."""
     data = json.loads((DATA_DIR / "hardware.json").read_text())
     key = name.lower()
-    if key not in data or key in ("_about", "assumptions"):
+    if key not in data or key in NOT_HARDWARE:
         raise ValueError(f"unknown hardware {name!r}; known: {', '.join(available())}")
-    spec, a = data[key], data["assumptions"]
+    spec, a, st = data[key], data["assumptions"], data["start"]
     hw = Hardware(
         name=key, hbm_bytes=spec["hbm_gb"] * GB, hbm_bw=spec["hbm_tbs"] * 1e12,
         bf16_flops=spec["bf16_tflops"] * 1e12, fp8_flops=spec["fp8_tflops"] * 1e12,
@@ -65,8 +71,9 @@ def load_hardware(name: str, **overrides: float) -> Hardware:
         forward_overhead_s=a["forward_overhead_s"], round_overhead_s=a["round_overhead_s"],
         per_seq_overhead_s=a["per_seq_overhead_s"],
         allreduce_latency_s=a["allreduce_latency_s"],
-        kv_transfer_latency_s=a["kv_transfer_latency_s"], start_fixed_s=a["start_fixed_s"],
-        load_bw=a["load_gbs_per_gpu"] * GB, warmup_s=a["warmup_s"])
+        kv_transfer_latency_s=a["kv_transfer_latency_s"],
+        process_start_s=st["process_start_s"], load_bw=st["load_gbs_per_gpu"] * GB,
+        graph_warm_s=st["graph_load_warm_s"], graph_cold_s=st["graph_compile_cold_s"])
     known = {f.name for f in fields(Hardware)}
     bad = set(overrides) - known
     if bad:

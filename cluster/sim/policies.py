@@ -4,11 +4,14 @@
   `policy_function` import path and `policy_kwargs` that cluster/app.py puts into the
   deployments' `autoscaling_config` (mirrored Ray-free in sim/config.py and checked equal by
   tests/test_sim.py), instantiating the class once as Serve's `_resolve_policy_callable`
-  does, so it calls the very class the deployments use. The only added kwarg is
-  `publish=False`: publishing a decision goes to a Ray actor (metrics only, no effect on the
-  decision). Each tick builds a duck-typed context, `serve_port.SimAutoscalingContext`, with
-  exactly the attributes of Serve's `AutoscalingContext`, and Serve's wrapper (delays,
-  factors, bounds; ported in serve_port.py) applies the result.
+  does, so it calls the very class the deployments use. The only added kwargs are
+  `publish=False` (publishing a decision goes to a Ray actor: metrics only, no effect on the
+  decision) and `board`: a `DemandBoard` of this run, where the prefill policy posts arrival
+  growth for the decode policy (in Serve both run in the controller and share the module's
+  board; a run of its own keeps simulations independent and deterministic). Each tick builds
+  a duck-typed context, `serve_port.SimAutoscalingContext`, with exactly the attributes of
+  Serve's `AutoscalingContext`, and Serve's wrapper (delays, factors, bounds; ported in
+  serve_port.py) applies the result.
 - `serve-default`: Ray Serve's own `default_autoscaling_policy` (request-based,
   `target_ongoing_requests`), imported from Ray inside `_ray_default_policy` only, and given a
   real `ray.serve.config.AutoscalingContext` (built in `_ray_context`); the same wrapper port
@@ -26,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from mtpserve.cluster.demand_board import DemandBoard
 from mtpserve.cluster.sim.replica_models import ReplicaModel
 from mtpserve.cluster.sim.serve_port import (
     SimAutoscalingConfig,
@@ -136,9 +140,10 @@ class ServeDeploymentAutoscaler:
 def mtpserve_autoscalers(configs: dict[str, dict], clock: Callable[[], float]
                          ) -> dict[str, ServeDeploymentAutoscaler]:
     """`configs`: role -> the deployment's autoscaling_config (sim/config.py)."""
+    board = DemandBoard()
     out = {}
     for role, ac in configs.items():
-        policy = resolve_policy_callable(ac["policy"], {"publish": False})
+        policy = resolve_policy_callable(ac["policy"], {"publish": False, "board": board})
         out[role] = ServeDeploymentAutoscaler(role, ac, policy, _sim_context, clock)
     return out
 

@@ -40,6 +40,7 @@ class PrefillReplica:
         self.enqueued: dict[int, float] = {}
         self.busy = False
         self.busy_s = 0.0  # EngineRecorder._prefill_busy_s
+        self.cpu = getattr(host, "cpu", None)  # co-located replicas share cores (sim/cpu.py)
 
     @property
     def ongoing(self) -> int:
@@ -102,7 +103,13 @@ class PrefillReplica:
         att = sum(attended(s, e) for _, s, e in chunks)
         dt = self.model.prefill_step_s(tokens, att)
         self.busy = True
-        self.host.schedule(self.host.now + dt, self._step_end, chunks, dt)
+        if self.cpu is not None:  # the step is work on the shared cores: its wall time varies
+            self.cpu.start(dt, self._shared_step_end, chunks, self.host.now)
+        else:
+            self.host.schedule(self.host.now + dt, self._step_end, chunks, dt)
+
+    def _shared_step_end(self, chunks: list, t0: float) -> None:
+        self._step_end(chunks, self.host.now - t0)  # the engine times steps by wall clock
 
     def _step_end(self, chunks: list, dt: float) -> None:
         if self.state == STOPPED:

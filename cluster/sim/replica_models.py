@@ -101,7 +101,7 @@ class FittedReplicaModel:
         self._pm = PerfModel(list(self.coef))
 
     def round_s(self, batch: int, k: float, ctx_tokens: float) -> float:
-        return self._pm.round_s(batch, k) + self.ctx_s_per_token * ctx_tokens
+        return self._pm.round_s(batch, k, 0.0) + self.ctx_s_per_token * ctx_tokens
 
     def prefill_step_s(self, tokens: int, attended: float) -> float:
         p0, p1, p2 = self.prefill
@@ -134,7 +134,8 @@ class RooflineReplicaModel:
     """Roofline cost of one replica (one TP group) of `arch` on `hw`."""
 
     def __init__(self, hw: Hardware, arch: ModelArch, tp: int, k_max: int, max_num_seqs: int,
-                 max_num_batched_tokens: int = 8192) -> None:
+                 max_num_batched_tokens: int = 8192, role: str = "decode",
+                 cold_start: bool = False) -> None:
         self.hw, self.arch, self.tp = hw, arch, tp
         self.k_max, self.max_num_seqs = k_max, max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -166,7 +167,14 @@ class RooflineReplicaModel:
         self.weight_bytes = weights
         self.decode_kv_tokens = int(free / (self.kv_bytes_per_token * self.kv_repl))
         self.prefill_kv_tokens = self.decode_kv_tokens
-        self.start_s = hw.start_fixed_s + weights / tp / hw.load_bw + hw.warmup_s
+        # Start delay, part by part (sources: hardware.json `start`). Only decode replicas run
+        # compiled graphs (prefill stays eager): warm from the on-disk compile cache by default,
+        # compiled within the warm-up budget with `cold_start`.
+        graphs = 0.0 if role == "prefill" else (hw.graph_cold_s if cold_start
+                                                else hw.graph_warm_s)
+        self.start_parts = {"process_s": hw.process_start_s,
+                            "weights_s": weights / tp / hw.load_bw, "graphs_s": graphs}
+        self.start_s = sum(self.start_parts.values())
 
     def _extra_experts(self, tokens: float) -> float:
         a = self.arch

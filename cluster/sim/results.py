@@ -5,6 +5,7 @@ acceptance, replicas, TTFT/TPOT per interval). Everything is a plain JSON-able d
 from __future__ import annotations
 
 import bisect
+from dataclasses import asdict
 from typing import Any
 
 import numpy as np
@@ -110,10 +111,16 @@ def summarize(sim) -> dict[str, Any]:
         "model": s.profile or s.model_config, "tp": dm.tp, "k_max": dm.k_max,
         "max_num_seqs": dm.max_num_seqs, "ttft_slo_ms": s.ttft_slo_ms,
         "tpot_slo_ms": s.tpot_slo_ms, "replica_start_s": _r(dm.start_s, 3),
+        "prefill_replica_start_s": _r(pm.start_s, 3), "cold_start": s.cold_start,
+        "replica_start_parts": {
+            role: {k: _r(v, 3) for k, v in getattr(m, "start_parts", {}).items()}
+            for role, m in (("prefill", pm), ("decode", dm))},
         "decode_kv_tokens": dm.decode_kv_tokens, "prefill_kv_tokens": pm.prefill_kv_tokens,
         "autoscaling_configs": sim.autoscaling_configs,
         "serve_target_ongoing": sim.serve_targets,
     }
+    if s.cpu is not None:  # only co-located replicas (GPU-scale JSON unchanged)
+        config["cpu_sharing"] = asdict(s.cpu)
     return {"config": config, "summary": summary,
             "replica_timeline": {"columns": REPLICA_COLUMNS,
                                  "rows": [[_r(x, 6) for x in row] for row in sim.replica_log]},

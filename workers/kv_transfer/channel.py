@@ -247,6 +247,14 @@ def _make_group(
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", NCCL_ASYNC_ERROR_HANDLING)
     opts = dist.ProcessGroupNCCL.Options()
     opts._timeout = timedelta(seconds=max(timeout_s * 4, NCCL_GROUP_TIMEOUT_S))
+    # Connect timeout: a blocking ncclCommInitRank (run inside the pair's first send/recv)
+    # waits for a peer that may never come, with no time limit. Non-blocking init polls
+    # instead, for at most TORCH_NCCL_NONBLOCKING_TIMEOUT seconds (default 30 min), which is
+    # set to the connect timeout; a peer that does not arrive fails this pair only.
+    cfg = getattr(opts, "config", None)
+    if cfg is not None and hasattr(cfg, "blocking"):
+        cfg.blocking = 0
+        os.environ.setdefault("TORCH_NCCL_NONBLOCKING_TIMEOUT", str(max(1, int(timeout_s))))
     return dist.ProcessGroupNCCL(store, rank, 2, opts)
 
 

@@ -6,6 +6,12 @@ from dataclasses import dataclass
 
 import torch
 
+from mtpserve.workers.model.flex_paged_attention import FlexPagedMask
+
+# Attention backends over the paged cache: "gather" copies each row's context into a dense
+# buffer per layer and runs SDPA; "flex" reads the cache in place (flex_paged_attention.py).
+ATTENTION_BACKENDS = ("gather", "flex")
+
 
 @dataclass
 class AttentionMetadata:
@@ -20,6 +26,7 @@ class AttentionMetadata:
     block_index: torch.Tensor  # [B * max_blocks] block tables, flattened (0-padded)
     mask: torch.Tensor | None  # [B, 1, S, L] bool, True = may attend; None: attend to all
     max_context_len: int  # L
+    flex: FlexPagedMask | None = None  # set: the flex backend (block_index / mask unused)
 
     @classmethod
     def build(
@@ -29,6 +36,7 @@ class AttentionMetadata:
         block_tables: list[list[int]],
         block_size: int,
         device: torch.device | str = "cpu",
+        backend: str = "gather",
     ) -> AttentionMetadata:
         B, S = positions.shape
         lens = torch.tensor(query_lens, dtype=torch.long)
@@ -58,6 +66,11 @@ class AttentionMetadata:
         ctx = torch.arange(ctx_len)
         # Query at position p attends context positions <= p; padded queries attend position 0
         # so no row is fully masked (that would make NaNs).
+        if backend == "flex":
+            flex = FlexPagedMask(pos.to(device), tables.to(device), block_size)
+            return cls((slots[rows] if padded else slots).to(device),
+                       rows.to(device) if padded else None, tables.view(-1).to(device), None,
+                       ctx_len, flex)
         qpos = pos.masked_fill(~write.view(B, S), 0)
         mask = (ctx.view(1, 1, -1) <= qpos.unsqueeze(-1)).unsqueeze(1)
         return cls(
@@ -68,6 +81,19 @@ class AttentionMetadata:
             mask=None if bool(mask.all()) else mask.to(device),
             max_context_len=ctx_len,
         )
+
+
+def graph_metadata(positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
+                   block_size: int, backend: str = "gather") -> AttentionMetadata:
+    """The metadata of a bucket-padded compiled forward (workers/model/decode_graph.py):
+    positions [B, S] and tables [B, NB] are graph inputs, slots [B * S] the KV written (padding
+    into the scratch block). Nothing depends on the data: the gather backend's causal mask is
+    built from the positions, the flex backend's block mask too."""
+    L = tables.shape[1] * block_size
+    if backend == "flex":
+        return AttentionMetadata(slots, None, tables.reshape(-1), None, L,
+                                 FlexPagedMask(positions, tables, block_size))
+    return AttentionMetadata(slots, None, tables.reshape(-1), causal_mask(positions, L), L)
 
 
 def causal_mask(positions: torch.Tensor, context_len: int) -> torch.Tensor:

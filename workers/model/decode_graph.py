@@ -10,21 +10,35 @@ query slots write their K/V into the cache's scratch block, padding table entrie
 and the causal mask is always a tensor built in the graph from the positions.
 
 Prefill (long S) and TP > 1 (collectives inside a graph are not supported here) stay eager.
+
+On CPU (frozen graphs) each bucket is built ahead of time as an AOTInductor package and kept
+in an on-disk cache (`workers.model.compile_cache`): a restarted replica loads its graphs
+instead of compiling them. Elsewhere (`freeze=False`, CUDA) buckets go through `torch.compile`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from unittest import mock
 
 import torch
 
 from mtpserve.workers.kv_cache import KVCache
-from mtpserve.workers.model.attention_metadata import AttentionMetadata, causal_mask
+from mtpserve.workers.model.attention_metadata import graph_metadata
+from mtpserve.workers.model.compile_cache import (
+    AOTGraphCache,
+    default_cache_dir,
+    model_fingerprint,
+)
 from mtpserve.workers.model.greedy_round import greedy_round_graph
 from mtpserve.workers.model.transformer import CausalLM
+
+log = logging.getLogger(__name__)
 
 
 def bucket(n: int, minimum: int = 1) -> int:
@@ -64,8 +78,7 @@ def _main_graph(model: CausalLM, block_size: int, ids: torch.Tensor, positions: 
                 slots: torch.Tensor, tables: torch.Tensor, logit_rows: torch.Tensor,
                 caches: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     B, S = ids.shape
-    L = tables.shape[1] * block_size
-    attn = AttentionMetadata(slots, None, tables.reshape(-1), causal_mask(positions, L), L)
+    attn = graph_metadata(positions, slots, tables, block_size, model.attention_backend)
     flat = model(ids, positions, attn, caches).reshape(B * S, -1)  # [B*S, hidden]
     return flat, model.compute_logits(flat[logit_rows])
 
@@ -75,10 +88,41 @@ def _mtp_graph(model: CausalLM, block_size: int, module: int, ids: torch.Tensor,
                tables: torch.Tensor, logit_rows: torch.Tensor,
                caches: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     B, S = ids.shape
-    L = tables.shape[1] * block_size
-    attn = AttentionMetadata(slots, None, tables.reshape(-1), causal_mask(positions, L), L)
+    attn = graph_metadata(positions, slots, tables, block_size, model.attention_backend)
     flat = model.forward_mtp(module, ids, prev, positions, attn, caches).reshape(B * S, -1)
     return flat, model.compute_mtp_logits(module, flat[logit_rows])
+
+
+class _MainForward(torch.nn.Module):
+    """`_main_graph` as a module, the unit AOTInductor exports."""
+
+    def __init__(self, model: CausalLM, block_size: int) -> None:
+        super().__init__()
+        self.model, self.block_size = model, block_size
+
+    def forward(self, ids, positions, slots, tables, logit_rows, caches):
+        return _main_graph(self.model, self.block_size, ids, positions, slots, tables,
+                           logit_rows, caches)
+
+
+class _MTPForward(torch.nn.Module):
+    def __init__(self, model: CausalLM, block_size: int, module: int) -> None:
+        super().__init__()
+        self.model, self.block_size, self.module = model, block_size, module
+
+    def forward(self, ids, prev, positions, slots, tables, logit_rows, caches):
+        return _mtp_graph(self.model, self.block_size, self.module, ids, prev, positions, slots,
+                          tables, logit_rows, caches)
+
+
+class _RoundForward(torch.nn.Module):
+    def __init__(self, model: CausalLM, block_size: int, scratch_slot: int) -> None:
+        super().__init__()
+        self.model, self.block_size, self.scratch_slot = model, block_size, scratch_slot
+
+    def forward(self, ids, positions, slots, tables, room, caches):
+        return greedy_round_graph(self.model, self.block_size, self.scratch_slot, ids,
+                                  positions, slots, tables, room, caches)
 
 
 def _raise_recompile_limit(n: int) -> None:
@@ -122,7 +166,8 @@ class DecodeGraphs:
 
     def __init__(self, model: CausalLM, kv_cache: KVCache, max_query_len: int = 16,
                  min_blocks: int = 32, freeze: bool = True, cpp_wrapper: bool = True,
-                 greedy_rounds: bool = False) -> None:
+                 greedy_rounds: bool = False, cache_dir: str | Path | None = None,
+                 ahead_of_time: bool = True) -> None:
         self.model = model
         self.kv = kv_cache
         self.block_size = kv_cache.block_size
@@ -139,7 +184,9 @@ class DecodeGraphs:
 
         # Compile in this process: a pool of compile workers each imports torch, which on a
         # small shared CPU competes with the first timed decode steps for tens of seconds.
-        icfg.compile_threads = 1
+        # (A GPU host keeps the parallel Triton compile: there warm-up time is the cost.)
+        if device.type == "cpu":
+            icfg.compile_threads = 1
         self.freeze = freeze and device.type == "cpu"
         self.cpp_wrapper = cpp_wrapper and self.freeze
         # Whole greedy rounds as one graph (workers.model.greedy_round), one MTP module only.
@@ -147,6 +194,20 @@ class DecodeGraphs:
         self._main = torch.compile(_main_graph, dynamic=False, fullgraph=True)
         self._mtp = torch.compile(_mtp_graph, dynamic=False, fullgraph=True)
         self._round = torch.compile(greedy_round_graph, dynamic=False, fullgraph=True)
+        # CPU: ahead-of-time packages, cached on disk (the C++ wrapper is built in). `cache_dir`
+        # None: the default folder; "": a private temporary folder (nothing reused).
+        # `ahead_of_time=False`: torch.compile in this process (nothing cached).
+        self.aot: AOTGraphCache | None = None
+        if self.cpp_wrapper and ahead_of_time:
+            if cache_dir == "":
+                self._tmp = tempfile.TemporaryDirectory(prefix="mtpserve-compile-")
+                cache_dir = self._tmp.name
+            root = Path(cache_dir) if cache_dir else default_cache_dir()
+            fp = model_fingerprint(model, self.block_size, tuple(kv_cache.buffers[0].shape),
+                                   len(kv_cache.buffers), "freeze-onednn",
+                                   getattr(model, "attention_backend", None))
+            self.aot = AOTGraphCache(root, fp, lambda: _cpu_compile_settings(True, False))
+        self._fns: dict[GraphKey, Callable] = {}
         self.compiled: set[GraphKey] = set()
         # After `warmup`, a bucket it did not compile (e.g. a short prefill chunk) runs eagerly
         # instead of compiling on the serving path.
@@ -208,11 +269,62 @@ class DecodeGraphs:
         """main / mtp: (hidden [Bp*Sp, hidden] in padded layout, logits [Bp*Sp, V]);
         round: (accepted [Bp], bonus [Bp], drafts [Bp, k]) with `prev` the rows' room."""
         k = inp.key
-        if k not in self.compiled:  # this call compiles the bucket's graph
+        fn = self._fns.get(k)
+        if fn is not None:
+            return tuple(fn(*self._args(inp, prev)))
+        if k not in self.compiled:  # this call compiles (or loads) the bucket's graph
             self.compiled.add(k)
+            if self.aot is not None:
+                try:
+                    fn = self.aot.get(*self._module(k), self._args(inp, prev))
+                except Exception as e:  # keep serving: torch.compile builds this bucket
+                    log.warning("ahead-of-time compile of %s failed (%s); using "
+                                "torch.compile", k, e)
+                else:
+                    self._fns[k] = fn
+                    return tuple(fn(*self._args(inp, prev)))
             with _cpu_compile_settings(self.freeze, self.cpp_wrapper):
                 return self._call(inp, prev)
         return self._call(inp, prev)
+
+    def _module(self, k: GraphKey) -> tuple[str, torch.nn.Module]:
+        name = f"{k.kind}{k.module}-b{k.batch}-s{k.query_len}-nb{k.num_blocks}"
+        if k.kind == "round":
+            return name, _RoundForward(self.model, self.block_size, self.scratch_slot)
+        if k.kind == "main":
+            return name, _MainForward(self.model, self.block_size)
+        return name, _MTPForward(self.model, self.block_size, k.module)
+
+    def _args(self, inp: GraphInputs, prev: torch.Tensor | None) -> tuple:
+        k = inp.key
+        if k.kind == "round":
+            return (inp.ids, inp.positions, inp.slots, inp.tables, prev, self.kv.buffers)
+        if k.kind == "main":
+            return (inp.ids, inp.positions, inp.slots, inp.tables, inp.logit_rows,
+                    self.kv.buffers)
+        prev = prev.to(self.model.mtp[k.module].eh_proj.weight.dtype)
+        return (inp.ids, prev, inp.positions, inp.slots, inp.tables, inp.logit_rows,
+                self.kv.buffers)
+
+    def compile_stats(self) -> dict[str, float]:
+        """Graphs built here vs loaded from the on-disk cache, and the seconds each took."""
+        a = self.aot
+        return {"compiled": (a.compiled if a else 0) + len(self.compiled) - len(self._fns),
+                "loaded": a.loaded if a else 0,
+                "compile_s": round(a.compile_s, 2) if a else 0.0,
+                "load_s": round(a.load_s, 2) if a else 0.0}
+
+    def cached(self, keys: list[GraphKey]) -> bool:
+        """Whether every one of `keys` is built here or would load from the disk cache."""
+        for k in keys:
+            if k in self._fns or (self.aot is None and k in self.compiled):
+                continue
+            if self.aot is None:
+                return False
+            name, _ = self._module(k)
+            if not self.aot.path_for(name, self._args(*self._example(k))).is_file():
+                return False
+        return True
 
     def round_key(self, k: int, batch: int, tables: list[list[int]]) -> GraphKey | None:
         """The bucket of a greedy round of k drafts, or None when it must run step by step.
@@ -247,39 +359,46 @@ class DecodeGraphs:
 
     def warmup(self, batch_sizes: list[int], query_lens: list[int], max_context: int,
                mtp_modules: int, log: Callable[[str], None] | None = None,
-               deadline: float | None = None) -> int:
+               deadline: float | None = None, cached_only: bool = False) -> int:
         """Compile the buckets these batch sizes / query lengths / contexts can hit, likeliest
         first (small batches, short contexts), until `deadline` (time.monotonic(); checked
         before each compile, so the last one may run past it); writes only the scratch block.
-        Afterwards a bucket not compiled runs eagerly. Returns the number compiled now."""
+        Afterwards a bucket not compiled runs eagerly. Returns the number compiled now.
+        `cached_only`: load the buckets the on-disk cache holds, compile none."""
         import time
 
         keys = self.warmup_keys(batch_sizes, query_lens, max_context, mtp_modules)
-        hidden = self.model.config.hidden_size
-        dtype = next(self.model.parameters()).dtype
+        # What the on-disk cache holds loads first (well under a second each), so a budget
+        # spent compiling one cold bucket never leaves a cached one to run eagerly.
+        cached = [k for k in keys if k not in self.compiled and self.cached([k])]
+        cold = [] if cached_only else [k for k in keys if k not in self.compiled
+                                       and k not in cached]
         done = 0
-        for key in keys:
-            if key in self.compiled:
-                continue
-            if deadline is not None and time.monotonic() > deadline:
+        for i, key in enumerate(cached + cold):
+            if i >= len(cached) and deadline is not None and time.monotonic() > deadline:
                 if log:
                     log(f"warm-up budget spent: {len(keys) - len(self.compiled & set(keys))} "
                         "bucket(s) left to run eagerly")
                 break
-            table = [self.kv.scratch_block] * key.num_blocks
-            B, S = key.batch, key.query_len
-            if key.kind == "round":
-                inp = self.prepare(key, [[0] * S] * B, [0] * B, [table] * B, [])
-                self.run(inp, torch.zeros(B, dtype=torch.long, device=self.device))
-            else:
-                inp = self.prepare(key, [[0] * S] * B, [0] * B, [table] * B,
-                                   list(range(B * S)))
-                self.run(inp, torch.zeros(B, S, hidden, dtype=dtype, device=self.device))
+            self.run(*self._example(key))
             done += 1
             if log:
-                log(f"compiled {key} ({len(self.compiled & set(keys))}/{len(keys)})")
+                how = "loaded" if i < len(cached) else "compiled"
+                log(f"{how} {key} ({len(self.compiled & set(keys))}/{len(keys)})")
         self.warmed = True
         return done
+
+    def _example(self, key: GraphKey) -> tuple[GraphInputs, torch.Tensor]:
+        """Inputs of the right shapes for `key` that write only the scratch block."""
+        table = [self.kv.scratch_block] * key.num_blocks
+        B, S = key.batch, key.query_len
+        if key.kind == "round":
+            inp = self.prepare(key, [[0] * S] * B, [0] * B, [table] * B, [])
+            return inp, torch.zeros(B, dtype=torch.long, device=self.device)
+        inp = self.prepare(key, [[0] * S] * B, [0] * B, [table] * B, list(range(B * S)))
+        hidden = self.model.config.hidden_size
+        dtype = next(self.model.parameters()).dtype
+        return inp, torch.zeros(B, S, hidden, dtype=dtype, device=self.device)
 
     def warmup_keys(self, batch_sizes: list[int], query_lens: list[int], max_context: int,
                     mtp_modules: int) -> list[GraphKey]:

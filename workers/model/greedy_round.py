@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from mtpserve.workers.model.attention_metadata import AttentionMetadata, causal_mask
+from mtpserve.workers.model.attention_metadata import graph_metadata
 from mtpserve.workers.model.transformer import CausalLM
 
 
@@ -36,10 +36,9 @@ def greedy_round_graph(model: CausalLM, block_size: int, scratch_slot: int,
     (accepted [B], bonus [B], drafts [B, K]); a row's drafts past its room are junk."""
     B, S = ids.shape
     K = S - 1
-    L = tables.shape[1] * block_size
     max_pos = model.rotary.cos.shape[0] - 1
-    mask = causal_mask(positions, L)
-    attn = AttentionMetadata(slots, None, tables.reshape(-1), mask, L)
+    backend = model.attention_backend
+    attn = graph_metadata(positions, slots, tables, block_size, backend)
     hidden = model(ids, positions, attn, caches)  # [B, S, h]
     target = model.compute_logits(hidden.reshape(B * S, -1)).argmax(-1).view(B, S)
     match = (target[:, :K] == ids[:, 1:]).long()
@@ -53,7 +52,7 @@ def greedy_round_graph(model: CausalLM, block_size: int, scratch_slot: int,
     tokens = torch.where(i < accepted.unsqueeze(1), nxt, bonus.unsqueeze(1))
     real = (i <= accepted.unsqueeze(1)).reshape(-1)
     mtp_slots = torch.where(real, slots, torch.full_like(slots, scratch_slot))
-    attn = AttentionMetadata(mtp_slots, None, tables.reshape(-1), mask, L)
+    attn = graph_metadata(positions, mtp_slots, tables, block_size, backend)
     h = model.forward_mtp(0, tokens, hidden, positions, attn, caches)  # [B, S, h]
     h = h.gather(1, accepted.view(B, 1, 1).expand(B, 1, h.shape[-1]))  # entry n+a
     draft = model.compute_mtp_logits(0, h.reshape(B, -1)).argmax(-1)  # [B]
@@ -69,7 +68,9 @@ def greedy_round_graph(model: CausalLM, block_size: int, scratch_slot: int,
         slot = tables.gather(1, blk.unsqueeze(1)).squeeze(1) * block_size + pos % block_size
         slot = torch.where(live, slot, torch.full_like(slot, scratch_slot))
         p = pos.unsqueeze(1)  # [B, 1]
-        attn = AttentionMetadata(slot, None, tables.reshape(-1), causal_mask(p, L), L)
+        # (flex: `p` is computed in the graph, which inductor's CPU flex template misreads
+        # as a mask input; only k = 1 rounds are fused, and they never get here.)
+        attn = graph_metadata(p, slot, tables, block_size, backend)
         h = model.forward_mtp(0, draft.unsqueeze(1), h, p, attn, caches)  # [B, 1, h]
         draft = model.compute_mtp_logits(0, h.reshape(B, -1)).argmax(-1)
         drafts.append(draft)

@@ -124,6 +124,9 @@ class Attention(nn.Module):
             if attn.write_rows is not None:  # padded query slots write nowhere
                 new_kv = new_kv[:, attn.write_rows]
             flat[:, attn.write_slots] = new_kv
+            if attn.flex is not None:  # paged in place: no gather (flex_paged_attention.py)
+                out = attn.flex.attend(q.transpose(1, 2), kv_cache, self.scale)
+                return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))
             # index_select on the block dim is a plain copy of contiguous blocks (several
             # times faster than advanced indexing): [2, B, L, Hk, D].
             ctx = kv_cache.index_select(1, attn.block_index).view(

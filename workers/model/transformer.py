@@ -36,6 +36,10 @@ class CausalLM(nn.Module):
     its own slice of the KV cache, indexed by the same block tables.
     """
 
+    # Attention over the paged cache in compiled graphs: "gather" | "flex" (set by ModelRunner;
+    # the graphs read it, so each backend compiles its own).
+    attention_backend: str = "gather"
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
