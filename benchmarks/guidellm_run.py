@@ -42,8 +42,7 @@ def summarize(report: dict) -> dict:
                       ("requests_s", "requests_per_second")):
         stats = _find(m, key, "successful") or _find(m, key, "total") or {}
         out[name] = {"mean": stats.get("mean"), "p50": stats.get("median")}
-    out["errors"] = _find(b, "request_totals", "errored") or _find(b, "run_stats",
-                                                                     "requests_made", "errored")
+    out["requests"] = _find(m, "request_totals")  # successful / errored / incomplete
     return out
 
 
@@ -75,11 +74,12 @@ def main() -> None:
             print("$", " ".join(cmd))
             subprocess.run(cmd, check=True)
             rows.append({"streams": n, **summarize(json.loads(report.read_text()))})
-    print("| streams | output tok/s | ITL p50 ms | TTFT p50 ms | errors |")
+    print("| streams | output tok/s | ITL p50 ms | TTFT p50 ms | requests ok / errored |")
     print("|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['streams']} | {r['output_tok_s']['mean']} | {r['itl_ms']['p50']} | "
-              f"{r['ttft_ms']['p50']} | {r['errors']} |")
+        n = r["requests"] or {}
+        print(f"| {r['streams']} | {r['output_tok_s']['mean']:.1f} | {r['itl_ms']['p50']:.1f} | "
+              f"{r['ttft_ms']['p50']:.1f} | {n.get('successful')} / {n.get('errored')} |")
     (args.out / "summary.json").write_text(json.dumps(rows, indent=2) + "\n")
 
 

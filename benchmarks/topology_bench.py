@@ -5,7 +5,8 @@ engine at the same k. Prints a table and writes JSON.
     python -m mtpserve.benchmarks.topology_bench --json benchmarks/results/topology-cpu.json
 
 Replica start time is the time from `mtpserve up` to a healthy server (Ray start, model load,
-graph warm-up); a second start of a compiled variant shows the on-disk compile cache.
+graph warm-up); a second start of a compiled variant shows the on-disk compile cache
+(`--fresh-compile-cache` makes the first one cold).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import tempfile
 from pathlib import Path
 
 from mtpserve.benchmarks.local_server import running_server, variant_config
@@ -76,6 +79,9 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--json", dest="json_out")
+    ap.add_argument("--fresh-compile-cache", action="store_true",
+                    help="the servers use a new, empty compile cache (the offline reference "
+                    "fills the default one): the first compiled variant starts cold")
     args = ap.parse_args()
     url = f"http://127.0.0.1:{args.port}"
     bench = [ServeBenchArgs(url=url, concurrency=1, num_requests=4, max_tokens=args.max_tokens,
@@ -85,6 +91,8 @@ def main() -> None:
     offline = {mode: _offline(args.k, 4, args.max_tokens, args.prompt_tokens, mode)
                for mode in ("off", "on")}
     rows = {"k": args.k, "offline_decode_tokens_per_s": offline, "variants": {}}
+    if args.fresh_compile_cache:  # `mtpserve up` passes the environment on to the replicas
+        os.environ["MTPSERVE_COMPILE_CACHE"] = tempfile.mkdtemp(prefix="mtpserve-compile-")
     for name in args.variants:
         cfg = _config(Path(args.config), VARIANTS[name], args.k, args.port)
         rows["variants"][name] = _serve(cfg, bench, args.timeout)

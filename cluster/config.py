@@ -169,6 +169,11 @@ class EngineSettings(_Strict):
     warmup_budget_s: float = Field(
         90.0, ge=0, description="Seconds a decode replica may spend compiling graphs at "
         "start, before it reports ready (likeliest buckets first; the rest run eagerly).")
+    warmup_restart_budget_s: float = Field(
+        0.0, ge=0, description="A decode replica that finds some of its graphs in the compile "
+        "cache (a restart, or one added next to others) loads them and compiles new buckets "
+        "for at most this many seconds (0: none), so it is ready in seconds; the first, cold "
+        "start compiles within warmup_budget_s.")
     compile_cache_dir: str | None = Field(
         None, description="Folder of compiled decode graphs kept between starts (CPU: "
         "AOTInductor packages keyed by weights, model code, torch, CPU and bucket): a "

@@ -19,11 +19,12 @@ def no_override(monkeypatch):
     monkeypatch.delenv("MTPSERVE_DECODE_GRAPHS", raising=False)
 
 
-def _serving_engine(model, cache) -> Engine:
+def _serving_engine(model, cache, max_num_seqs: int = 1) -> Engine:
     # A decode replica's engine: it warms up in its constructor, before it is used.
     return Engine(EngineConfig(model=str(model), num_speculative_tokens=1, num_kv_blocks=48,
-                               block_size=4, max_num_seqs=1, role="decode", compile="on",
-                               compile_cache_dir=str(cache), warmup_budget_s=600))
+                               block_size=4, max_num_seqs=max_num_seqs, role="decode",
+                               compile="on", compile_cache_dir=str(cache),
+                               warmup_budget_s=600))
 
 
 def _greedy(eng: Engine, prompt: list[int]) -> list[int]:
@@ -51,6 +52,15 @@ def test_a_restarted_replica_loads_its_graphs_and_compiles_nothing(tiny_qwen3, t
     eager = Engine(EngineConfig(model=str(tiny_qwen3), num_speculative_tokens=1,
                                 num_kv_blocks=48, block_size=4, compile="off"))
     assert _greedy(eager, prompt) == cold_ids
+
+    # A replica that finds only some of its buckets cached (batch 1 of batches 1-2) loads
+    # them and compiles no new one (warmup_restart_budget_s 0): it is ready in seconds and
+    # runs the batch-2 buckets eagerly.
+    wider = _serving_engine(tiny_qwen3, tmp_path, max_num_seqs=2)
+    stats = wider.runner.graphs.compile_stats()
+    assert stats["compiled"] == 0 and stats["loaded"] == first["compiled"]
+    assert {k.batch for k in wider.runner.graphs.compiled} == {1}
+    assert _greedy(wider, prompt) == cold_ids
 
 
 def test_other_weights_never_load_a_cached_graph(tiny_qwen3, tmp_path, no_override) -> None:

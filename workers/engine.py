@@ -100,7 +100,10 @@ class Engine(RoundOutcomes):
                                       mtp_modules=None if k else 0,  # k = 0 never drafts
                                       budget_s=self.config.warmup_budget_s if budget_s is None
                                       else budget_s, log=logger.info,
-                                      cached_only=cached_only)
+                                      cached_only=cached_only,
+                                      # serving replicas only: LLM(compile="on") compiles all
+                                      restart_budget_s=self.config.warmup_restart_budget_s
+                                      if self.config.role != "both" else None)
         if n:
             logger.info("warm-up: %d decode graphs compiled in %.1f s", n,
                         time.monotonic() - t0)

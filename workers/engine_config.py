@@ -46,6 +46,9 @@ class EngineConfig:
     # Compiled graphs kept between starts (workers.model.compile_cache); None: the default
     # folder, "": no cache.
     compile_cache_dir: str | None = None
+    # A start that found some of its graphs in the cache (a restart, an added replica)
+    # compiles new ones for at most this long after loading them: such starts take seconds.
+    warmup_restart_budget_s: float = 0.0
     # Paged attention: "gather" (copy each row's context, SDPA), "flex" (FlexAttention over
     # the block table, no copy) or "auto" (`resolve_attention_backend`).
     attention_backend: Literal["auto", "gather", "flex"] = "auto"

@@ -84,7 +84,8 @@ class Runner(Protocol):
     def warmup_graphs(self, batch_sizes: list[int], query_lens: list[int], max_context: int,
                       mtp_modules: int | None = None, budget_s: float | None = None,
                       log: Callable[[str], None] | None = None,
-                      cached_only: bool = False) -> int: ...
+                      cached_only: bool = False,
+                      restart_budget_s: float | None = None) -> int: ...
 
     @property
     def fuses_greedy_rounds(self) -> bool: ...
@@ -154,16 +155,18 @@ class ModelRunner:
     def warmup_graphs(self, batch_sizes: list[int], query_lens: list[int], max_context: int,
                       mtp_modules: int | None = None, budget_s: float | None = None,
                       log: Callable[[str], None] | None = None,
-                      cached_only: bool = False) -> int:
+                      cached_only: bool = False,
+                      restart_budget_s: float | None = None) -> int:
         """Compile the decode graphs these shapes can hit, likeliest first, within `budget_s`
         seconds (no-op without graphs); returns how many were compiled or loaded.
-        `cached_only`: only load what the on-disk compile cache holds, compile nothing."""
+        `cached_only`: only load what the on-disk compile cache holds, compile nothing;
+        `restart_budget_s`: see `DecodeGraphs.warmup`."""
         if self.graphs is None:
             return 0
         n = self.config.num_mtp_modules if mtp_modules is None else mtp_modules
         deadline = None if budget_s is None else time.monotonic() + budget_s
         done = self.graphs.warmup(batch_sizes, query_lens, max_context, n, log, deadline,
-                                  cached_only)
+                                  cached_only, restart_budget_s)
         if self.cuda_graphs is not None:  # capturing costs milliseconds per bucket
             captured = self.cuda_graphs.capture_pending()
             if log and captured:

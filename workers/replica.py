@@ -68,6 +68,7 @@ class EngineReplica:
             max_num_batched_tokens=getattr(side, "max_num_batched_tokens", 512),
             max_model_len=cfg.max_model_len, role=self.role, compile=cfg.engine.compile,
             warmup_budget_s=cfg.engine.warmup_budget_s,
+            warmup_restart_budget_s=cfg.engine.warmup_restart_budget_s,
             compile_cache_dir=cfg.engine.compile_cache_dir,
             attention_backend=cfg.engine.attention_backend,
             prefix_caching=cfg.prefix_caching.enabled,

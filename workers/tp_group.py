@@ -337,10 +337,11 @@ class TPDriver:
     def warmup_graphs(self, batch_sizes: list[int], query_lens: list[int], max_context: int,
                       mtp_modules: int | None = None, budget_s: float | None = None,
                       log: Callable[[str], None] | None = None,
-                      cached_only: bool = False) -> int:
+                      cached_only: bool = False,
+                      restart_budget_s: float | None = None) -> int:
         assert self.tp_size == 1 or self.runner.graphs is None
         return self.runner.warmup_graphs(batch_sizes, query_lens, max_context, mtp_modules,
-                                         budget_s, log, cached_only)
+                                         budget_s, log, cached_only, restart_budget_s)
 
     @property
     def fuses_greedy_rounds(self) -> bool:

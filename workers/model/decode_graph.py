@@ -359,12 +359,16 @@ class DecodeGraphs:
 
     def warmup(self, batch_sizes: list[int], query_lens: list[int], max_context: int,
                mtp_modules: int, log: Callable[[str], None] | None = None,
-               deadline: float | None = None, cached_only: bool = False) -> int:
+               deadline: float | None = None, cached_only: bool = False,
+               restart_budget_s: float | None = None) -> int:
         """Compile the buckets these batch sizes / query lengths / contexts can hit, likeliest
         first (small batches, short contexts), until `deadline` (time.monotonic(); checked
         before each compile, so the last one may run past it); writes only the scratch block.
         Afterwards a bucket not compiled runs eagerly. Returns the number compiled now.
-        `cached_only`: load the buckets the on-disk cache holds, compile none."""
+        `cached_only`: load the buckets the on-disk cache holds, compile none.
+        `restart_budget_s`: when the cache held some of them (a restart, or a replica added
+        next to others), compile new ones for at most this long after loading (0: none), so
+        such a start takes seconds; the first, cold start compiles within `deadline`."""
         import time
 
         keys = self.warmup_keys(batch_sizes, query_lens, max_context, mtp_modules)
@@ -374,7 +378,12 @@ class DecodeGraphs:
         cold = [] if cached_only else [k for k in keys if k not in self.compiled
                                        and k not in cached]
         done = 0
+        restart_deadline = None
         for i, key in enumerate(cached + cold):
+            if i == len(cached) and cached and restart_budget_s is not None:
+                restart_deadline = time.monotonic() + restart_budget_s
+                deadline = (restart_deadline if deadline is None
+                            else min(deadline, restart_deadline))
             if i >= len(cached) and deadline is not None and time.monotonic() > deadline:
                 if log:
                     log(f"warm-up budget spent: {len(keys) - len(self.compiled & set(keys))} "
