@@ -71,17 +71,7 @@ class StaticInputs:
 def example_inputs(graphs: DecodeGraphs, key: GraphKey) -> tuple[GraphInputs,
                                                                   torch.Tensor | None]:
     """Inputs of `key`'s shapes that write only the scratch block (what warm-up runs)."""
-    table = [graphs.kv.scratch_block] * key.num_blocks
-    B, S = key.batch, key.query_len
-    if key.kind == "round":
-        inp = graphs.prepare(key, [[0] * S] * B, [0] * B, [table] * B, [])
-        return inp, torch.zeros(B, dtype=torch.long, device=graphs.device)
-    inp = graphs.prepare(key, [[0] * S] * B, [0] * B, [table] * B, list(range(B * S)))
-    if key.kind == "main":
-        return inp, None
-    dtype = next(graphs.model.parameters()).dtype
-    return inp, torch.zeros(B, S, graphs.model.config.hidden_size, dtype=dtype,
-                            device=graphs.device)
+    return graphs.example_inputs(key)
 
 
 def capture_order(keys: set[GraphKey]) -> list[GraphKey]:

@@ -322,7 +322,7 @@ class DecodeGraphs:
             if self.aot is None:
                 return False
             name, _ = self._module(k)
-            if not self.aot.path_for(name, self._args(*self._example(k))).is_file():
+            if not self.aot.path_for(name, self._args(*self.example_inputs(k))).is_file():
                 return False
         return True
 
@@ -389,7 +389,7 @@ class DecodeGraphs:
                     log(f"warm-up budget spent: {len(keys) - len(self.compiled & set(keys))} "
                         "bucket(s) left to run eagerly")
                 break
-            self.run(*self._example(key))
+            self.run(*self.example_inputs(key))
             done += 1
             if log:
                 how = "loaded" if i < len(cached) else "compiled"
@@ -397,17 +397,19 @@ class DecodeGraphs:
         self.warmed = True
         return done
 
-    def _example(self, key: GraphKey) -> tuple[GraphInputs, torch.Tensor]:
-        """Inputs of the right shapes for `key` that write only the scratch block."""
+    def example_inputs(self, key: GraphKey) -> tuple[GraphInputs, torch.Tensor | None]:
+        """Inputs of `key`'s shapes that write only the scratch block (what warm-up runs)."""
         table = [self.kv.scratch_block] * key.num_blocks
         B, S = key.batch, key.query_len
         if key.kind == "round":
             inp = self.prepare(key, [[0] * S] * B, [0] * B, [table] * B, [])
             return inp, torch.zeros(B, dtype=torch.long, device=self.device)
         inp = self.prepare(key, [[0] * S] * B, [0] * B, [table] * B, list(range(B * S)))
-        hidden = self.model.config.hidden_size
+        if key.kind == "main":
+            return inp, None
         dtype = next(self.model.parameters()).dtype
-        return inp, torch.zeros(B, S, hidden, dtype=dtype, device=self.device)
+        return inp, torch.zeros(B, S, self.model.config.hidden_size, dtype=dtype,
+                                device=self.device)
 
     def warmup_keys(self, batch_sizes: list[int], query_lens: list[int], max_context: int,
                     mtp_modules: int) -> list[GraphKey]:
