@@ -26,7 +26,7 @@ def fault_injection(monkeypatch):
 
 
 def make_servers(model, decode_max_num_seqs: int = 8, prefill_blocks: int = 64,
-                 decode_blocks: int = 256, k: int = 2, **extra):
+                 decode_blocks: int = 256, k: int = 2, kv: dict | None = None, **extra):
     from mtpserve.workers.decode_server import DecodeServer
     from mtpserve.workers.prefill_server import PrefillServer
 
@@ -36,7 +36,8 @@ def make_servers(model, decode_max_num_seqs: int = 8, prefill_blocks: int = 64,
         decode={"num_kv_blocks": decode_blocks, "cpus_per_rank": 1,
                 "max_num_seqs": decode_max_num_seqs},
         speculation={"num_speculative_tokens": k, "adaptive": False},
-        kv_transfer={"timeout_s": 20, "hold_ttl_s": 30, "host": "127.0.0.1"}, **extra,
+        kv_transfer={"timeout_s": 20, "hold_ttl_s": 30, "host": "127.0.0.1", **(kv or {})},
+        **extra,
     )
     return PrefillServer.func_or_class(cfg), DecodeServer.func_or_class(cfg)
 

@@ -238,14 +238,17 @@ _last_policy_push: dict[str, tuple[float, int]] = {}
 
 
 def hub():
-    """The hub actor (created on first use, detached so it outlives any one replica)."""
+    """The hub actor (created on first use, detached so it outlives any one replica). It
+    lives on the head node, as Serve's controller does: a lost worker node must not take
+    /metrics and the stats endpoint down with it."""
     global _hub
     if _hub is None:
         import ray
+        from ray._common.constants import HEAD_NODE_RESOURCE_NAME
 
         _hub = ray.remote(MetricsHub).options(
             name=HUB_NAME, namespace=HUB_NAMESPACE, get_if_exists=True, lifetime="detached",
-            num_cpus=0).remote()
+            num_cpus=0, resources={HEAD_NODE_RESOURCE_NAME: 0.001}).remote()
     return _hub
 
 

@@ -68,8 +68,11 @@ class KVPuller:
         self._lock = threading.Lock()
         self._results: dict[str, PullResult] = {}
         self._fault_delay_s, self._fault_count = 0.0, 0
-        # End-to-end (receive + scatter into the cache) counters of successful pulls.
-        self._stats = {"pulls": 0, "failures": 0, "seconds": 0.0}
+        # End-to-end (receive + scatter into the cache) counters of successful pulls, and the
+        # most pulls this rank had under way at once (taken by a lane, result not yet posted;
+        # one waiting for its pair counts): 1 means arrivals were admitted one at a time.
+        self._stats = {"pulls": 0, "failures": 0, "seconds": 0.0, "peak_in_flight": 0}
+        self._in_flight = 0
         self._threads = [threading.Thread(target=self._loop, args=(_Lane(self._device),),
                                           name=f"{name}-kv-pull-{i}", daemon=True)
                          for i in range(max(1, max_concurrent))]
@@ -111,6 +114,10 @@ class KVPuller:
     def _loop(self, lane: _Lane) -> None:
         while (job := self._jobs.get()) is not None:
             t0, delay = time.perf_counter(), 0.0
+            with self._lock:
+                self._in_flight += 1
+                self._stats["peak_in_flight"] = max(self._stats["peak_in_flight"],
+                                                    self._in_flight)
             try:
                 with self._lock:
                     delay = self._fault_delay_s if self._fault_count > 0 else 0.0
@@ -125,6 +132,7 @@ class KVPuller:
                 res = PullResult(False, err)
             res.seconds = time.perf_counter() - t0
             with self._lock:
+                self._in_flight -= 1
                 self._results[job.request_id] = res
                 self._stats["pulls" if res.ok else "failures"] += 1
                 if res.ok:

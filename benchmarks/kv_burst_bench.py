@@ -1,0 +1,175 @@
+"""Time to second token when a burst of KV transfers lands in one decode replica, next to a
+single arrival (issue 18 target: burst p99 <= 3x single), for each given
+`kv_transfer.max_concurrent_pulls` (default: 1, the old serial puller, then 4, the default).
+
+Each variant is `mtpserve up` on configs/local-cpu.yaml (1 prefill, 1 decode replica) with:
+the pull lanes; a prefill token budget that holds the whole burst, so its prefills finish in
+the same step or two and the 16 transfers reach the decode replica together (with the default
+512 the prefill spreads them out and no queue of pulls forms); prompts made unique by a leading
+nonce, so no prefix cache on either side skips a block.
+
+Per request, from the client's stream: TTFT (prefill: the first token comes from the prefill
+replica), time to second token (TTST, from sending: the first decode-side token, after the KV
+pull, admission and the first decode round) and the decode-side wait TTST - TTFT, which leaves
+out the prefill queueing that a burst into one prefill replica adds.
+
+    python -m mtpserve.benchmarks.kv_burst_bench --json benchmarks/results/kv-burst-cpu.json
+
+Prints a table and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+
+from mtpserve.benchmarks.local_server import running_server, variant_config
+from mtpserve.benchmarks.serve_bench import _pct
+from mtpserve.workers.paths import config_path
+from mtpserve.workers.training.prompts import held_out_prompts
+
+METRICS = ("ttft_ms", "ttst_ms", "decode_wait_ms")
+
+
+async def timed_stream(client: httpx.AsyncClient, prompt: str, max_tokens: int) -> dict:
+    """One greedy stream: TTFT, TTST (from sending) and the prompt's length in tokens."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True, "return_token_ids": True,
+            "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    stamps: list[float] = []  # arrival time of each output token (a chunk may carry several)
+    prompt_tokens = None
+    async with client.stream("POST", "/v1/completions", json=body) as resp:
+        resp.raise_for_status()
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            data = json.loads(line[6:])
+            if "error" in data:
+                raise RuntimeError(data["error"])
+            if data.get("usage"):
+                prompt_tokens = data["usage"]["prompt_tokens"]
+            choices = data.get("choices") or [{}]
+            stamps += [time.perf_counter()] * len(choices[0].get("token_ids") or [])
+    assert len(stamps) >= 2, f"{len(stamps)} tokens: no decode-side token to time"
+    return {"ttft_ms": (stamps[0] - t0) * 1e3, "ttst_ms": (stamps[1] - t0) * 1e3,
+            "decode_wait_ms": (stamps[1] - stamps[0]) * 1e3, "prompt_tokens": prompt_tokens}
+
+
+def summary(samples: list[dict]) -> dict:
+    out: dict = {"n": len(samples)}
+    for m in METRICS:
+        values = [s[m] for s in samples]
+        out[f"{m}_p50"], out[f"{m}_p99"] = _pct(values, 50), _pct(values, 99)
+    return out
+
+
+async def measure(url: str, burst: int, singles: int, bursts: int, prompt_tokens: int,
+                  max_tokens: int) -> dict:
+    texts = held_out_prompts(burst, num_chars=4 * prompt_tokens)
+    n = 0
+
+    def fresh() -> str:  # a unique first block: no prefix cache hit on either side
+        nonlocal n
+        n += 1
+        return f"# {uuid.uuid4().hex}\n" + texts[n % len(texts)]
+
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        async def one_burst() -> list[dict]:
+            return await asyncio.gather(*(timed_stream(client, fresh(), max_tokens)
+                                          for _ in range(burst)))
+
+        # Warm-up: the KV pair, grow-only pull and pack buffers, decode batch shapes.
+        await timed_stream(client, fresh(), max_tokens)
+        await one_burst()
+        before = (await client.get("/v1/mtpserve/stats")).json()["decode"]
+        single = [await timed_stream(client, fresh(), max_tokens) for _ in range(singles)]
+        burst_samples: list[dict] = []
+        for _ in range(bursts):
+            burst_samples += await one_burst()
+        after = (await client.get("/v1/mtpserve/stats")).json()["decode"]
+    k0, k1 = before.get("kv_puller", {}), after.get("kv_puller", {})
+    r0, r1 = before.get("kv_receiver", {}), after.get("kv_receiver", {})
+    pulls = k1.get("pulls", 0) - k0.get("pulls", 0)
+    res = {"single": summary(single), "burst": summary(burst_samples),
+           "prompt_tokens": burst_samples[0]["prompt_tokens"],
+           "pulls": pulls, "pull_failures": k1.get("failures", 0) - k0.get("failures", 0),
+           # Per pull, singles and bursts together: on the wire (request -> last byte, under
+           # the pair's lock) and end to end on the lane (+ waiting for the pair, scatter).
+           "pull_wire_ms_mean": 1e3 * (r1.get("pull_seconds", 0) - r0.get("pull_seconds", 0))
+           / max(pulls, 1),
+           "pull_lane_ms_mean": 1e3 * (k1.get("seconds", 0) - k0.get("seconds", 0))
+           / max(pulls, 1),
+           "pull_mib_mean": (r1.get("bytes_received", 0) - r0.get("bytes_received", 0))
+           / max(pulls, 1) / 2**20,
+           # Since the replica started (warm-up burst included); absent on older trees.
+           "peak_pulls_in_flight": k1.get("peak_in_flight")}
+    for m in METRICS:
+        b, s = res["burst"][f"{m}_p99"], res["single"][f"{m}_p99"]
+        res[f"{m}_p99_ratio"] = b / s if b and s else None
+    return res
+
+
+def format_table(results: dict[int, dict], burst: int) -> str:
+    f = lambda x, p=0: "-" if x is None else f"{x:.{p}f}"  # noqa: E731
+    rows = [f"{burst} simultaneous arrivals vs one alone, into one decode replica "
+            "(ms; ratio = burst p99 / single p99)",
+            "| pull lanes | arrivals | TTFT p50 / p99 | TTST p50 / p99 | TTST - TTFT p50 / p99 |"
+            " peak pulls in flight |", "|---|---|---|---|---|---|"]
+    for lanes, r in results.items():
+        for kind in ("single", "burst"):
+            x = r[kind]
+            cells = " | ".join(f"{f(x[f'{m}_p50'])} / {f(x[f'{m}_p99'])}" for m in METRICS)
+            peak = f(r["peak_pulls_in_flight"]) if kind == "burst" else ""
+            rows.append(f"| {lanes} | {kind} ({x['n']}) | {cells} | {peak} |")
+        rows.append(f"| {lanes} | p99 ratio | "
+                    + " | ".join(f(r[f"{m}_p99_ratio"], 2) for m in METRICS) + " | |")
+    rows += [f"lanes {lanes}: {r['pulls']} pulls of {f(r['pull_mib_mean'], 2)} MiB, "
+             f"{f(r['pull_wire_ms_mean'], 1)} ms on the wire, {f(r['pull_lane_ms_mean'], 1)} ms "
+             f"on the lane (mean)" for lanes, r in results.items()]
+    return "\n".join(rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--config", default=str(config_path("local-cpu.yaml")))
+    ap.add_argument("--lanes", type=int, nargs="+", default=[1, 4],
+                    help="kv_transfer.max_concurrent_pulls values, one server each")
+    ap.add_argument("--burst", type=int, default=16)
+    ap.add_argument("--singles", type=int, default=8, help="single arrivals, one at a time")
+    ap.add_argument("--bursts", type=int, default=3, help="bursts measured (after a warm-up)")
+    ap.add_argument("--prompt-tokens", type=int, default=256)
+    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--port", type=int, default=8766)
+    ap.add_argument("--timeout", type=float, default=900, help="server start limit (s)")
+    ap.add_argument("--json", dest="json_out")
+    a = ap.parse_args()
+    results: dict[int, dict] = {}
+    for lanes in a.lanes:
+        over = {"kv_transfer": {"max_concurrent_pulls": lanes},
+                # The whole burst's prompts fit one prefill step (see the module docstring).
+                "prefill": {"max_num_batched_tokens": a.burst * (a.prompt_tokens + 64)},
+                "decode": {"max_num_seqs": max(32, a.burst)},
+                "limits": {"max_queued_requests": max(64, 4 * a.burst)}}
+        cfg = variant_config(Path(a.config), over, a.port)
+        with running_server(cfg, a.timeout) as start_s:
+            results[lanes] = asyncio.run(measure(f"http://127.0.0.1:{a.port}", a.burst,
+                                                 a.singles, a.bursts, a.prompt_tokens,
+                                                 a.max_tokens))
+            results[lanes]["start_seconds"] = start_s
+        print(format_table({lanes: results[lanes]}, a.burst), flush=True)
+    print(format_table(results, a.burst))
+    if a.json_out:
+        out = {"config": a.config, "burst": a.burst, "singles": a.singles, "bursts": a.bursts,
+               "max_tokens": a.max_tokens, "variants": {str(k): v for k, v in results.items()}}
+        Path(a.json_out).write_text(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
