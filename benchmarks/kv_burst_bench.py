@@ -30,7 +30,7 @@ from pathlib import Path
 import httpx
 
 from mtpserve.benchmarks.local_server import running_server, variant_config
-from mtpserve.benchmarks.serve_bench import _pct
+from mtpserve.benchmarks.serve_bench import _pct, sse_events
 from mtpserve.workers.paths import config_path
 from mtpserve.workers.training.prompts import held_out_prompts
 
@@ -45,18 +45,11 @@ async def timed_stream(client: httpx.AsyncClient, prompt: str, max_tokens: int) 
     t0 = time.perf_counter()
     stamps: list[float] = []  # arrival time of each output token (a chunk may carry several)
     prompt_tokens = None
-    async with client.stream("POST", "/v1/completions", json=body) as resp:
-        resp.raise_for_status()
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            data = json.loads(line[6:])
-            if "error" in data:
-                raise RuntimeError(data["error"])
-            if data.get("usage"):
-                prompt_tokens = data["usage"]["prompt_tokens"]
-            choices = data.get("choices") or [{}]
-            stamps += [time.perf_counter()] * len(choices[0].get("token_ids") or [])
+    async for data in sse_events(client, body):
+        if data.get("usage"):
+            prompt_tokens = data["usage"]["prompt_tokens"]
+        choices = data.get("choices") or [{}]
+        stamps += [time.perf_counter()] * len(choices[0].get("token_ids") or [])
     assert len(stamps) >= 2, f"{len(stamps)} tokens: no decode-side token to time"
     return {"ttft_ms": (stamps[0] - t0) * 1e3, "ttst_ms": (stamps[1] - t0) * 1e3,
             "decode_wait_ms": (stamps[1] - stamps[0]) * 1e3, "prompt_tokens": prompt_tokens}

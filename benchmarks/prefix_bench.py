@@ -28,6 +28,7 @@ from pathlib import Path
 import httpx
 
 from mtpserve.benchmarks.local_server import running_server, variant_config
+from mtpserve.benchmarks.serve_bench import sse_events
 from mtpserve.router.metrics_api import parse_samples
 from mtpserve.workers.paths import config_path, default_model_path
 
@@ -96,18 +97,11 @@ async def _stream(client: httpx.AsyncClient, prompt: list[int], max_tokens: int)
     t0 = time.perf_counter()
     ttft = None
     cached = 0
-    async with client.stream("POST", "/v1/completions", json=body) as resp:
-        resp.raise_for_status()
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            data = json.loads(line[6:])
-            if "error" in data:
-                raise RuntimeError(data["error"])
-            if ttft is None and data.get("choices"):
-                ttft = time.perf_counter() - t0
-            usage = data.get("usage") or {}
-            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", cached)
+    async for data in sse_events(client, body):
+        if ttft is None and data.get("choices"):
+            ttft = time.perf_counter() - t0
+        usage = data.get("usage") or {}
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", cached)
     return {"ttft_ms": (ttft or time.perf_counter() - t0) * 1000, "cached_tokens": cached}
 
 

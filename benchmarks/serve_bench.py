@@ -11,11 +11,27 @@ import asyncio
 import json
 import statistics
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import httpx
 
 from mtpserve.workers.training.prompts import held_out_prompts
+
+
+async def sse_events(client: httpx.AsyncClient, body: dict,
+                     path: str = "/v1/completions") -> AsyncIterator[dict]:
+    """POST a streaming request and yield each SSE `data:` event as a dict (not `[DONE]`);
+    an error event raises."""
+    async with client.stream("POST", path, json=body) as resp:
+        resp.raise_for_status()
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            data = json.loads(line[6:])
+            if "error" in data:
+                raise RuntimeError(data["error"])
+            yield data
 
 
 @dataclass
@@ -43,18 +59,11 @@ async def stream_completion(client: httpx.AsyncClient, prompt: str, max_tokens: 
     t0 = time.perf_counter()
     stamps: list[float] = []
     tokens = 0
-    async with client.stream("POST", "/v1/completions", json=body) as resp:
-        resp.raise_for_status()
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            data = json.loads(line[6:])
-            if "error" in data:
-                raise RuntimeError(data["error"])
-            if data.get("choices") and data["choices"][0].get("text"):
-                stamps.append(time.perf_counter())
-            if data.get("usage"):
-                tokens = data["usage"]["completion_tokens"]
+    async for data in sse_events(client, body):
+        if data.get("choices") and data["choices"][0].get("text"):
+            stamps.append(time.perf_counter())
+        if data.get("usage"):
+            tokens = data["usage"]["completion_tokens"]
     end = time.perf_counter()
     ttft = (stamps[0] - t0) if stamps else end - t0
     tpot = (end - stamps[0]) / max(tokens - 1, 1) if stamps and tokens > 1 else None
@@ -138,19 +147,12 @@ async def _gaps(client: httpx.AsyncClient, prompt: str, max_tokens: int, out: li
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "ignore_eos": True, "return_token_ids": True}
     last = None
-    async with client.stream("POST", "/v1/completions", json=body) as resp:
-        resp.raise_for_status()
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            data = json.loads(line[6:])
-            if "error" in data:
-                raise RuntimeError(data["error"])
-            now = time.perf_counter()
-            n = len(data.get("choices", [{}])[0].get("token_ids") or []) or 1
-            if last is not None and window[0] <= now <= window[1]:
-                out.append((now - last) / n)
-            last = now
+    async for data in sse_events(client, body):
+        now = time.perf_counter()
+        n = len(data.get("choices", [{}])[0].get("token_ids") or []) or 1
+        if last is not None and window[0] <= now <= window[1]:
+            out.append((now - last) / n)
+        last = now
 
 
 async def run_interference(url: str, api_key: str | None = None, num_streams: int = 4,

@@ -176,6 +176,8 @@ def plan_load(args: CalibrationArgs) -> dict:
 async def stream_request(client, prompt: str | list[int], max_tokens: int) -> dict:
     """One streaming completion; times from `time.perf_counter()`. TTFT: send -> first chunk
     carrying tokens; TPOT: (last token chunk - first) / (tokens - 1)."""
+    from mtpserve.benchmarks.serve_bench import sse_events
+
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
             "ignore_eos": True, "return_token_ids": True,
             "stream_options": {"include_usage": True}}
@@ -184,25 +186,18 @@ async def stream_request(client, prompt: str | list[int], max_tokens: int) -> di
     tokens = chunks = 0
     usage: dict = {}
     mtp: dict = {}
-    async with client.stream("POST", "/v1/completions", json=body) as resp:
-        resp.raise_for_status()
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            now = time.perf_counter()
-            data = json.loads(line[6:])
-            if "error" in data:
-                raise RuntimeError(data["error"])
-            for ch in data.get("choices") or []:
-                n = len(ch.get("token_ids") or [])
-                if n:
-                    tokens += n
-                    chunks += 1
-                    first = now if first is None else first
-                    last = now
-            if data.get("usage"):
-                usage = data["usage"]
-                mtp = data.get("mtp_stats") or {}
+    async for data in sse_events(client, body):
+        now = time.perf_counter()
+        for ch in data.get("choices") or []:
+            n = len(ch.get("token_ids") or [])
+            if n:
+                tokens += n
+                chunks += 1
+                first = now if first is None else first
+                last = now
+        if data.get("usage"):
+            usage = data["usage"]
+            mtp = data.get("mtp_stats") or {}
     if first is None:
         raise RuntimeError("the stream carried no tokens")
     out_tokens = int(usage.get("completion_tokens", tokens))

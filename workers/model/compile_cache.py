@@ -66,9 +66,7 @@ def model_fingerprint(model: torch.nn.Module, *extra: object) -> str:
     for name, t in model.state_dict(keep_vars=False).items():
         t = t.detach()
         h.update(f"{name}{tuple(t.shape)}{t.stride()}{t.dtype}".encode())
-        h.update(t.contiguous().view(torch.uint8).numpy().tobytes()
-                 if t.device.type == "cpu" else t.cpu().contiguous().view(torch.uint8)
-                 .numpy().tobytes())
+        h.update(t.cpu().contiguous().view(torch.uint8).numpy())  # copies only strided ones
     h.update(_code_digest())
     isa = torch.backends.cpu.get_cpu_capability() if hasattr(torch.backends, "cpu") else ""
     h.update(f"{torch.__version__}|{platform.machine()}|{isa}|{extra!r}".encode())
