@@ -22,10 +22,14 @@ from mtpserve.benchmarks.local_server import running_server, variant_config
 from mtpserve.benchmarks.serve_bench import ServeBenchArgs, run
 from mtpserve.workers.paths import config_path
 
+_TP2 = {"tp_size": 2, "cpus_per_rank": 0.5}  # configs/local-cpu-tp2.yaml
 VARIANTS = {
-    # name: overrides of the config's args
-    "decode-tp2-eager": {"decode": {"tp_size": 2, "cpus_per_rank": 0.5},
-                         "engine": {"compile": "off"}},  # configs/local-cpu-tp2.yaml
+    # name: overrides of the config's args ("_env": environment of that server)
+    "decode-tp2-gloo-eager": {"decode": _TP2, "engine": {"compile": "off"},
+                              "_env": {"MTPSERVE_SHM_COLLECTIVES": "0"}},  # before shm
+    "decode-tp2-eager": {"decode": _TP2, "engine": {"compile": "off"}},
+    "decode-tp2-compiled": {"decode": _TP2, "engine": {"compile": "auto"}},
+    "decode-tp2-compiled-again": {"decode": _TP2, "engine": {"compile": "auto"}},
     "decode-tp1-eager": {"decode": {"tp_size": 1}, "engine": {"compile": "off"}},
     "decode-tp1-compiled": {"decode": {"tp_size": 1}, "engine": {"compile": "auto"}},
     "decode-tp1-compiled-again": {"decode": {"tp_size": 1}, "engine": {"compile": "auto"}},
@@ -94,8 +98,19 @@ def main() -> None:
     if args.fresh_compile_cache:  # `mtpserve up` passes the environment on to the replicas
         os.environ["MTPSERVE_COMPILE_CACHE"] = tempfile.mkdtemp(prefix="mtpserve-compile-")
     for name in args.variants:
-        cfg = _config(Path(args.config), VARIANTS[name], args.k, args.port)
-        rows["variants"][name] = _serve(cfg, bench, args.timeout)
+        over = dict(VARIANTS[name])
+        env = over.pop("_env", {})
+        cfg = _config(Path(args.config), over, args.k, args.port)
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)  # `mtpserve up` passes it on to the replicas
+        try:
+            rows["variants"][name] = _serve(cfg, bench, args.timeout)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         print(name, json.dumps({k: v for k, v in rows["variants"][name].items()
                                 if k == "start_seconds"}), flush=True)
     if args.json_out:

@@ -10,6 +10,7 @@ import pytest
 
 from mtpserve.workers.engine import Engine, EngineConfig
 from mtpserve.workers.engine_config import compile_enabled
+from mtpserve.workers.model import shm_collectives
 from mtpserve.workers.model_runner import ModelRunner, Runner
 from mtpserve.workers.sampling_params import SamplingParams
 
@@ -23,7 +24,12 @@ def no_override(monkeypatch):
 
 def test_auto_means_cpu_tp1_and_the_environment_overrides(no_override, monkeypatch) -> None:
     assert compile_enabled("auto", "cpu", 1)
-    assert not compile_enabled("auto", "cpu", 2)  # collectives stay outside graphs
+    # TP > 1 on CPU: graphs hold the shared-memory collectives; over gloo they stay eager.
+    assert compile_enabled("auto", "cpu", 2) == shm_collectives.available("cpu")
+    assert not compile_enabled("auto", "cuda", 2)
+    monkeypatch.setenv("MTPSERVE_SHM_COLLECTIVES", "0")
+    assert not compile_enabled("auto", "cpu", 2)
+    monkeypatch.delenv("MTPSERVE_SHM_COLLECTIVES")
     assert not compile_enabled("auto", "cuda", 1)  # not measured on a GPU yet
     assert compile_enabled("on", "cuda", 1) and not compile_enabled("off", "cpu", 1)
     monkeypatch.setenv("MTPSERVE_COMPILE", "off")

@@ -140,14 +140,19 @@ def _spec(path: str, port: int, role: str = "prefill"):
                     kv_interface="lo", num_threads=1)
 
 
-def _split_rank(rank: int, port: int, path: str, prompts: list, out) -> None:
+def _split_rank(rank: int, port: int, path: str, prompts: list, out, shm: bool) -> None:
+    import os
+
+    from mtpserve.workers.model.parallel import get_tp
     from mtpserve.workers.tp_group import RankCore, TPDriver, worker_loop
 
+    os.environ["MTPSERVE_SHM_COLLECTIVES"] = "1" if shm else "0"
     torch.set_num_threads(1)
     seen = install_plane_checker("cpu")
     core = RankCore(_spec(path, port), rank)
     if rank:
         worker_loop(core)
+        seen["shm"] = get_tp().shm.calls if get_tp().shm else 0
         out.put(("worker", seen, core.failed))
         torch.distributed.barrier()  # neither rank leaves while the other still talks to it
         return
@@ -156,6 +161,7 @@ def _split_rank(rank: int, port: int, path: str, prompts: list, out) -> None:
     got = _greedy_tokens(driver, path, prompts)
     driver.ping()  # the health ping is control traffic too
     driver.shutdown()
+    seen["shm"] = get_tp().shm.calls if get_tp().shm else 0
     out.put(("driver", seen, got))
     torch.distributed.barrier()
 
@@ -181,13 +187,16 @@ def _greedy_tokens(runner, path: str, prompts: list[list[int]], caching: bool = 
     return got, engine.block_manager.cache_hits
 
 
-def test_tp2_engine_keeps_control_and_data_planes_apart(tiny_qwen3) -> None:
-    """TP=2 with prefix caching == TP=1 without (a later prompt extends an earlier one)."""
+@pytest.mark.parametrize("shm", [False, True], ids=["gloo-data", "shm-data"])
+def test_tp2_engine_keeps_control_and_data_planes_apart(tiny_qwen3, shm: bool) -> None:
+    """TP=2 with prefix caching == TP=1 without (a later prompt extends an earlier one).
+    The activations travel over the gloo data group, or (the default on a CPU node) through
+    shared memory, in which case these small forwards put nothing on the data group."""
     prompts = [PROMPT, [9, 8, 7, 6, 5, 4, 3], PROMPT + [1, 2, 3, 4, 5]]
     want, _ = _greedy_tokens(None, str(tiny_qwen3), prompts, caching=False)
     ctx = mp.get_context("spawn")
     out, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_split_rank, args=(r, port, str(tiny_qwen3), prompts, out))
+    procs = [ctx.Process(target=_split_rank, args=(r, port, str(tiny_qwen3), prompts, out, shm))
              for r in range(2)]
     for p in procs:
         p.start()
@@ -201,7 +210,11 @@ def test_tp2_engine_keeps_control_and_data_planes_apart(tiny_qwen3) -> None:
     assert hits == 8  # the third prompt reused PROMPT's first two blocks
     assert not worker_failed
     for seen in (seen0, seen1):  # both planes carried traffic, and none of it crossed over
-        assert seen["control"] > 0 and seen["data"] > 0, seen
+        assert seen["control"] > 0, seen
+        if shm:
+            assert seen["shm"] > 0 and seen["data"] == 0, seen
+        else:
+            assert seen["data"] > 0 and seen["shm"] == 0, seen
 
 
 def _health_rank(rank: int, port: int, path: str, events, deadline_s: float) -> None:

@@ -73,11 +73,14 @@ def compile_enabled(mode: str, device: str, tp_size: int = 1) -> bool:
     """Whether decode forwards run as compiled graphs. `MTPSERVE_COMPILE` (auto | on | off)
     overrides the configured mode (and the older MTPSERVE_DECODE_GRAPHS=1 means on).
 
-    auto: on for CPU with TP = 1, where graphs were measured 1.3-2x faster per decode step
-    (README, engine benchmarks); off for TP > 1 (this code does not put collectives inside a
-    graph) and on CUDA (not yet measured here)."""
+    auto: on for CPU, where graphs were measured 1.3-2x faster per decode step at TP = 1
+    (README, engine benchmarks) and faster at TP = 2 too (README, "TP on CPU"); off on CUDA
+    (not yet measured here). TP > 1 compiles only where its collectives can sit in a graph:
+    same-node CPU ranks with shared-memory collectives (NCCL/gloo collectives stay eager)."""
+    from mtpserve.workers.model import shm_collectives
+
     mode = compile_mode(mode)
-    if tp_size > 1:
+    if tp_size > 1 and not (shm_collectives.enabled() and shm_collectives.available(device)):
         return False
     return mode == "on" or (mode == "auto" and device == "cpu")
 

@@ -22,7 +22,7 @@ from mtpserve.workers.kv_cache import KVCache
 from mtpserve.workers.model.attention_metadata import AttentionMetadata
 from mtpserve.workers.model.config import ModelConfig
 from mtpserve.workers.model.cuda_graphs import CUDAGraphs
-from mtpserve.workers.model.decode_graph import DecodeGraphs, GraphInputs
+from mtpserve.workers.model.decode_graph import DecodeGraphs, GraphInputs, GraphKey
 from mtpserve.workers.model.loader import load_model
 from mtpserve.workers.model.parallel import get_tp
 from mtpserve.workers.spec.draft_vocab import draft_token_ids
@@ -85,7 +85,8 @@ class Runner(Protocol):
                       mtp_modules: int | None = None, budget_s: float | None = None,
                       log: Callable[[str], None] | None = None,
                       cached_only: bool = False,
-                      restart_budget_s: float | None = None) -> int: ...
+                      restart_budget_s: float | None = None,
+                      run_bucket: Callable[[GraphKey], None] | None = None) -> int: ...
 
     @property
     def fuses_greedy_rounds(self) -> bool: ...
@@ -137,13 +138,14 @@ class ModelRunner:
         self._hidden: dict[str, tuple[torch.Tensor, int, int]] = {}
         if decode_graphs is None:  # the engine's default (compile: auto), env overrides
             decode_graphs = compile_enabled("auto", self.device.type, get_tp().size)
-        # Collectives inside a compiled graph are not supported here: TP > 1 stays eager.
+        # TP > 1 compiles only with shared-memory collectives (custom ops inside the graph).
+        tp = get_tp()
         if greedy_rounds is None:
             greedy_rounds = os.environ.get("MTPSERVE_GREEDY_ROUNDS", "0") == "1"
         self.graphs = (DecodeGraphs(self.model, self.kv_cache, cpp_wrapper=cpp_wrapper,
                                     greedy_rounds=greedy_rounds, cache_dir=compile_cache_dir,
                                     ahead_of_time=compile_ahead_of_time)
-                       if decode_graphs and get_tp().size == 1 else None)
+                       if decode_graphs and (tp.size == 1 or tp.shm is not None) else None)
         # CUDA: every bucket warm-up compiles is also captured as a CUDA graph and replayed
         # (workers/model/cuda_graphs.py); None on CPU, where nothing changes.
         if cuda_graphs is None:
@@ -156,17 +158,18 @@ class ModelRunner:
                       mtp_modules: int | None = None, budget_s: float | None = None,
                       log: Callable[[str], None] | None = None,
                       cached_only: bool = False,
-                      restart_budget_s: float | None = None) -> int:
+                      restart_budget_s: float | None = None,
+                      run_bucket: Callable[[GraphKey], None] | None = None) -> int:
         """Compile the decode graphs these shapes can hit, likeliest first, within `budget_s`
         seconds (no-op without graphs); returns how many were compiled or loaded.
         `cached_only`: only load what the on-disk compile cache holds, compile nothing;
-        `restart_budget_s`: see `DecodeGraphs.warmup`."""
+        `restart_budget_s`, `run_bucket`: see `DecodeGraphs.warmup`."""
         if self.graphs is None:
             return 0
         n = self.config.num_mtp_modules if mtp_modules is None else mtp_modules
         deadline = None if budget_s is None else time.monotonic() + budget_s
         done = self.graphs.warmup(batch_sizes, query_lens, max_context, n, log, deadline,
-                                  cached_only, restart_budget_s)
+                                  cached_only, restart_budget_s, run_bucket)
         if self.cuda_graphs is not None:  # capturing costs milliseconds per bucket
             captured = self.cuda_graphs.capture_pending()
             if log and captured:

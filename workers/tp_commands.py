@@ -5,6 +5,7 @@ Ray-free and torch-light, so the shells and the KV data path share them with `tp
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -58,6 +59,24 @@ class InjectFault:
 
     delay_s: float
     count: int = 1
+
+
+@dataclass
+class WarmGraph:
+    """Build and run one decode graph bucket on every rank in step (a warm-up forward runs the
+    graph's collectives); `key` None ends the warm-up (buckets not built run eagerly)."""
+
+    key: Any  # workers.model.decode_graph.GraphKey | None
+
+
+@dataclass
+class GreedyRound:
+    """A whole greedy round as one graph on every rank (`ModelRunner.greedy_round`)."""
+
+    input_ids: list[list[int]]
+    starts: list[int]
+    tables: list[list[int]]
+    room: list[int]
 
 
 @dataclass

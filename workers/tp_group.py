@@ -35,9 +35,13 @@ from mtpserve.workers.control_plane import (
     ControlPlane,
 )
 from mtpserve.workers.engine_config import compile_enabled
+from mtpserve.workers.model import shm_collectives
+from mtpserve.workers.model.decode_graph import GraphKey
 from mtpserve.workers.model.parallel import set_tp
+from mtpserve.workers.model.shm_collectives import ShmCollectives
 from mtpserve.workers.model_runner import ForwardBatch, ModelRunner
 from mtpserve.workers.tp_commands import (
+    GreedyRound,
     HoldKV,
     InjectFault,
     ProbeKV,
@@ -45,6 +49,7 @@ from mtpserve.workers.tp_commands import (
     ReleaseKV,
     RenewKV,
     StartPulls,
+    WarmGraph,
 )
 
 logger = logging.getLogger(__name__)
@@ -53,6 +58,10 @@ logger = logging.getLogger(__name__)
 # long. A dead peer closes its sockets (gloo raises at once); a hung one is caught by the
 # health check's deadline (`TPDriver.ping` under `AsyncEngine.ping`), which fails the replica.
 IDLE_TIMEOUT = timedelta(hours=24)
+# Per rank and buffer: a decode forward's activations fit (32 tokens x 8192 hidden in fp32);
+# larger ones (long prefill chunks, bandwidth-bound anyway) go over the data group. Small, since
+# a container's /dev/shm is often 64 MiB: the segment is 2 x tp_size x this.
+SHM_SLOT_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -120,7 +129,14 @@ class RankCore:
             self.data_group = dist.new_group(
                 backend="nccl" if spec.device == "cuda" else "gloo",
                 timeout=timedelta(seconds=spec.data_timeout_s))
-            set_tp(rank, spec.tp_size, self.data_group)
+            # Same-node CPU ranks (the whole group, above) exchange activations through shared
+            # memory: ~30 us per collective instead of ~1 ms over gloo's loopback TCP here.
+            shm = None
+            if shm_collectives.enabled() and shm_collectives.available(spec.device):
+                shm = ShmCollectives.create(self.control.group, rank, spec.tp_size,
+                                            SHM_SLOT_BYTES, fallback=self.data_group,
+                                            timeout_s=spec.data_timeout_s)
+            set_tp(rank, spec.tp_size, self.data_group, shm)
         # Graphs pay off in decode rounds; a prefill replica runs long chunks (eager anyway),
         # so it skips the warm-up a graph runner needs.
         graphs = spec.role == "decode" and compile_enabled(spec.compile, spec.device,
@@ -207,6 +223,11 @@ class RankCore:
             target = self.sender if self.sender is not None else self.puller
             target.inject_fault(cmd.delay_s, cmd.count)
             return None
+        if isinstance(cmd, WarmGraph):
+            with torch.inference_mode():
+                return self.runner.graphs.warm_bucket(cmd.key)
+        if isinstance(cmd, GreedyRound):
+            return self.runner.greedy_round(cmd.input_ids, cmd.starts, cmd.tables, cmd.room)
         if isinstance(cmd, ProbeKV):  # rank 0 only; never broadcast
             return self.receiver.probe(cmd.sender_address, cmd.num_bytes)
         raise TypeError(f"unknown command {type(cmd).__name__}")
@@ -332,26 +353,39 @@ class TPDriver:
             self.failed = True
             raise
 
-    # Compiled graphs exist only at TP = 1 (`compile_enabled`), where rank 0 is the group:
-    # these calls then need no broadcast. A TP > 1 runner has none, so they are no-ops.
     def warmup_graphs(self, batch_sizes: list[int], query_lens: list[int], max_context: int,
                       mtp_modules: int | None = None, budget_s: float | None = None,
                       log: Callable[[str], None] | None = None,
                       cached_only: bool = False,
-                      restart_budget_s: float | None = None) -> int:
-        assert self.tp_size == 1 or self.runner.graphs is None
-        return self.runner.warmup_graphs(batch_sizes, query_lens, max_context, mtp_modules,
-                                         budget_s, log, cached_only, restart_budget_s)
+                      restart_budget_s: float | None = None,
+                      run_bucket: Callable[[GraphKey], None] | None = None) -> int:
+        """Rank 0 plans the warm-up (order, budget, what its cache holds) and paces it: each
+        bucket is one broadcast command that every rank builds and runs in step, since the
+        warm-up forward runs the graph's collectives; so every rank ends with the same
+        buckets built, and a later forward takes the graph on all ranks or on none.
+        `run_bucket`: see `ModelRunner.warmup_graphs` (default here: on every rank)."""
+        if self.tp_size == 1 or self.runner.graphs is None:
+            return self.runner.warmup_graphs(batch_sizes, query_lens, max_context, mtp_modules,
+                                             budget_s, log, cached_only, restart_budget_s,
+                                             run_bucket)
+        done = self.runner.warmup_graphs(batch_sizes, query_lens, max_context, mtp_modules,
+                                         budget_s, log, cached_only, restart_budget_s,
+                                         run_bucket or (lambda key: self.run(WarmGraph(key))))
+        self.run(WarmGraph(None))
+        return done
 
     @property
     def fuses_greedy_rounds(self) -> bool:
-        return self.tp_size == 1 and self.runner.fuses_greedy_rounds
+        return self.runner.fuses_greedy_rounds
 
     def greedy_round(self, input_ids: list[list[int]], starts: list[int],
                      tables: list[list[int]], room: list[int]
                      ) -> tuple[list[int], list[int], list[list[int]]] | None:
-        return self.runner.greedy_round(input_ids, starts, tables, room) if (
-            self.tp_size == 1) else None
+        """Every rank runs the round's graph (its collectives pair up); ranks agree on whether
+        a graph exists for it (same buckets built), so None on rank 0 is None everywhere."""
+        if not self.runner.fuses_greedy_rounds:
+            return None
+        return self.run(GreedyRound(input_ids, starts, tables, room))
 
     def ping(self) -> None:
         """Raise unless every rank answers and none has failed (collective)."""

@@ -37,7 +37,8 @@ log = logging.getLogger(__name__)
 ENV_DIR = "MTPSERVE_COMPILE_CACHE"
 _MODEL_CODE = ("model/transformer.py", "model/layers.py", "model/mtp.py",
                "model/attention_metadata.py", "model/decode_graph.py",
-               "model/greedy_round.py", "model/config.py", "kv_cache.py")
+               "model/greedy_round.py", "model/config.py", "model/parallel.py",
+               "kv_cache.py")
 
 
 def default_cache_dir() -> Path:

@@ -9,7 +9,9 @@ power of two of at least `min_blocks` blocks. Nothing in the graph branches on d
 query slots write their K/V into the cache's scratch block, padding table entries point at it,
 and the causal mask is always a tensor built in the graph from the positions.
 
-Prefill (long S) and TP > 1 (collectives inside a graph are not supported here) stay eager.
+Prefill (long S) stays eager. TP > 1 ranks of one CPU node compile too: their collectives are
+the shared-memory custom ops of `workers.model.parallel`; every rank must warm up the same
+buckets in the same order (the TP driver paces them), since a warm-up forward runs collectives.
 
 On CPU (frozen graphs) each bucket is built ahead of time as an AOTInductor package and kept
 in an on-disk cache (`workers.model.compile_cache`): a restarted replica loads its graphs
@@ -36,6 +38,7 @@ from mtpserve.workers.model.compile_cache import (
     model_fingerprint,
 )
 from mtpserve.workers.model.greedy_round import greedy_round_graph
+from mtpserve.workers.model.parallel import get_tp
 from mtpserve.workers.model.transformer import CausalLM
 
 log = logging.getLogger(__name__)
@@ -205,7 +208,8 @@ class DecodeGraphs:
             root = Path(cache_dir) if cache_dir else default_cache_dir()
             fp = model_fingerprint(model, self.block_size, tuple(kv_cache.buffers[0].shape),
                                    len(kv_cache.buffers), "freeze-onednn",
-                                   getattr(model, "attention_backend", None))
+                                   getattr(model, "attention_backend", None),
+                                   (get_tp().rank, get_tp().size))
             self.aot = AOTGraphCache(root, fp, lambda: _cpu_compile_settings(True, False))
         self._fns: dict[GraphKey, Callable] = {}
         self.compiled: set[GraphKey] = set()
@@ -360,7 +364,8 @@ class DecodeGraphs:
     def warmup(self, batch_sizes: list[int], query_lens: list[int], max_context: int,
                mtp_modules: int, log: Callable[[str], None] | None = None,
                deadline: float | None = None, cached_only: bool = False,
-               restart_budget_s: float | None = None) -> int:
+               restart_budget_s: float | None = None,
+               run_bucket: Callable[[GraphKey], None] | None = None) -> int:
         """Compile the buckets these batch sizes / query lengths / contexts can hit, likeliest
         first (small batches, short contexts), until `deadline` (time.monotonic(); checked
         before each compile, so the last one may run past it); writes only the scratch block.
@@ -368,7 +373,9 @@ class DecodeGraphs:
         `cached_only`: load the buckets the on-disk cache holds, compile none.
         `restart_budget_s`: when the cache held some of them (a restart, or a replica added
         next to others), compile new ones for at most this long after loading (0: none), so
-        such a start takes seconds; the first, cold start compiles within `deadline`."""
+        such a start takes seconds; the first, cold start compiles within `deadline`.
+        `run_bucket(key)`: builds and runs one bucket (default: here; a TP driver runs it on
+        every rank in step), after which `key` must be in `self.compiled`."""
         import time
 
         keys = self.warmup_keys(batch_sizes, query_lens, max_context, mtp_modules)
@@ -389,7 +396,10 @@ class DecodeGraphs:
                     log(f"warm-up budget spent: {len(keys) - len(self.compiled & set(keys))} "
                         "bucket(s) left to run eagerly")
                 break
-            self.run(*self.example_inputs(key))
+            if run_bucket is None:
+                self.run(*self.example_inputs(key))
+            else:
+                run_bucket(key)
             done += 1
             if log:
                 how = "loaded" if i < len(cached) else "compiled"
@@ -439,3 +449,11 @@ class DecodeGraphs:
             if rare:
                 keys += [GraphKey("main", 0, B, 1, nb) for B in batches]
         return keys
+
+    def warm_bucket(self, key: GraphKey | None) -> None:
+        """One step of a warm-up another rank paces: build and run `key`, or (None) finish:
+        from now on a bucket not built runs eagerly."""
+        if key is None:
+            self.warmed = True
+        else:
+            self.run(*self.example_inputs(key))

@@ -3,16 +3,25 @@
 Each parameter carries a `weight_loader(param, loaded, shard_id=None)` that narrows the full
 checkpoint tensor to this rank's shard, so the model file stays TP-agnostic. With no process
 group (TP=1) every layer is a plain linear/embedding and no collective runs.
+
+The activations' collectives go through shared memory when the ranks share a CPU node
+(`workers.model.shm_collectives`), else through the data process group. Inside a compiled graph
+the shared-memory ones are the custom ops `mtpserve::tp_all_reduce` / `tp_all_gather_last`, so
+TP ranks run compiled decode graphs too (an opaque op in the graph, called back each forward).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from mtpserve.workers.model.shm_collectives import ShmCollectives
 
 
 @dataclass
@@ -20,6 +29,7 @@ class TPGroup:
     rank: int = 0
     size: int = 1
     group: dist.ProcessGroup | None = None
+    shm: ShmCollectives | None = None  # same-node CPU ranks: collectives in shared memory
 
 
 _TP = TPGroup()
@@ -29,16 +39,44 @@ def get_tp() -> TPGroup:
     return _TP
 
 
-def set_tp(rank: int, size: int, group: dist.ProcessGroup | None) -> None:
+def set_tp(rank: int, size: int, group: dist.ProcessGroup | None,
+           shm: ShmCollectives | None = None) -> None:
     """Set this process's TP coordinates; call before building the model."""
     global _TP
-    _TP = TPGroup(rank, size, group)
+    _TP = TPGroup(rank, size, group, shm)
+
+
+@torch.library.custom_op("mtpserve::tp_all_reduce", mutates_args=())
+def _shm_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    return get_tp().shm.all_reduce(x)
+
+
+@_shm_all_reduce.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("mtpserve::tp_all_gather_last", mutates_args=())
+def _shm_all_gather_last(x: torch.Tensor) -> torch.Tensor:
+    return get_tp().shm.all_gather_last(x)
+
+
+@_shm_all_gather_last.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], x.shape[-1] * get_tp().size))
 
 
 def _all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the TP ranks (may reuse `x`; use the result)."""
     tp = get_tp()
-    if tp.size > 1:
-        dist.all_reduce(x, group=tp.group)
+    if tp.size == 1:
+        return x
+    if tp.shm is not None:
+        # Eager calls skip the op's dispatch (~10 us); a graph needs the op.
+        if torch.compiler.is_compiling():
+            return torch.ops.mtpserve.tp_all_reduce(x)
+        return tp.shm.all_reduce(x)
+    dist.all_reduce(x, group=tp.group)
     return x
 
 
@@ -46,6 +84,10 @@ def _all_gather_last(x: torch.Tensor) -> torch.Tensor:
     tp = get_tp()
     if tp.size == 1:
         return x
+    if tp.shm is not None:
+        if torch.compiler.is_compiling():
+            return torch.ops.mtpserve.tp_all_gather_last(x)
+        return tp.shm.all_gather_last(x)
     parts = [torch.empty_like(x) for _ in range(tp.size)]
     dist.all_gather(parts, x.contiguous(), group=tp.group)
     return torch.cat(parts, dim=-1)
