@@ -15,6 +15,10 @@
    on one GPU); greedy HTTP output == the offline engine on the same device; KV pull vs raw
    send/recv, one-stream TPOT (the served single stream, default engine settings) and TPOT of
    running streams while long prompts are pulled (mtpserve.benchmarks.serve_bench).
+2b. kv: issue 18's KV checks on the same gloo path: a burst of 64 pulls into one decode
+   replica (time to second token and decode-side wait vs single arrivals, peak pulls in
+   flight, pulls per decode step), TPOT of running streams while 8 long prompts are pulled,
+   and the prefill's send-buffer memory after bursts into 1 and 2 decode replicas.
 3. nccl-kv / nccl-tp: only with >= 2 (>= 4 for TP 2 -> 2) visible GPUs: the same app with
    KV over NCCL, one GPU per rank; printed as skipped otherwise.
 
@@ -25,13 +29,14 @@ of every part), one JSON per part, and DIR/gpu_check.log (everything printed).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import socket
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -237,26 +242,19 @@ def _offline(prompts: list[str], device: str, max_tokens: int) -> list[str]:
             for p in prompts]
 
 
-def app_part(out: Path, device: str, dry: bool, backend: str, tp: int, name: str) -> dict:
+@contextlib.contextmanager
+def _app(device: str, backend: str, tp: int, decode_replicas: int = 1, admin: bool = True
+         ) -> Iterator[tuple[str, float]]:
+    """The disaggregated app on a local Ray cluster: (base URL, deploy seconds). Over gloo
+    every rank shares the one GPU (prefill 0.5, the decode replicas the other half); over
+    NCCL one GPU per rank."""
     import ray
     from ray import serve
 
-    from mtpserve.benchmarks.datapath_bench import ADMIN_KEY, admin_options
-    from mtpserve.benchmarks.serve_bench import (
-        ServeBenchArgs,
-        format_interference,
-        format_table,
-        run,
-        run_interference,
-    )
+    from mtpserve.benchmarks.datapath_bench import admin_options
     from mtpserve.cluster.app import build_app
     from mtpserve.cluster.config import ClusterConfig
-    from mtpserve.workers.training.prompts import held_out_prompts
 
-    max_tokens = 8 if dry else 32
-    prompts = held_out_prompts(2 if dry else 4, num_chars=300)
-    offline = _offline(prompts, device, max_tokens)
-    # Same GPU for both sides over gloo; one GPU per rank over NCCL.
     gpus = 0.0 if device == "cpu" else (0.5 if backend == "gloo" else 1.0)
     port = _port()
     ray.init(address="local", include_dashboard=False, log_to_driver=False,
@@ -266,22 +264,88 @@ def app_part(out: Path, device: str, dry: bool, backend: str, tp: int, name: str
         cfg = ClusterConfig(
             model=_model(), device=device,
             prefill={"tp_size": tp, "cpus_per_rank": 1, "gpus_per_rank": gpus},
-            decode={"tp_size": tp, "cpus_per_rank": 1, "gpus_per_rank": gpus},
+            decode={"tp_size": tp, "cpus_per_rank": 1 / decode_replicas,
+                    "gpus_per_rank": gpus / decode_replicas, "replicas": decode_replicas},
             speculation={"num_speculative_tokens": 2, "adaptive": False},
-            kv_transfer={"backend": backend}, **admin_options(ClusterConfig),
+            kv_transfer={"backend": backend},
+            # Without an admin key the stats endpoint is open (kv_burst_bench reads it).
+            **(admin_options(ClusterConfig) if admin else {}),
         )
         t0 = time.perf_counter()
         serve.run(build_app(cfg), name="mtpserve", route_prefix="/")
-        deploy_s = time.perf_counter() - t0
-        base = f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{port}", time.perf_counter() - t0
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def _stats(base: str) -> dict:
+    from mtpserve.benchmarks.datapath_bench import ADMIN_KEY
+
+    return httpx.get(f"{base}/v1/mtpserve/stats", timeout=60,
+                     headers={"Authorization": f"Bearer {ADMIN_KEY}"}).json()  # ignored if open
+
+
+def kv_part(out: Path, device: str, dry: bool) -> dict:
+    """Issue 18's KV checks on one GPU (gloo path, host staging): a burst of 64 pulls into
+    one decode replica (time to second token vs a single arrival, peak pulls in flight, pulls
+    completed per decode step, TPOT of streams already running meanwhile), and the prefill's
+    send-buffer memory after bursts into 1 and 2 decode replicas (with 2, the decode counters
+    are one replica's: Serve answers the stats call from one of them)."""
+    from mtpserve.benchmarks.kv_burst_bench import measure
+    from mtpserve.benchmarks.serve_bench import format_interference, run_interference
+
+    burst = 4 if dry else 64
+    res: dict = {}
+    for replicas in (1, 2):
+        with _app(device, "gloo", 1, replicas, admin=False) as (base, deploy_s):
+            before = _stats(base)
+            got = asyncio_run(measure(base, burst, 2 if dry else 8, 1, 128 if dry else 512,
+                                      4))
+            after = _stats(base)
+            d0, d1 = before["decode"], after["decode"]
+            pulls = d1["kv_puller"]["pulls"] - d0["kv_puller"]["pulls"]
+            steps = d1.get("num_steps", 0) - d0.get("num_steps", 0)
+            row = {"deploy_s": deploy_s, "burst": got, "pulls": pulls, "decode_steps": steps,
+                   "pulls_per_decode_step": pulls / steps if steps else None,
+                   "peak_pulls_in_flight": d1["kv_puller"].get("peak_in_flight"),
+                   "prefill_send_buffer_mib": after["prefill"]["kv_sender"].get(
+                       "send_buffer_bytes", 0) / 2**20}
+            if replicas == 1:  # decode TPOT of running streams while long prompts arrive
+                row["tpot_with_arrivals"] = asyncio_run(run_interference(
+                    base, api_key=None, num_streams=4, stream_tokens=64 if dry else 400,
+                    num_arrivals=1 if dry else 8, settle_s=0.5 if dry else 1.0))
+                print(format_interference(row["tpot_with_arrivals"]))
+            brief = {k: v for k, v in row.items() if k not in ("burst", "tpot_with_arrivals")}
+            print(f"[kv] decode replicas {replicas}: {json.dumps(brief)} "
+                  f"burst: {json.dumps(got.get('burst', got))}")
+            res[f"decode_replicas_{replicas}"] = row
+    (out / "kv.json").write_text(json.dumps(res, indent=2, default=str))
+    return res
+
+
+def app_part(out: Path, device: str, dry: bool, backend: str, tp: int, name: str) -> dict:
+    from mtpserve.benchmarks.datapath_bench import ADMIN_KEY
+    from mtpserve.benchmarks.serve_bench import (
+        ServeBenchArgs,
+        format_interference,
+        format_table,
+        run,
+        run_interference,
+    )
+    from mtpserve.workers.training.prompts import held_out_prompts
+
+    max_tokens = 8 if dry else 32
+    prompts = held_out_prompts(2 if dry else 4, num_chars=300)
+    offline = _offline(prompts, device, max_tokens)
+    with _app(device, backend, tp) as (base, deploy_s):
         got = []
         for p in prompts:
             r = httpx.post(f"{base}/v1/completions", timeout=300,
                            json={"prompt": p, "max_tokens": max_tokens, "temperature": 0})
             r.raise_for_status()
             got.append(r.json()["choices"][0]["text"])
-        stats = httpx.get(f"{base}/v1/mtpserve/stats", timeout=60,
-                          headers={"Authorization": f"Bearer {ADMIN_KEY}"}).json()
+        stats = _stats(base)
         res = {"greedy_equal": got == offline, "deploy_s": deploy_s,
                "mismatches": [{"http": g, "offline": o} for g, o in zip(got, offline,
                                                                          strict=True)
@@ -311,9 +375,6 @@ def app_part(out: Path, device: str, dry: bool, backend: str, tp: int, name: str
         res["tpot_with_arrivals"] = tpot
         (out / f"{name}.json").write_text(json.dumps(res, indent=2))
         return res
-    finally:
-        serve.shutdown()
-        ray.shutdown()
 
 
 def asyncio_run(coro):
@@ -345,6 +406,7 @@ def main() -> None:
         ("engine", lambda: engine_part(out, a.device, dry), ""),
         ("fast-path", lambda: fast_path_part(out, a.device, dry, a.fast_path_budget_s), ""),
         ("disagg-gloo", lambda: app_part(out, a.device, dry, "gloo", 1, "disagg-gloo"), ""),
+        ("kv", lambda: kv_part(out, a.device, dry), ""),
         ("nccl-kv", (lambda: app_part(out, a.device, dry, "nccl", 1, "nccl-kv"))
          if n_gpus >= 2 else None, "needs >= 2 GPUs (one NCCL rank per GPU)"),
         ("nccl-tp", (lambda: app_part(out, a.device, dry, "nccl", 2, "nccl-tp"))

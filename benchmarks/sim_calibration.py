@@ -10,13 +10,14 @@ replicas' fitted models, and compare TTFT and TPOT p50/p99 per phase.
    autoscaling), `engine.compile: off` (so decode runs eager, as the profile does; it also
    starts in seconds instead of compiling graphs), prefix caching off (the simulator does not
    model it), port 8767. Two warm-up requests, then idle probes, one at a time (prefill alone:
-   max_tokens 1; then whole requests at batch 1), then the phases: Poisson arrivals at a fixed
-   rate with a fixed seed, prompts cut from the held-out files (`held_out_prompts`' text, in
-   consecutive pieces) at lognormal lengths, `max_tokens` fixed with `ignore_eos`, greedy.
-   Phases are drained one after another. Per request the client records
-   its send time, prompt tokens (usage), output tokens, TTFT and TPOT (streaming, client side:
-   TPOT = (last token - first token) / (tokens - 1), as the simulator defines it) and its
-   `mtp_stats`; per phase the server's counters (/metrics, /v1/mtpserve/stats).
+   max_tokens 1; then whole requests at batch 1; then the co-location probes: 4 streams at
+   once, and the prefill probes again under one decoding stream), then the phases: Poisson
+   arrivals at a fixed rate with a fixed seed, prompts cut from the held-out files
+   (`held_out_prompts`' text, in consecutive pieces) at lognormal lengths, `max_tokens` fixed
+   with `ignore_eos`, greedy. Phases are drained one after another. Per request the client
+   records its send time, prompt tokens (usage), output tokens, TTFT and TPOT (streaming,
+   client side: TPOT = (last token - first token) / (tokens - 1), as the simulator defines
+   it) and its `mtp_stats`; per phase the server's counters (/metrics, /v1/mtpserve/stats).
 3. Replay: each phase's exact arrivals and lengths through `cluster.sim.Simulator` with one
    prefill and one decode replica, fixed; each request is its own acceptance class with
    per-position acceptance measured for it (its `mtp_stats`, shaped per position by the
@@ -44,10 +45,18 @@ replicas' fitted models, and compare TTFT and TPOT p50/p99 per phase.
      min(1, cores / (busy jobs + other jobs' busy threads)) relative to its speed alone (as the
      idle probes measured it). Its parameters are machine facts known before the load: the
      cores and the cores other jobs kept busy, measured before `mtpserve up` (`machine` in
-     the recording; `--cores` / `--other-busy-cores` for a recording without them), and
-     optionally a CPU cost per streamed chunk (`--stream-ms-per-chunk`, default 0).
+     the recording; `--cores` / `--other-busy-cores` for a recording without them).
    - `shared-cpu-pinned`: as `shared-cpu`, but the other jobs keep to their own cores and
      ours share the rest: min(1, free cores / busy jobs).
+   - `shared-cpu+stream`: `shared-cpu` + the CPU cost of streaming each output chunk
+     through ingress, proxy and client, a job on the shared cores (`stream_s_per_chunk`): the
+     stream probe's /proc CPU seconds of those processes per chunk, with 4 streams at once on
+     the idle cluster (`--stream-ms-per-chunk` overrides it).
+   - `shared-cpu+contended`: `shared-cpu` + the slowdown of prefill steps and of the work
+     outside the engines while decode runs (CpuSharing.contended), measured by the contended
+     probes: the idle probes' prompts again, one at a time, while one stream decodes (engine
+     TTFT / profile prefill vs the idle `prefill scale`; client - engine TTFT vs the idle
+     overhead). `--contended-from OTHER.json` takes them from another run's measurements.
    - `online` (a diagnostic, not a prediction): `replica-start` with the round-time model
      the decode replica had fitted online by the end of each phase, i.e. from that phase's
      own rounds. What is left between it and the measurement is the simulator's structure
@@ -340,6 +349,11 @@ async def record_load(url: str, plan: dict, max_tokens: int) -> dict:
             rec[key] = {"requests": reqs, "counters": _delta(before, after),
                         "stats_start": before["stats"], "stats_end": after["stats"],
                         "fresh": before["fresh"] and after["fresh"]}
+        # Co-location probes (still before the load): the CPU cost per streamed chunk outside
+        # the engines, and what one running stream does to a prompt's TTFT.
+        rec["stream_probe"] = await stream_probe(client, plan["probes"][:STREAM_PROBE_B],
+                                                 STREAM_PROBE_TOKENS, k_max)
+        rec["contended_probes"], after = await contended_probes(client, plan["probes"], k_max)
         t_run = time.perf_counter()
         for ph in plan["phases"]:
             before = after
@@ -366,6 +380,84 @@ async def record_load(url: str, plan: dict, max_tokens: int) -> dict:
                 "loadavg_end": after["loadavg"]})
             print(f"phase {ph['name']}: {len(results)} requests in {wall:.1f}s", flush=True)
     return rec
+
+
+# Co-location probes ---------------------------------------------------------------------------
+
+STREAM_PROBE_B = 4  # concurrent streams
+STREAM_PROBE_TOKENS = 256  # tokens each: ~350 chunks, so 10 ms clock ticks are < 5% of it
+# Processes whose CPU a streamed chunk costs outside the engines (Ray's process titles).
+OUTSIDE_PROCESSES = ("OpenAIIngress", "ProxyActor")
+
+
+def process_cpu_s(names: tuple[str, ...]) -> dict[str, float]:
+    """CPU seconds (user + system) so far of the processes whose command line contains one of
+    `names` (summed per name), and of this process (`client`); from /proc."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = dict.fromkeys(names, 0.0) | {"client": 0.0}
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            cmd = (p / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            fields = (p / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # exited meanwhile
+        cpu = (int(fields[11]) + int(fields[12])) / tick
+        if int(p.name) == os.getpid():
+            out["client"] += cpu
+        for n in names:
+            if n in cmd:
+                out[n] += cpu
+    return out
+
+
+async def stream_probe(client, prompts: list[str], max_tokens: int, k_max: int) -> dict:
+    """Streams at once on the idle cluster: CPU seconds the ingress, proxy and client spent per
+    streamed chunk (what `stream_s_per_chunk` of cluster/sim/cpu.py is), by /proc; and the
+    decode engine's counters, for its round time at that batch (`measurements`)."""
+    snap0 = await _snapshot(client, k_max)
+    before = process_cpu_s(OUTSIDE_PROCESSES)
+    t0 = time.perf_counter()
+    reqs = await asyncio.gather(*(_guarded(stream_request(client, p, max_tokens))
+                                  for p in prompts))
+    wall = time.perf_counter() - t0
+    after = process_cpu_s(OUTSIDE_PROCESSES)
+    snap1 = await _snapshot(client, k_max)
+    ok = [r for r in reqs if "error" not in r]
+    chunks = sum(r["chunks"] for r in ok)
+    cpu = {k: after[k] - before[k] for k in after}
+    for r in reqs:
+        r.pop("sent", None)
+    out = {"streams": len(prompts), "ok": len(ok), "max_tokens": max_tokens, "chunks": chunks,
+           "wall_s": wall, "cpu_s": cpu, "requests": reqs, "counters": _delta(snap0, snap1),
+           "engine_rounds": snap1["stats"]["decode"].get("total_rounds", 0)
+           - snap0["stats"]["decode"].get("total_rounds", 0)}
+    if chunks and len(ok) == len(prompts):
+        out["s_per_chunk"] = sum(cpu.values()) / chunks
+    return out
+
+
+async def contended_probes(client, prompts: list[str], k_max: int) -> tuple[dict, dict]:
+    """The prefill probes again, one at a time, while one long stream decodes (started first,
+    cancelled after): client and prefill-engine TTFT under one concurrent stream, to set
+    against the idle probes. max_tokens 2 so the prefill engine times each request."""
+    bg = asyncio.create_task(_guarded(stream_request(client, prompts[-1], 4096)))
+    await asyncio.sleep(1.0)  # the stream is decoding
+    before = await _snapshot(client, k_max)
+    reqs = []
+    for p in prompts:
+        reqs.append(await _guarded(stream_request(client, p, 2)))
+        await asyncio.sleep(0.2)
+    after = await _snapshot(client, k_max)
+    bg.cancel()
+    await asyncio.gather(bg, return_exceptions=True)
+    for r in reqs:
+        r.pop("sent", None)
+    out = {"requests": reqs, "counters": _delta(before, after),
+           "fresh": before["fresh"] and after["fresh"]}
+    await asyncio.sleep(2.0)  # the cancelled stream leaves decode
+    return out, await _snapshot(client, k_max)
 
 
 def machine_facts(window_s: float = 5.0) -> dict:
@@ -488,6 +580,9 @@ class Variant:
     kv_bytes_per_s: float | None = None
     kv_latency_s: float | None = None
     ingress_overhead_s: float = 0.0
+    # Seconds per request per round beyond the first request (moved from T's intercept to its
+    # batch slope, so T(1, k) is unchanged).
+    decode_s_per_chunk: float = 0.0
     # CPU sharing between the co-located replicas (cluster/sim/cpu.py CpuSharing fields);
     # None: each replica its own machine.
     cpu: dict | None = None
@@ -515,6 +610,9 @@ def build_models(v: Variant, cluster: dict):
             m.kv_latency_s = v.kv_latency_s
     coef = v.decode_coef if v.decode_coef is not None else d.coef
     d.coef = tuple(float(c) * v.decode_scale for c in coef)
+    if v.decode_s_per_chunk:
+        d.coef = (d.coef[0] - v.decode_s_per_chunk, d.coef[1] + v.decode_s_per_chunk,
+                  *d.coef[2:])
     d.__post_init__()
     return p, d
 
@@ -687,9 +785,55 @@ def measurements(rec: dict, profile: dict) -> dict:
         out.update(kv_probe_pulls=pulls, kv_probe_seconds=secs, kv_probe_bytes=nbytes)
         if pulls == len(reqs) and secs > 0 and nbytes > 0:
             out.update(kv_bytes_per_token=nbytes / pulled, kv_bytes_per_s=nbytes / secs)
+    cp = rec.get("contended_probes")
+    creqs = [r for r in (cp or {}).get("requests", []) if "error" not in r]
+    if creqs and cp["counters"]["engine_ttft_count"] == len(creqs):
+        # The same prompts as the idle probes, under one concurrent stream.
+        n = len(creqs)
+        engine = cp["counters"]["engine_ttft_sum"] / n
+        client = float(np.mean([r["ttft_s"] for r in creqs]))
+        prof = float(np.mean([prefill_alone_s(m, r["prompt_tokens"]) for r in creqs]))
+        out.update(contended_engine_ttft_s=engine, contended_client_ttft_s=client,
+                   contended_overhead_s=client - engine, contended_prefill_scale=engine / prof)
+        if out.get("prefill_scale") and out.get("ingress_overhead_s"):
+            # Slowdown of prefill and of the work outside the engines while decode streams.
+            out["contended_prefill_slowdown"] = engine / prof / out["prefill_scale"]
+            out["contended_overhead_slowdown"] = (client - engine) / out["ingress_overhead_s"]
+    sp = rec.get("stream_probe") or {}
+    if sp.get("s_per_chunk") is not None:
+        out["stream_s_per_chunk"] = sp["s_per_chunk"]
+    out.update(decode_chunk_cost(sp, profile, out.get("decode_scale", 1.0)))
     out["machine"] = rec.get("machine")
     out["decode_coef_start"] = coef_of(rec["start_stats"])
     out["decode_coef_phase_end"] = [coef_of(ph["stats_end"]) for ph in rec["phases"]]
+    return out
+
+
+def decode_chunk_cost(sp: dict, profile: dict, scale: float) -> dict:
+    """The decode replica's cost per request per round that the profile's batch slope lacks
+    (streaming each request's chunk out of the replica, in the engine's process), from the
+    stream probe: its requests' round time (decode-only TPOT x tokens / own rounds) at the
+    batch they decoded in (mean number of streams decoding over each one's decode span), less
+    the calibrated model's T(batch, k), per extra request. {} without a usable probe."""
+    from mtpserve.workers.perf_model import PerfModel
+
+    reqs = [r for r in sp.get("requests", []) if "error" not in r]
+    c = sp.get("counters") or {}
+    if len(reqs) < 2 or len(reqs) != sp.get("streams") or not c.get("decode_tpot_count"):
+        return {}
+    spans = [(r["ttft_s"], r["last_s"]) for r in reqs]
+    grid = np.linspace(min(a for a, _ in spans), max(b for _, b in spans), 2000)
+    live = sum(((grid >= a) & (grid < b)).astype(float) for a, b in spans)
+    batch = float(np.mean([live[(grid >= a) & (grid < b)].mean() for a, b in spans]))
+    rounds = sum(r["num_rounds"] for r in reqs)
+    tokens = sum(r["output_tokens"] - 1 for r in reqs)
+    round_s = c["decode_tpot_sum"] / c["decode_tpot_count"] * tokens / rounds
+    k = sum(r["num_drafted"] for r in reqs) / rounds
+    model_s = scale * PerfModel(profile["perf_model"]).round_s(batch, k)
+    out = {"stream_probe_batch": batch, "stream_probe_round_s": round_s,
+           "stream_probe_model_round_s": model_s}
+    if batch > 1.05:
+        out["decode_s_per_chunk"] = max((round_s - model_s) / (batch - 1.0), 0.0)
     return out
 
 
@@ -711,8 +855,8 @@ def variants(profile: dict, meas: dict) -> dict[str, Variant]:
     machine = meas.get("machine") or {}
     if machine.get("cores"):
         share = {"cores": float(machine["cores"]),
-                 "other_threads": float(machine.get("other_busy_cores", 0.0)),
-                 "stream_s_per_chunk": float(machine.get("stream_s_per_chunk", 0.0))}
+                 "other_threads": float(machine.get("other_busy_cores", 0.0))}
+        stream = float(machine.get("stream_s_per_chunk", 0.0))
         out["shared-cpu"] = replace(
             cal, name="shared-cpu", cpu=share | {"pinned": False},
             note=f"`calibrated` + CPU sharing (cluster/sim/cpu.py): prefill steps, decode "
@@ -722,6 +866,29 @@ def variants(profile: dict, meas: dict) -> dict[str, Variant]:
             cal, name="shared-cpu-pinned", cpu=share | {"pinned": True},
             note="as `shared-cpu`, but the other jobs keep to their own cores: ours share "
             f"the {share['cores'] - share['other_threads']:g} left")
+        if stream > 0:
+            out["shared-cpu+stream"] = replace(
+                cal, name="shared-cpu+stream",
+                cpu=share | {"pinned": False, "stream_s_per_chunk": stream},
+                note=f"`shared-cpu` + {1000 * stream:.2f} ms of CPU per streamed chunk in "
+                "ingress, proxy and client (the stream probe: /proc CPU time per chunk of "
+                "concurrent streams on the idle cluster)")
+        slow = {"prefill": meas.get("contended_prefill_slowdown"),
+                "ingress": meas.get("contended_overhead_slowdown")}
+        if all(slow.values()) and meas.get("decode_s_per_chunk") is not None:
+            c = meas["decode_s_per_chunk"]
+            out["co-located"] = replace(
+                cal, name="co-located", decode_s_per_chunk=c,
+                cpu=share | {"pinned": False, "contended": tuple(sorted(slow.items()))},
+                note=f"`shared-cpu+contended` + {1000 * c:.2f} ms per extra request per decode "
+                "round (the stream probe: decode round time at its batch vs `calibrated`)")
+        if all(slow.values()):
+            out["shared-cpu+contended"] = replace(
+                cal, name="shared-cpu+contended",
+                cpu=share | {"pinned": False, "contended": tuple(sorted(slow.items()))},
+                note=f"`shared-cpu` + prefill steps {slow['prefill']:.2f}x and the work "
+                f"outside the engines {slow['ingress']:.2f}x slower while decode runs (the "
+                "contended probes: the idle probes' prompts under one decoding stream)")
     if meas.get("decode_coef_start"):
         out["replica-start"] = replace(
             over, name="replica-start", prefill_scale=meas.get("prefill_scale", 1.0),
@@ -731,8 +898,10 @@ def variants(profile: dict, meas: dict) -> dict[str, Variant]:
     return out
 
 
-def analyse(rec: dict, profile: dict) -> dict:
-    meas = measurements(rec, profile)
+def analyse(rec: dict, profile: dict, contended: dict | None = None) -> dict:
+    """`contended`: the contended probes' slowdowns of another run, for a recording without
+    its own."""
+    meas = measurements(rec, profile) | (contended or {})
     out: dict = {"measurements": meas, "variants": {}}
     vs = variants(profile, meas)
     runs: list[tuple[Variant, list | None]] = [(v, None) for v in vs.values()]
@@ -854,9 +1023,12 @@ def main(argv: list[str] | None = None) -> int:
                     "the recording's machine facts)")
     ap.add_argument("--other-busy-cores", type=float, help="CPU sharing: cores other jobs "
                     "kept busy (default: the recording's machine facts)")
-    ap.add_argument("--stream-ms-per-chunk", type=float, default=0.0, help="CPU sharing: "
-                    "CPU time to stream one output chunk through ingress, proxy and client "
-                    "(default 0: not modelled apart from decode)")
+    ap.add_argument("--contended-from", help="take the co-location probes' measurements "
+                    "(contended slowdowns, decode cost per chunk) from this other output JSON "
+                    "(for a recording without those probes)")
+    ap.add_argument("--stream-ms-per-chunk", type=float, help="CPU sharing: CPU time to "
+                    "stream one output chunk through ingress, proxy and client (default: the "
+                    "recording's stream probe; 0 without one)")
     a = ap.parse_args(argv)
     args = CalibrationArgs(port=a.port, seed=a.seed, max_tokens=a.max_tokens)
     if a.phases:
@@ -887,9 +1059,19 @@ def main(argv: list[str] | None = None) -> int:
                                           ("other_busy_cores", a.other_busy_cores))
                         if v is not None}, source="command line")
     if machine:
-        machine["stream_s_per_chunk"] = a.stream_ms_per_chunk / 1000
+        probe = (rec.get("stream_probe") or {}).get("s_per_chunk")
+        machine["stream_s_per_chunk"] = (a.stream_ms_per_chunk / 1000
+                                         if a.stream_ms_per_chunk is not None
+                                         else float(probe or 0.0))
         rec = dict(rec, machine=machine)
-    res = analyse(rec, profile)
+    contended = None
+    if a.contended_from:
+        m = json.loads(Path(a.contended_from).read_text())["measurements"]
+        contended = {k: m[k] for k in ("contended_prefill_slowdown",
+                                        "contended_overhead_slowdown", "decode_s_per_chunk")
+                     if k in m}
+        contended["contended_source"] = a.contended_from
+    res = analyse(rec, profile, contended)
     for name, v in res["variants"].items():
         print(format_table(v["rows"], f"\n{name}: {v['note']}"))
     print("\nmeasurements:", json.dumps({k: v for k, v in res["measurements"].items()},

@@ -179,7 +179,8 @@ def create_app(state: IngressState | None = None) -> FastAPI:
                             index=ev.choice.index, text=ev.text, finish_reason=ev.finish_reason,
                             logprobs=ev.choice.completion_logprobs(ev.logprobs),
                             token_ids=ev.token_ids if want_ids else None,
-                            mtp_stats=ev.choice.mtp_stats() if ev.finish_reason else None)]))
+                            mtp_stats=ev.choice.mtp_stats() if ev.finish_reason else None,
+                            mtpserve_trace=ev.trace())]))
                 if body.include_usage:
                     yield sse_event(chunk([], usage=usage_of(prompts, choices),
                                      mtp_stats=total_mtp_stats(choices)))
@@ -233,7 +234,8 @@ def create_app(state: IngressState | None = None) -> FastAPI:
                             finish_reason=ev.finish_reason,
                             logprobs=ev.choice.chat_logprobs(ev.logprobs),
                             token_ids=ev.token_ids if want_ids else None,
-                            mtp_stats=ev.choice.mtp_stats() if ev.finish_reason else None)]))
+                            mtp_stats=ev.choice.mtp_stats() if ev.finish_reason else None,
+                            mtpserve_trace=ev.trace())]))
                 if body.include_usage:
                     yield sse_event(chunk([], usage=usage_of([ids], choices),
                                      mtp_stats=total_mtp_stats(choices)))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -142,6 +143,11 @@ class ChoiceEvent:
     token_ids: list[int]
     finish_reason: str | None
     logprobs: list[TokenLogprobs] | None = None  # of `token_ids`, when requested
+    stamps: dict[str, float] | None = None  # per-hop times (workers/hop_trace.py, opt-in)
+
+    def trace(self) -> dict[str, float] | None:
+        """The hop stamps plus `sse_out` (now), for the SSE event; None when not traced."""
+        return None if self.stamps is None else {**self.stamps, "sse_out": time.time()}
 
 
 async def _aclose(stream: AsyncIterator[TokenChunk]) -> None:
@@ -180,7 +186,8 @@ class ChoiceSet:
             async for chunk in stream:
                 text = choice.feed(chunk)
                 self._queue.put_nowait(ChoiceEvent(choice, text, chunk.token_ids,
-                                                   choice.finish_reason, chunk.logprobs))
+                                                   choice.finish_reason, chunk.logprobs,
+                                                   chunk.stamps))
                 if first:
                     first = False
                     self._num_without_first -= 1

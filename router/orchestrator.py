@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mtpserve.router.errors import APIError, overloaded
+from mtpserve.workers.hop_trace import stamp
 from mtpserve.workers.kv_transfer.mailbox import drop_holds
 from mtpserve.workers.messages import (
     ERROR_KV_TRANSFER,
@@ -189,7 +190,7 @@ class DisaggOrchestrator:
                     return
             async for chunk in self._decode(progress, params, deadline, hold_until):
                 held = False  # the decode side has the KV (it acknowledged the pull)
-                yield chunk
+                yield stamp(chunk, "ingress_in")
         finally:
             if params is not None:
                 # The client left between prefill and decode, or decode never pulled: free the

@@ -293,6 +293,7 @@ class CompletionChoice(BaseModel):
     finish_reason: Literal["stop", "length"] | None = None
     token_ids: list[int] | None = None
     mtp_stats: MTPStats | None = None
+    mtpserve_trace: dict[str, float] | None = None  # streamed, MTPSERVE_TRACE_HOPS=1 only
 
 
 class CompletionResponse(BaseModel):
@@ -345,6 +346,7 @@ class ChatStreamChoice(BaseModel):
     finish_reason: Literal["stop", "length"] | None = None
     token_ids: list[int] | None = None
     mtp_stats: MTPStats | None = None
+    mtpserve_trace: dict[str, float] | None = None  # MTPSERVE_TRACE_HOPS=1 only
 
 
 class ChatCompletionChunk(BaseModel):

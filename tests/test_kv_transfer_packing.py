@@ -47,6 +47,15 @@ def test_scatter_rejects_mismatched_payload():
         scatter_blocks(dst, [0, 1], torch.zeros(3, 2, 2, 4, 3, 8))
 
 
+def test_scatter_into_a_head_range_leaves_other_heads_alone():
+    dst = [torch.zeros(2, 5, 4, 4, 8) for _ in range(3)]
+    payload = torch.randn(3, 2, 2, 4, 2, 8)
+    scatter_blocks(dst, [3, 1], payload, slice(2, 4))  # heads 2-3 from one prefill rank
+    for layer, want in zip(dst, payload, strict=True):
+        assert torch.equal(layer[:, [3, 1], :, 2:4], want)
+        assert not layer[:, :, :, :2].any() and not layer[:, [0, 2, 4]].any()
+
+
 def test_extras_round_trip_mixed_dtypes():
     extras = {
         "draft_token_ids": torch.tensor([[5, 7, 9]]),

@@ -171,3 +171,29 @@ def test_recorder_reads_streams_and_counters(monkeypatch) -> None:
         assert r["prompt_tokens"] == 17 and r["num_accepted"] == 5 and r["num_rounds"] == 3
         assert r["ttft_s"] >= 0 and r["tpot_s"] >= 0 and r["arrival_s"] >= r["offset_s"] - 1e-3
     assert cal.coef_of(rec["start_stats"]) == [0.005, 0.0004, 0.0003, 0.0005]
+
+
+def test_decode_chunk_cost_from_the_stream_probe() -> None:
+    # Two streams decoding over the same span (batch 2), 3 tokens per round at k=2: each
+    # request's round takes decode TPOT x 3; the cost is what exceeds the model's T(2, 2).
+    from mtpserve.workers.perf_model import PerfModel
+
+    reqs = [{"ttft_s": 0.1, "last_s": 1.1, "output_tokens": 61, "num_rounds": 20,
+             "num_drafted": 40} for _ in range(2)]
+    tpot = 0.01
+    sp = {"streams": 2, "requests": reqs,
+          "counters": {"decode_tpot_sum": 2 * tpot, "decode_tpot_count": 2.0}}
+    got = cal.decode_chunk_cost(sp, PROFILE, scale=1.5)
+    assert got["stream_probe_batch"] == pytest.approx(2.0, abs=0.01)
+    model = 1.5 * PerfModel(PROFILE["perf_model"]).round_s(got["stream_probe_batch"], 2.0)
+    assert got["stream_probe_round_s"] == pytest.approx(tpot * 3)
+    assert got["decode_s_per_chunk"] == pytest.approx(
+        (tpot * 3 - model) / (got["stream_probe_batch"] - 1))
+    # Moved from T's intercept to its batch slope: T(1, k) unchanged, T(2, k) + the cost.
+    v = cal.Variant("t", PROFILE, decode_scale=1.5)
+    c = cal.replace(v, decode_s_per_chunk=0.004)
+    (_, d0), (_, d1) = cal.build_models(v, CLUSTER), cal.build_models(c, CLUSTER)
+    assert d1.round_s(1, 2.0, 0.0) == pytest.approx(d0.round_s(1, 2.0, 0.0))
+    assert d1.round_s(3, 2.0, 0.0) == pytest.approx(d0.round_s(3, 2.0, 0.0) + 0.008)
+    # A probe that lost a stream tells nothing.
+    assert cal.decode_chunk_cost(dict(sp, streams=3), PROFILE, 1.5) == {}

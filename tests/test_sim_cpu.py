@@ -98,6 +98,24 @@ def test_set_work_and_cancel() -> None:
     assert cpu.done_work(c) == pytest.approx(0.25) and len(ends) == 2 and not cpu.jobs
 
 
+def test_contended_kinds_run_slower_only_while_decode_runs() -> None:
+    # 2 cores, prefill 1.5x slower while a decode job runs; decode, prefill and a pull, work 1
+    # each, from 0.
+    host = Clock()
+    cpu = SharedCpu(host, CpuSharing(cores=2, contended=(("prefill", 1.5),)))
+    ends: dict[str, float] = {}
+    cpu.start(1.0, lambda: ends.setdefault("decode", host.now), kind="decode")
+    cpu.start(1.0, lambda: ends.setdefault("prefill", host.now), kind="prefill")
+    cpu.start(1.0, lambda: ends.setdefault("pull", host.now), kind="pull")  # not contended
+    host.run()
+    # Three jobs on 2 cores: 2/3 speed each, prefill 4/9 while decode runs (to 1.5), then
+    # its last 1/3 alone.
+    assert ends["decode"] == pytest.approx(1.5) and ends["pull"] == pytest.approx(1.5)
+    assert ends["prefill"] == pytest.approx(1.5 + (1 - 1.5 * 4 / 9))
+    # Without a decode job the contended kind runs at its plain share.
+    assert _finish_times(CpuSharing(cores=2, contended=(("", 2.0),)), [(0.0, 1.0)]) == [1.0]
+
+
 def _workload(arrival: list[float], prompt: list[int], output: list[int]) -> Workload:
     n = len(arrival)
     return Workload(arrival=np.array(arrival), cls=np.zeros(n, dtype=np.int64),

@@ -48,3 +48,31 @@ def test_a_slow_consumer_gets_the_backlog_as_one_chunk(tiny_qwen3) -> None:
     assert len(tokens) == 40 and [t for c in slow for t in c.token_ids] == tokens
     assert len(fast) > 2 and len(slow) == 2  # the first chunk, then everything else at once
     assert slow[-1].finished and slow[-1].num_rounds == fast[-1].num_rounds
+
+
+def test_hop_stamps_only_when_traced_and_merges_keep_the_oldest(tiny_qwen3, monkeypatch) -> None:
+    """MTPSERVE_TRACE_HOPS=1: chunks with tokens carry the engine's stamp (the streaming
+    benchmark reads the hops); a merge keeps its first chunk's stamps; the SSE side adds
+    `sse_out`. Off, no chunk carries anything."""
+    from mtpserve.router.generation import ChoiceEvent
+    from mtpserve.workers import hop_trace
+
+    eng = AsyncEngine(Engine(EngineConfig(model=str(tiny_qwen3), num_speculative_tokens=2,
+                                          num_kv_blocks=64)))
+
+    async def run(rid: str) -> list[TokenChunk]:
+        req = GenerateRequest(rid, [5, 6, 7, 8], 12, temperature=0.0, ignore_eos=True)
+        return [c async for c in eng.generate(req)]
+
+    try:
+        assert all(c.stamps is None for c in asyncio.run(run("off")))
+        monkeypatch.setattr(hop_trace, "ENABLED", True)
+        chunks = asyncio.run(run("on"))
+    finally:
+        eng.shutdown()
+    assert chunks and all(set(c.stamps) == {"engine"} for c in chunks if c.token_ids)
+    assert merge_chunks(chunks).stamps == chunks[0].stamps
+    ev = ChoiceEvent(None, "x", [1], None, stamps=chunks[0].stamps)
+    trace = ev.trace()
+    assert trace["sse_out"] >= trace["engine"]
+    assert ChoiceEvent(None, "x", [1], None).trace() is None

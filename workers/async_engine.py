@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 from mtpserve.workers.engine import Engine, EngineError, RequestOutput
+from mtpserve.workers.hop_trace import stamp
 from mtpserve.workers.messages import ERROR_ENGINE, GenerateRequest, TokenChunk, merge_chunks
 from mtpserve.workers.request import Request
 from mtpserve.workers.sampling_params import SamplingParams
@@ -207,7 +208,7 @@ class AsyncEngine:
             self._observe(outputs, time.perf_counter() - t_step)
             stalled = not outputs and self.engine.scheduler.idle
             for out in outputs:
-                self._publish(out.request_id, to_chunk(out))
+                self._publish(out.request_id, stamp(to_chunk(out), "engine"))
 
     def _observe(self, outputs: list[RequestOutput], seconds: float) -> None:
         for fn in self.step_observers:

@@ -11,6 +11,7 @@ from ray import serve
 from mtpserve.workers.async_engine import sampling_params
 from mtpserve.workers.block_manager import blocks_for
 from mtpserve.workers.engine import Engine, EngineError
+from mtpserve.workers.hop_trace import stamp
 from mtpserve.workers.kv_transfer.arrivals import KVArrivals
 from mtpserve.workers.messages import (
     ERROR_KV_TRANSFER,
@@ -94,7 +95,7 @@ class DecodeServer(EngineReplica):
                 if not chunk.heartbeat:
                     last = chunk
                     load[1] += len(chunk.token_ids)
-                yield chunk
+                yield stamp(chunk, "decode_out")
         finally:
             self.expected.pop(req.request_id, None)
         if last is not None and last.finished and last.finish_reason != "error":

@@ -84,6 +84,7 @@ class Engine(RoundOutcomes):
         self.prefilled: dict[str, Request] = {}  # role "prefill": KV held for transfer
         self.eos_ids = set(mcfg.eos_token_ids)  # config.json + generation_config.json
         self.totals = {"rounds": 0, "drafted": 0, "accepted": 0, "emitted": 0}
+        self.num_steps = 0  # engine steps that ran a forward (pulls per step: gpu_check)
 
     def warmup(self, max_batch: int | None = None, max_context: int | None = None,
                budget_s: float | None = None, cached_only: bool = False) -> int:
@@ -227,6 +228,7 @@ class Engine(RoundOutcomes):
     def step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
         if out.prefill or out.decode:
+            self.num_steps += 1
             return self._step(out.decode, out.prefill)
         return []
 
@@ -345,6 +347,7 @@ class Engine(RoundOutcomes):
             "num_prefilling": len(self.scheduler.prefilling),
             "num_running": len(self.scheduler.running),
             "num_prefilled_held": len(self.prefilled),
+            "num_steps": self.num_steps,
             "num_speculative_tokens": self.adaptive.k if self.adaptive
             else self.config.num_speculative_tokens,
             "acceptance_rate": t["accepted"] / t["drafted"] if t["drafted"] else None,

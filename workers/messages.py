@@ -114,6 +114,7 @@ class TokenChunk:
     # No tokens: the replica is alive and still working on the request (queued for KV
     # blocks, pulling, prefilling). A stream that goes silent instead is stalled.
     heartbeat: bool = False
+    stamps: dict[str, float] | None = None  # hop -> wall time (workers/hop_trace.py, opt-in)
 
 
 def merge_chunks(chunks: list[TokenChunk]) -> TokenChunk:
@@ -126,6 +127,8 @@ def merge_chunks(chunks: list[TokenChunk]) -> TokenChunk:
     logprobs = None
     if any(c.logprobs for c in chunks):
         logprobs = [lp for c in chunks for lp in (c.logprobs or [])]
+    # Stamps (when traced) stay the first chunk's: the hops of the oldest token in the merge.
     return dataclasses.replace(
         last, token_ids=[t for c in chunks for t in c.token_ids], logprobs=logprobs,
-        num_cached_tokens=max(c.num_cached_tokens for c in chunks))
+        num_cached_tokens=max(c.num_cached_tokens for c in chunks),
+        stamps=next((c.stamps for c in chunks if c.stamps), None))

@@ -235,7 +235,7 @@ class Simulator:
     # Requests -----------------------------------------------------------------------------------
     def _ingress(self, req: SimRequest) -> None:
         """Shared CPU: the work outside the engines is a job on the host's cores."""
-        self.cpu.start(self.sim.ingress_overhead_s, self._arrive, req)
+        self.cpu.start(self.sim.ingress_overhead_s, self._arrive, req, kind="ingress")
 
     def _arrive(self, req: SimRequest) -> None:
         self.fe_arrival.append((self.now, float(req.prompt), req.cls))

@@ -19,6 +19,12 @@ Jobs: a prefill step, a stretch of decode rounds, a KV pull, a request's work ou
 engines (`SimConfig.ingress_overhead_s`: HTTP, ingress, tokenization, Serve calls) and, if
 `stream_s_per_chunk` > 0, the streaming of decode's output chunks (one per running request and
 round) through ingress, proxy and client: one backlog job that grows at every stretch's end.
+
+`contended` gives, per job kind, how many times slower a job runs than its processor share
+while a decode stretch is running: co-location costs that processor sharing alone does not
+show (on this host one decoding stream slowed a lone prompt's prefill by ~1.25x with a core
+free). It is measured, not fitted: benchmarks/sim_calibration.py's contended probes time the
+idle probes' prompts again while one stream decodes.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ class CpuSharing:
     other_threads: float = 0.0
     pinned: bool = False
     stream_s_per_chunk: float = 0.0
+    contended: tuple[tuple[str, float], ...] = ()  # (job kind, slowdown while decoding)
 
     def rate(self, n: int) -> float:
         """Speed of each of n busy jobs relative to the speed of one job alone."""
@@ -51,12 +58,15 @@ class CpuSharing:
             1.0, self.cores / (1 + self.other_threads))
 
 
-class Job:
-    __slots__ = ("remaining", "work", "fn", "args", "active")
+DECODE = "decode"  # the job kind whose presence slows the `contended` kinds
 
-    def __init__(self, work: float, fn: Callable[..., Any], args: tuple) -> None:
+
+class Job:
+    __slots__ = ("remaining", "work", "fn", "args", "active", "kind")
+
+    def __init__(self, work: float, fn: Callable[..., Any], args: tuple, kind: str) -> None:
         self.work = self.remaining = max(float(work), 0.0)
-        self.fn, self.args, self.active = fn, args, True
+        self.fn, self.args, self.active, self.kind = fn, args, True, kind
 
 
 class SharedCpu:
@@ -69,11 +79,12 @@ class SharedCpu:
         self._t = 0.0
         self._version = 0
         self.busy_s = 0.0  # work done by all jobs, in alone-seconds (diagnostic)
+        self._contended = dict(sharing.contended)
 
     # Public ---------------------------------------------------------------------------------
-    def start(self, work: float, fn: Callable[..., Any], *args: Any) -> Job:
+    def start(self, work: float, fn: Callable[..., Any], *args: Any, kind: str = "") -> Job:
         self._advance()
-        job = Job(work, fn, args)
+        job = Job(work, fn, args, kind)
         self.jobs.append(job)
         self._reschedule()
         return job
@@ -102,6 +113,15 @@ class SharedCpu:
     def rate(self) -> float:
         return self.sharing.rate(len(self.jobs))
 
+    def job_rate(self, job: Job, base: float | None = None) -> float:
+        """The job's speed now: its processor share, divided by its kind's slowdown while a
+        decode stretch runs."""
+        r = self.rate() if base is None else base
+        slow = self._contended.get(job.kind)
+        if slow and job.kind != DECODE and any(j.kind == DECODE for j in self.jobs):
+            r /= slow
+        return r
+
     # Internals ------------------------------------------------------------------------------
     def _advance(self) -> None:
         now = self.host.now
@@ -110,16 +130,17 @@ class SharedCpu:
         if dt <= 0 or not self.jobs:
             return
         r = self.rate()
-        self.busy_s += dt * r * len(self.jobs)
         for j in self.jobs:
-            j.remaining = max(j.remaining - dt * r, 0.0)
+            rj = self.job_rate(j, r)
+            self.busy_s += dt * rj
+            j.remaining = max(j.remaining - dt * rj, 0.0)
 
     def _reschedule(self) -> None:
         self._version += 1
         if not self.jobs:
             return
         r = self.rate()
-        t = self.host.now + min(j.remaining for j in self.jobs) / r
+        t = self.host.now + min(j.remaining / self.job_rate(j, r) for j in self.jobs)
         self.host.schedule(t, self._complete, self._version)
 
     def _complete(self, version: int) -> None:

@@ -183,7 +183,7 @@ class DecodeReplica:
         if not self.lane_busy and self.lane:
             req, dur = self.lane.popleft()
             self.lane_busy = True
-            self.cpu.start(dur, self._pulled, req)
+            self.cpu.start(dur, self._pulled, req, kind="pull")
 
     def _pulled(self, req: SimRequest) -> None:
         self.lane_busy = False
@@ -271,7 +271,7 @@ class DecodeReplica:
         self.step_start, self.step_T, self.step_rounds = now, T, rounds
         self.step_k, self.step_E, self.step_B, self.step_ctx = ks, E, B, ctx
         if self.cpu is not None:
-            self.job = self.cpu.start(rounds * T, self._step_end, self.step_seq)
+            self.job = self.cpu.start(rounds * T, self._step_end, self.step_seq, kind="decode")
         else:
             self.host.schedule(now + rounds * T, self._step_end, self.step_seq)
 
@@ -312,7 +312,7 @@ class DecodeReplica:
         if self.stream_job is not None and self.stream_job.active:
             self.cpu.set_work(self.stream_job, self.stream_job.work + work)
         else:
-            self.stream_job = self.cpu.start(work, lambda: None)
+            self.stream_job = self.cpu.start(work, lambda: None, kind="stream")
 
     def _account(self, m: int, B: int, T: float, ks: list[int], ctx: float) -> None:
         """What m identical rounds feed the windows, the online model and the k controller

@@ -104,7 +104,8 @@ class PrefillReplica:
         dt = self.model.prefill_step_s(tokens, att)
         self.busy = True
         if self.cpu is not None:  # the step is work on the shared cores: its wall time varies
-            self.cpu.start(dt, self._shared_step_end, chunks, self.host.now)
+            self.cpu.start(dt, self._shared_step_end, chunks, self.host.now,
+                           kind="prefill")
         else:
             self.host.schedule(self.host.now + dt, self._step_end, chunks, dt)
 

@@ -202,7 +202,8 @@ class KVSender:
 
     def stats(self) -> dict[str, int]:
         with self._lock:
-            return {**self._stats, "held": len(self._holds), "peers": len(self._servers)}
+            return {**self._stats, "held": len(self._holds), "peers": len(self._servers),
+                    "send_buffer_bytes": sum(s.buffer_bytes for s in self._servers.values())}
 
     def close(self) -> None:
         """Stop all threads, close channels and the store; release what is still held."""
