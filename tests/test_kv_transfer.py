@@ -730,6 +730,27 @@ def test_sender_store_takes_the_first_free_port_of_its_range():
     pytest.skip("no two adjacent free ports found")
 
 
+def test_sender_store_listens_on_its_address_only():
+    """The rendezvous store binds the node's KV address, not every interface (issue 18)."""
+    sender = KVSender(host="127.0.0.1")
+    try:
+        port = int(sender.address.rsplit(":", 1)[1])
+        listening = set()
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            try:
+                rows = open(table).read().splitlines()[1:]
+            except OSError:
+                continue
+            for row in rows:
+                local, state = row.split()[1], row.split()[3]
+                addr, p = local.rsplit(":", 1)
+                if state == "0A" and int(p, 16) == port:  # 0A: LISTEN
+                    listening.add(addr)
+        assert listening == {"0100007F"}, listening  # 127.0.0.1 only (little-endian hex)
+    finally:
+        sender.close()
+
+
 def test_renew_extends_a_hold_past_its_ttl():
     """A renewed lease outlives the original TTL; an unknown request cannot be renewed."""
     released: list[tuple[str, str]] = []

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -418,15 +419,34 @@ class KVSender:
 def _listen(host: str, port: int | tuple[int, int], timeout: timedelta) -> dist.TCPStore:
     """The sender's rendezvous store on `port` (0: any free port), or on the first free port
     of an inclusive range (`kv_transfer.store_port_range`, for firewalls that open a fixed
-    range between nodes)."""
+    range between nodes). It listens on `host` only (the node's KV address), not on every
+    interface: the socket is bound here and handed to the store, which owns it from then."""
     ports = range(port[0], port[1] + 1) if isinstance(port, tuple) else [port]
     last: Exception | None = None
     for p in ports:
         try:
-            return dist.TCPStore(host, p, None, True, timeout, wait_for_workers=False)
-        except (RuntimeError, dist.DistError) as e:  # in use: try the next one
+            sock = _bound_socket(host, p)
+        except OSError as e:  # in use: try the next one
             last = e
+            continue
+        bound = sock.getsockname()[1]
+        # detach: the store closes the descriptor itself (on failure too, or it leaks one).
+        return dist.TCPStore(host, bound, None, True, timeout, wait_for_workers=False,
+                             master_listen_fd=sock.detach())
     raise RuntimeError(f"no free KV store port in {ports}: {last}")
+
+
+def _bound_socket(host: str, port: int) -> socket.socket:
+    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(socket.SOMAXCONN)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def _record_event(device: torch.device) -> torch.cuda.Event | None:
