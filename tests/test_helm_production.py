@@ -376,3 +376,34 @@ def test_disruption_budgets_select_the_pods(values_file: Path | None) -> None:
     head = [p for p in given["poddisruptionbudget.yaml"] if p["metadata"]["name"].endswith(
         "-head")]
     assert head[0]["spec"]["maxUnavailable"] == 0
+
+
+def test_compile_cache_volume_reaches_every_ray_container() -> None:
+    """The compiled-graph cache (README "On-disk compile cache"): an emptyDir by default, a
+    node folder or an existing claim when asked, named to the engines by
+    MTPSERVE_COMPILE_CACHE; `none` adds nothing; a pvc without a claim name fails."""
+    def cache(values: dict[str, Any]) -> list[tuple[dict | None, str | None, str | None]]:
+        out = []
+        for pod in pod_templates(rayservice(render(values))).values():
+            spec, ctr = pod["spec"], pod["spec"]["containers"][0]
+            vol = next((v for v in spec["volumes"] if v["name"] == "compile-cache"), None)
+            mount = next((m["mountPath"] for m in ctr["volumeMounts"]
+                          if m["name"] == "compile-cache"), None)
+            env = next((e.get("value") for e in ctr["env"]
+                        if e["name"] == "MTPSERVE_COMPILE_CACHE"), None)
+            out.append((vol, mount, env))
+        return out
+
+    path = "/var/cache/mtpserve/compile"
+    for vol, mount, env in cache({}):
+        assert vol == {"name": "compile-cache", "emptyDir": {"sizeLimit": "10Gi"}}
+        assert mount == env == path
+    for vol, mount, env in cache({"compileCache": {"type": "pvc", "claimName": "graphs",
+                                                   "mountPath": "/cache"}}):
+        assert vol["persistentVolumeClaim"] == {"claimName": "graphs"}
+        assert mount == env == "/cache"
+    for vol, _, _ in cache({"compileCache": {"type": "hostPath"}}):
+        assert vol["hostPath"] == {"path": path, "type": "DirectoryOrCreate"}
+    assert all(x == (None, None, None) for x in cache({"compileCache": {"type": "none"}}))
+    with pytest.raises(Exception, match="compileCache.claimName is required"):
+        render({"compileCache": {"type": "pvc"}})

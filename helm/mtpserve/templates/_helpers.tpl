@@ -250,6 +250,10 @@ serve.args through the builder (cluster/app.py); _validate.tpl refuses overrides
       name: {{ include "mtpserve.authSecretName" . }}
       key: {{ .Values.auth.secretKey }}
 {{- end }}
+{{- if ne .Values.compileCache.type "none" }}
+- name: MTPSERVE_COMPILE_CACHE  # the engines' default compile_cache_dir
+  value: {{ .Values.compileCache.mountPath | quote }}
+{{- end }}
 {{- with .Values.network.env }}
 {{ toYaml . }}
 {{- end }}
@@ -272,6 +276,10 @@ it advertises no CPUs) get the model volume and, for source hf, the download. `.
 - name: model
   mountPath: {{ $v.model.mountPath }}
   readOnly: {{ or (ne $v.model.source "pvc") $v.model.pvc.readOnly }}
+{{- end }}
+{{- if ne $v.compileCache.type "none" }}
+- name: compile-cache
+  mountPath: {{ $v.compileCache.mountPath }}
 {{- end }}
 {{- with $v.extraVolumeMounts }}
 {{ toYaml . }}
@@ -300,6 +308,22 @@ it advertises no CPUs) get the model volume and, for source hf, the download. `.
   hostPath:
     path: {{ $m.hostPath }}
     type: Directory
+{{- end }}
+{{- end }}
+{{- with $v.compileCache }}
+{{- if eq .type "emptyDir" }}
+- name: compile-cache
+  emptyDir:
+    sizeLimit: {{ .sizeLimit }}
+{{- else if eq .type "hostPath" }}
+- name: compile-cache
+  hostPath:
+    path: {{ .hostPath }}
+    type: DirectoryOrCreate
+{{- else if eq .type "pvc" }}
+- name: compile-cache
+  persistentVolumeClaim:
+    claimName: {{ required "compileCache.claimName is required with compileCache.type pvc" .claimName }}
 {{- end }}
 {{- end }}
 {{- with $v.extraVolumes }}
