@@ -77,3 +77,43 @@ def test_shm_collectives_equal_gloo(size: int) -> None:
         assert all(got[0][1][i][2] == got[r][1][i][2] for r in range(size))
     after = {f for f in os.listdir("/dev/shm") if f.startswith("mtpserve-tp-")}
     assert after == before  # rank 0 unlinked the segment once every rank had mapped it
+
+
+def _dying_rank(rank: int, port: int, out) -> None:
+    import time
+
+    import torch.distributed as dist
+
+    from mtpserve.workers.model.shm_collectives import ShmCollectives
+
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    shm = ShmCollectives.create(dist.group.WORLD, rank, 2, SLOT, timeout_s=600)
+    shm.all_reduce(torch.ones(4))  # both ranks take part once
+    if rank == 1:
+        os._exit(0)  # gone before the next collective
+    t0 = time.monotonic()
+    try:
+        shm.all_reduce(torch.ones(4))
+        out.put(("returned", time.monotonic() - t0))
+    except RuntimeError as e:
+        out.put((str(e), time.monotonic() - t0))
+    out.close()
+    out.join_thread()
+    os._exit(0)
+
+
+def test_a_dead_peer_fails_the_collective_fast() -> None:
+    """A rank that exits leaves its peer waiting in a collective: the peer raises within
+    about a second (pid check while it sleeps), not at the 600 s timeout."""
+    ctx = mp.get_context("spawn")
+    out, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_dying_rank, args=(r, port, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    what, seconds = out.get(timeout=120)
+    for p in procs:
+        p.join(timeout=60)
+    assert "exited during a shared-memory collective" in what, what
+    assert seconds < 10, seconds

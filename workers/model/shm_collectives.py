@@ -67,6 +67,9 @@ class ShmCollectives:
         self._flags = np.frombuffer(self._mm, dtype=np.int64, count=size * _FLAG_STRIDE)
         self._bytes = torch.frombuffer(self._mm, dtype=torch.uint8)  # the whole segment
         self._peers = [r * _FLAG_STRIDE for r in range(size) if r != rank]
+        # Each rank's pid sits next to its flag: a waiting rank notices a dead peer within a
+        # sleep step instead of at the timeout (gloo noticed at once through closed sockets).
+        self._flags[rank * _FLAG_STRIDE + 1] = os.getpid()
         self._seq = 0
         self.calls = 0  # collectives served from shared memory (tests check it is used)
 
@@ -153,4 +156,29 @@ class ShmCollectives:
                 elif time.monotonic() > deadline:
                     raise TimeoutError(f"TP rank {i // _FLAG_STRIDE} did not join shared-memory "
                                        f"collective {n} within {self.timeout_s:.0f} s")
+                if spins % 512 == 0:  # every ~0.1 s of sleeping
+                    self._check_alive(i)
                 time.sleep(0.0002)
+
+    def _check_alive(self, i: int) -> None:
+        pid = int(self._flags[i + 1])
+        if pid <= 0:  # not mapped yet (create() waits for every rank before any collective)
+            return
+        if not _alive(pid):
+            raise RuntimeError(f"TP rank {i // _FLAG_STRIDE} (pid {pid}) exited during "
+                               "a shared-memory collective")
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (an exited process not yet reaped by its parent counts as dead)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, owned by another user
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:  # no procfs: trust kill()
+        return True
