@@ -11,7 +11,8 @@ replicas' fitted models, and compare TTFT and TPOT p50/p99 per phase.
    starts in seconds instead of compiling graphs), prefix caching off (the simulator does not
    model it), port 8767. Two warm-up requests, then idle probes, one at a time (prefill alone:
    max_tokens 1; then whole requests at batch 1; then the co-location probes: 4 streams at
-   once, and the prefill probes again under one decoding stream), then the phases: Poisson
+   once, the prefill probes again under one decoding stream, and a stream decoding alone and
+   again while prompts prefill, three times), then the phases: Poisson
    arrivals at a fixed rate with a fixed seed, prompts cut from the held-out files
    (`held_out_prompts`' text, in consecutive pieces) at lognormal lengths, `max_tokens` fixed
    with `ignore_eos`, greedy. Phases are drained one after another. Per request the client
@@ -57,6 +58,13 @@ replicas' fitted models, and compare TTFT and TPOT p50/p99 per phase.
      probes: the idle probes' prompts again, one at a time, while one stream decodes (engine
      TTFT / profile prefill vs the idle `prefill scale`; client - engine TTFT vs the idle
      overhead). `--contended-from OTHER.json` takes them from another run's measurements.
+   - `co-located`: `shared-cpu+contended` + the decode replica's cost per extra request per
+     round (the stream probe) + decode stretches slowed while a prefill step runs
+     (CpuSharing.contended["decode"]), measured by the decode-contended probe: pairs of one
+     192-token stream alone and again while the prefill probes' prompts (max_tokens 1) are
+     sent one after another (`decode_contention`). `co-located-v1`: without the last term.
+     The decode scale of every variant is the median of the batch-1 decode measurements (the
+     decode probes' group and each lone stream of those pairs).
    - `online` (a diagnostic, not a prediction): `replica-start` with the round-time model
      the decode replica had fitted online by the end of each phase, i.e. from that phase's
      own rounds. What is left between it and the measurement is the simulator's structure
@@ -182,9 +190,11 @@ def plan_load(args: CalibrationArgs) -> dict:
 
 # Client --------------------------------------------------------------------------------------
 
-async def stream_request(client, prompt: str | list[int], max_tokens: int) -> dict:
+async def stream_request(client, prompt: str | list[int], max_tokens: int,
+                         on_first=None) -> dict:
     """One streaming completion; times from `time.perf_counter()`. TTFT: send -> first chunk
-    carrying tokens; TPOT: (last token chunk - first) / (tokens - 1)."""
+    carrying tokens; TPOT: (last token chunk - first) / (tokens - 1). `on_first()` is called
+    when the first token arrives."""
     from mtpserve.benchmarks.serve_bench import sse_events
 
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
@@ -202,7 +212,10 @@ async def stream_request(client, prompt: str | list[int], max_tokens: int) -> di
             if n:
                 tokens += n
                 chunks += 1
-                first = now if first is None else first
+                if first is None:
+                    first = now
+                    if on_first is not None:
+                        on_first()
                 last = now
         if data.get("usage"):
             usage = data["usage"]
@@ -354,6 +367,11 @@ async def record_load(url: str, plan: dict, max_tokens: int) -> dict:
         rec["stream_probe"] = await stream_probe(client, plan["probes"][:STREAM_PROBE_B],
                                                  STREAM_PROBE_TOKENS, k_max)
         rec["contended_probes"], after = await contended_probes(client, plan["probes"], k_max)
+        # ... and what prompts prefilling do to a decoding stream (batch 1), paired with the
+        # same stream alone (more batch-1 decode probes, too).
+        stream_prompt = (plan.get("decode_probes") or plan["probes"])[0]
+        rec["decode_contended_probe"], after = await decode_contended_probe(
+            client, stream_prompt, plan["probes"], k_max)
         t_run = time.perf_counter()
         for ph in plan["phases"]:
             before = after
@@ -458,6 +476,50 @@ async def contended_probes(client, prompts: list[str], k_max: int) -> tuple[dict
            "fresh": before["fresh"] and after["fresh"]}
     await asyncio.sleep(2.0)  # the cancelled stream leaves decode
     return out, await _snapshot(client, k_max)
+
+
+DECODE_PROBE_REPS = 3  # pairs (stream alone, stream with prompts prefilling)
+DECODE_PROBE_TOKENS = 192  # each stream: ~75 rounds, ~1.3 s of decode at batch 1
+
+
+async def decode_contended_probe(client, stream_prompt: str, prompts: list[str], k_max: int,
+                                 reps: int = DECODE_PROBE_REPS,
+                                 tokens: int = DECODE_PROBE_TOKENS) -> tuple[dict, dict]:
+    """`reps` pairs: one stream alone (batch-1 decode), then the same stream again while the
+    prefill probes' prompts (max_tokens 1: they never reach decode, so decode stays at batch
+    1) are sent one after another, from its first token until it ends. The decode engine's
+    counters around each stream give its round time (decode-only TPOT x tokens / its rounds);
+    the prompts' client times give when the prefill engine was busy (`measurements`)."""
+    after = await _snapshot(client, k_max)
+    out: dict = {"reps": [], "tokens": tokens}
+    for _ in range(reps):
+        before = after
+        alone = await _guarded(stream_request(client, stream_prompt, tokens))
+        mid = await _snapshot(client, k_max)
+        started = asyncio.Event()
+        bg = asyncio.create_task(_guarded(stream_request(client, stream_prompt, tokens,
+                                                         on_first=started.set)))
+        waiter = asyncio.create_task(started.wait())
+        await asyncio.wait({bg, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
+        reqs, i = [], 0
+        while not bg.done():
+            r = await _guarded(stream_request(client, prompts[i % len(prompts)], 1))
+            reqs.append(r)
+            i += 1
+        stream = await bg
+        after = await _snapshot(client, k_max)
+        t0 = stream.get("sent", 0.0)
+        for r in reqs:  # send times relative to the stream's
+            if "sent" in r:
+                r["start_s"] = r.pop("sent") - t0
+        for r in (alone, stream):
+            r.pop("sent", None)
+        out["reps"].append({"alone": alone, "contended": stream, "prompts": reqs,
+                            "counters_alone": _delta(before, mid),
+                            "counters_contended": _delta(mid, after),
+                            "fresh": before["fresh"] and mid["fresh"] and after["fresh"]})
+    return out, after
 
 
 def machine_facts(window_s: float = 5.0) -> dict:
@@ -799,6 +861,23 @@ def measurements(rec: dict, profile: dict) -> dict:
             # Slowdown of prefill and of the work outside the engines while decode streams.
             out["contended_prefill_slowdown"] = engine / prof / out["prefill_scale"]
             out["contended_overhead_slowdown"] = (client - engine) / out["ingress_overhead_s"]
+    dcp = rec.get("decode_contended_probe")
+    if dcp:
+        from mtpserve.cluster.sim.cpu import CpuSharing
+
+        mach = rec.get("machine") or {}
+        share = CpuSharing(cores=float(mach.get("cores", 1)),
+                           other_threads=float(mach.get("other_busy_cores", 0.0)))
+        dc = decode_contention(dcp, share.rate(2))
+        out.update(dc)
+        # More batch-1 decode probes: the decode scale is the median over the decode probes
+        # (one value for their group) and each lone stream of the pairs.
+        pm = PerfModel(profile["perf_model"])
+        samples = ([out["decode_scale"]] if "decode_scale" in out else []) + [
+            r / pm.round_s(1, k) for r, k in dc["decode_alone_rounds"]]
+        if samples:
+            out["decode_scale_samples"] = samples
+            out["decode_scale"] = float(np.median(samples))
     sp = rec.get("stream_probe") or {}
     if sp.get("s_per_chunk") is not None:
         out["stream_s_per_chunk"] = sp["s_per_chunk"]
@@ -806,6 +885,64 @@ def measurements(rec: dict, profile: dict) -> dict:
     out["machine"] = rec.get("machine")
     out["decode_coef_start"] = coef_of(rec["start_stats"])
     out["decode_coef_phase_end"] = [coef_of(ph["stats_end"]) for ph in rec["phases"]]
+    return out
+
+
+def _stream_round(r: dict, c: dict) -> tuple[float, float] | None:
+    """(round seconds, mean k) of a lone stream from the decode engine's counters around it
+    (decode-only TPOT x its decode tokens / its rounds); None when not measurable."""
+    if "error" in r or c.get("decode_tpot_count") != 1 or not r.get("num_rounds"):
+        return None
+    return (c["decode_tpot_sum"] * (r["output_tokens"] - 1) / r["num_rounds"],
+            r["num_drafted"] / r["num_rounds"])
+
+
+def decode_contention(probe: dict, rate2: float) -> dict:
+    """The slowdown of decode while the prefill engine runs, from the decode-contended probe
+    (`decode_contended_probe`), per pair: rho = the stream's round time with prompts
+    prefilling / alone; f = the fraction of its decode span (client: first to last token)
+    during which the prefill engine was busy (each prompt's engine time, placed at the end
+    of its client TTFT and clipped to the span; engine time = client TTFT x the window's
+    prefill-engine TTFT sum / client TTFT sum, the stream's own prefill taken out). In the
+    simulator a decode stretch runs at rate(2) / s while a prefill job runs and at full speed
+    otherwise (cluster/sim/cpu.py), so rounds x alone round = span x ((1 - f) + f rate2 / s):
+    s = f rate2 / (1 / rho - (1 - f)). The median over the pairs; {} without a usable pair.
+    Ingress and streaming jobs during the span are not counted (they run between prompts)."""
+    pairs, alone_rounds = [], []
+    for rep in probe.get("reps", []):
+        a = _stream_round(rep["alone"], rep["counters_alone"])
+        if a is not None:
+            alone_rounds.append(a)
+        cc = rep["counters_contended"]
+        ca, cs = rep["counters_alone"], rep["contended"]
+        prompts = [r for r in rep["prompts"] if "error" not in r and "start_s" in r]
+        if a is None or "error" in cs or not prompts or not cs.get("num_rounds"):
+            continue
+        # The contended window's decode counters hold the stream only (prompts end at prefill).
+        b = _stream_round(cs, {"decode_tpot_sum": cc["decode_tpot_sum"],
+                               "decode_tpot_count": cc["decode_tpot_count"]})
+        engine = cc["engine_ttft_sum"] - ca["engine_ttft_sum"]  # less the stream's prefill
+        if b is None or cc["engine_ttft_count"] - ca["engine_ttft_count"] != len(prompts):
+            continue
+        share = engine / sum(r["ttft_s"] for r in prompts)
+        lo, hi = cs["ttft_s"], cs["last_s"]
+        busy = 0.0
+        for r in prompts:
+            end = r["start_s"] + r["ttft_s"]
+            busy += max(0.0, min(end, hi) - max(end - share * r["ttft_s"], lo))
+        f = busy / (hi - lo) if hi > lo else 0.0
+        rho = b[0] / a[0]
+        den = 1.0 / rho - (1.0 - f)
+        s = f * rate2 / den if f > 0 and den > 0 else None
+        pairs.append({"alone_round_s": a[0], "contended_round_s": b[0], "alone_k": a[1],
+                      "contended_k": b[1], "rho": rho, "prefill_busy_fraction": f,
+                      "engine_share": share, "prompts": len(prompts), "slowdown": s})
+    out: dict = {"decode_contended_pairs": pairs, "decode_alone_rounds": alone_rounds}
+    ss = [p["slowdown"] for p in pairs if p["slowdown"] is not None]
+    if ss:
+        out["contended_decode_slowdown_raw"] = float(np.median(ss))
+        # A slowdown under 1 (decode faster while prefill runs) is noise: none.
+        out["contended_decode_slowdown"] = max(1.0, float(np.median(ss)))
     return out
 
 
@@ -877,11 +1014,23 @@ def variants(profile: dict, meas: dict) -> dict[str, Variant]:
                 "ingress": meas.get("contended_overhead_slowdown")}
         if all(slow.values()) and meas.get("decode_s_per_chunk") is not None:
             c = meas["decode_s_per_chunk"]
-            out["co-located"] = replace(
+            v1 = replace(
                 cal, name="co-located", decode_s_per_chunk=c,
                 cpu=share | {"pinned": False, "contended": tuple(sorted(slow.items()))},
                 note=f"`shared-cpu+contended` + {1000 * c:.2f} ms per extra request per decode "
                 "round (the stream probe: decode round time at its batch vs `calibrated`)")
+            d = meas.get("contended_decode_slowdown")
+            if d:
+                out["co-located-v1"] = replace(v1, name="co-located-v1", note=v1.note
+                                               + "; no slowdown of decode by prefill")
+                out["co-located"] = replace(
+                    v1, cpu=share | {"pinned": False,
+                                     "contended": tuple(sorted((slow | {"decode": d}).items()))},
+                    note=v1.note + f"; decode stretches {d:.2f}x slower while a prefill step "
+                    "runs (the decode-contended probe: a batch-1 stream's rounds while prompts "
+                    "prefill vs alone)")
+            else:
+                out["co-located"] = v1
         if all(slow.values()):
             out["shared-cpu+contended"] = replace(
                 cal, name="shared-cpu+contended",
@@ -1026,6 +1175,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--contended-from", help="take the co-location probes' measurements "
                     "(contended slowdowns, decode cost per chunk) from this other output JSON "
                     "(for a recording without those probes)")
+    ap.add_argument("--decode-contended-from", help="take only the decode-contended probe's "
+                    "slowdown of decode by prefill from this other output JSON (applied after "
+                    "--contended-from)")
     ap.add_argument("--stream-ms-per-chunk", type=float, help="CPU sharing: CPU time to "
                     "stream one output chunk through ingress, proxy and client (default: the "
                     "recording's stream probe; 0 without one)")
@@ -1068,9 +1220,15 @@ def main(argv: list[str] | None = None) -> int:
     if a.contended_from:
         m = json.loads(Path(a.contended_from).read_text())["measurements"]
         contended = {k: m[k] for k in ("contended_prefill_slowdown",
-                                        "contended_overhead_slowdown", "decode_s_per_chunk")
+                                        "contended_overhead_slowdown", "decode_s_per_chunk",
+                                        "contended_decode_slowdown")
                      if k in m}
         contended["contended_source"] = a.contended_from
+    if a.decode_contended_from:
+        m = json.loads(Path(a.decode_contended_from).read_text())["measurements"]
+        contended = (contended or {}) | {
+            "contended_decode_slowdown": m["contended_decode_slowdown"],
+            "decode_contended_source": a.decode_contended_from}
     res = analyse(rec, profile, contended)
     for name, v in res["variants"].items():
         print(format_table(v["rows"], f"\n{name}: {v['note']}"))

@@ -171,6 +171,13 @@ def test_recorder_reads_streams_and_counters(monkeypatch) -> None:
         assert r["prompt_tokens"] == 17 and r["num_accepted"] == 5 and r["num_rounds"] == 3
         assert r["ttft_s"] >= 0 and r["tpot_s"] >= 0 and r["arrival_s"] >= r["offset_s"] - 1e-3
     assert cal.coef_of(rec["start_stats"]) == [0.005, 0.0004, 0.0003, 0.0005]
+    # The decode-contended probe: pairs of the stream alone and with prompts prefilling.
+    reps = rec["decode_contended_probe"]["reps"]
+    assert len(reps) == cal.DECODE_PROBE_REPS
+    for rep in reps:
+        assert rep["alone"]["output_tokens"] == rep["contended"]["output_tokens"] == \
+            cal.DECODE_PROBE_TOKENS
+        assert all(p["output_tokens"] == 1 and "start_s" in p for p in rep["prompts"])
 
 
 def test_decode_chunk_cost_from_the_stream_probe() -> None:
@@ -197,3 +204,49 @@ def test_decode_chunk_cost_from_the_stream_probe() -> None:
     assert d1.round_s(3, 2.0, 0.0) == pytest.approx(d0.round_s(3, 2.0, 0.0) + 0.008)
     # A probe that lost a stream tells nothing.
     assert cal.decode_chunk_cost(dict(sp, streams=3), PROFILE, 1.5) == {}
+
+
+def _contended_pair(alone_round: float, rounds: int, span: float, busy: list[tuple[float, float]],
+                    share: float = 0.8) -> dict:
+    """A decode-contended probe pair: a 61-token stream of `rounds` rounds alone at
+    `alone_round` s per round, and again decoding over `span` (first token at 0.1 s after its
+    send) while prompts keep the prefill engine busy over `busy` (engine intervals, relative
+    to the stream's first token); each prompt's client TTFT is its engine time / `share`."""
+    tokens = 61
+    prompts, engine = [], 0.0
+    for a, b in busy:
+        ttft = (b - a) / share
+        prompts.append({"start_s": 0.1 + b - ttft, "ttft_s": ttft, "output_tokens": 1})
+        engine += b - a
+    stream = {"ttft_s": 0.1, "last_s": 0.1 + span, "output_tokens": tokens,
+              "num_rounds": rounds, "num_drafted": 2 * rounds}
+    c_alone = {"decode_tpot_sum": alone_round * rounds / (tokens - 1), "decode_tpot_count": 1,
+               "engine_ttft_sum": 0.05, "engine_ttft_count": 1}
+    c_cont = {"decode_tpot_sum": span / (tokens - 1), "decode_tpot_count": 1,
+              "engine_ttft_sum": 0.05 + engine, "engine_ttft_count": 1 + len(prompts)}
+    return {"alone": dict(stream, last_s=0.1 + alone_round * rounds), "contended": stream,
+            "prompts": prompts, "counters_alone": c_alone, "counters_contended": c_cont}
+
+
+def test_decode_slowdown_from_the_decode_contended_probe() -> None:
+    """Inverts what the simulator does: decode alone 1.0 s of work; prefill busy for the
+    first 0.5 s at rate(2) = r2, decode at r2 / s then: span = 0.5 + (1 - 0.5 r2 / s)."""
+    for r2, s in ((1.0, 1.5), (2 / 3, 1.2)):
+        span = 0.5 + (1.0 - 0.5 * r2 / s)
+        pair = _contended_pair(0.02, 50, span, [(0.0, 0.25), (0.25, 0.5)])
+        got = cal.decode_contention({"reps": [pair] * 3}, r2)
+        p = got["decode_contended_pairs"][0]
+        assert p["prefill_busy_fraction"] == pytest.approx(0.5 / span)
+        assert p["rho"] == pytest.approx(span / 1.0)
+        assert got["contended_decode_slowdown"] == pytest.approx(s)
+    # Prompts outside the stream's decode span count only where they overlap it.
+    span = 0.5 + (1.0 - 0.5 / 1.5)
+    pair = _contended_pair(0.02, 50, span, [(-0.3, 0.0), (0.0, 0.5), (span, span + 0.2)])
+    assert cal.decode_contention({"reps": [pair]}, 1.0)["contended_decode_slowdown"] == \
+        pytest.approx(1.5)
+    # Decode no slower with prompts prefilling: no slowdown (never a speed-up); a pair whose
+    # prompts the prefill engine did not all time tells nothing.
+    fast = _contended_pair(0.02, 50, 0.9, [(0.0, 0.5)])
+    assert cal.decode_contention({"reps": [fast]}, 1.0)["contended_decode_slowdown"] == 1.0
+    lost = dict(fast, counters_contended=dict(fast["counters_contended"], engine_ttft_count=1))
+    assert "contended_decode_slowdown" not in cal.decode_contention({"reps": [lost]}, 1.0)

@@ -116,6 +116,58 @@ def test_contended_kinds_run_slower_only_while_decode_runs() -> None:
     assert _finish_times(CpuSharing(cores=2, contended=(("", 2.0),)), [(0.0, 1.0)]) == [1.0]
 
 
+def _finish_times_kinds(sharing: CpuSharing, jobs: list[tuple[float, str]]) -> list[float]:
+    """Start each (work, kind) job at 0; the time each one finishes."""
+    host = Clock()
+    cpu = SharedCpu(host, sharing)
+    done: list[float] = [0.0] * len(jobs)
+
+    def finished(i: int) -> None:
+        done[i] = host.now
+
+    for i, (w, kind) in enumerate(jobs):
+        cpu.start(w, finished, i, kind=kind)
+    host.run()
+    return done
+
+
+def test_decode_runs_slower_only_while_prefill_runs() -> None:
+    # 2 cores (two jobs: full speed each); decode 1.5x slower while a prefill job runs, which
+    # is not itself slowed (no "prefill" entry). Decode work 1, prefill 0.5, both from 0.
+    sharing = CpuSharing(cores=2, contended=(("decode", 1.5),))
+    host = Clock()
+    cpu = SharedCpu(host, sharing)
+    ends: dict[str, float] = {}
+    cpu.start(1.0, lambda: ends.setdefault("decode", host.now), kind="decode")
+    cpu.start(0.5, lambda: ends.setdefault("prefill", host.now), kind="prefill")
+    host.run()
+    assert ends["prefill"] == pytest.approx(0.5)
+    # 0.5 s at 2/3 speed (1/3 done), then the rest alone.
+    assert ends["decode"] == pytest.approx(0.5 + (1 - 0.5 / 1.5))
+    # Other kinds (a pull, the work outside the engines) do not slow decode.
+    for kind in ("pull", "ingress", "stream"):
+        assert _finish_times_kinds(sharing, [(1.0, "decode"), (0.5, kind)]) == \
+            pytest.approx([1.0, 0.5])
+    # Both directions at once: each engine slowed by the other while both run.
+    host = Clock()
+    cpu = SharedCpu(host, CpuSharing(cores=2, contended=(("decode", 2.0), ("prefill", 2.0))))
+    ends = {}
+    cpu.start(1.0, lambda: ends.setdefault("decode", host.now), kind="decode")
+    cpu.start(1.0, lambda: ends.setdefault("prefill", host.now), kind="prefill")
+    host.run()
+    assert ends["decode"] == pytest.approx(2.0) and ends["prefill"] == pytest.approx(2.0)
+
+
+def test_prefill_slows_a_decoding_requests_rounds_in_the_simulator() -> None:
+    """A request decoding while another prefills: with the decode slowdown its TPOT grows,
+    the prefilling request's TTFT does not change (2 cores: no sharing cost)."""
+    wl = _workload([0.0, 0.3], [300, 3000], [200, 2])
+    base = _sim(wl, CpuSharing(cores=2))
+    slow = _sim(wl, CpuSharing(cores=2, contended=(("decode", 1.5),)))
+    assert slow.requests[0].tpot > 1.02 * base.requests[0].tpot
+    assert slow.requests[1].ttft == pytest.approx(base.requests[1].ttft, rel=1e-9)
+
+
 def _workload(arrival: list[float], prompt: list[int], output: list[int]) -> Workload:
     n = len(arrival)
     return Workload(arrival=np.array(arrival), cls=np.zeros(n, dtype=np.int64),

@@ -21,10 +21,13 @@ engines (`SimConfig.ingress_overhead_s`: HTTP, ingress, tokenization, Serve call
 round) through ingress, proxy and client: one backlog job that grows at every stretch's end.
 
 `contended` gives, per job kind, how many times slower a job runs than its processor share
-while a decode stretch is running: co-location costs that processor sharing alone does not
-show (on this host one decoding stream slowed a lone prompt's prefill by ~1.25x with a core
-free). It is measured, not fitted: benchmarks/sim_calibration.py's contended probes time the
-idle probes' prompts again while one stream decodes.
+while the other engine works: a decode stretch slows the other kinds (prefill steps, the work
+outside the engines, ...), a prefill step slows decode stretches (`CONTENDED_BY`). These are
+co-location costs that processor sharing alone does not show (on this host one decoding
+stream slowed a lone prompt's prefill by ~1.25x with a core free). They are measured, not
+fitted: benchmarks/sim_calibration.py's contended probes time the idle probes' prompts again
+while one stream decodes, and its decode-contended probe times a stream's rounds while
+prompts prefill.
 """
 
 from __future__ import annotations
@@ -45,7 +48,8 @@ class CpuSharing:
     other_threads: float = 0.0
     pinned: bool = False
     stream_s_per_chunk: float = 0.0
-    contended: tuple[tuple[str, float], ...] = ()  # (job kind, slowdown while decoding)
+    # (job kind, slowdown while a job of kind CONTENDED_BY.get(kind, DECODE) runs)
+    contended: tuple[tuple[str, float], ...] = ()
 
     def rate(self, n: int) -> float:
         """Speed of each of n busy jobs relative to the speed of one job alone."""
@@ -58,7 +62,10 @@ class CpuSharing:
             1.0, self.cores / (1 + self.other_threads))
 
 
-DECODE = "decode"  # the job kind whose presence slows the `contended` kinds
+DECODE = "decode"
+PREFILL = "prefill"
+# The job kind whose presence slows a `contended` kind: prefill slows decode, decode the rest.
+CONTENDED_BY = {DECODE: PREFILL}
 
 
 class Job:
@@ -115,11 +122,13 @@ class SharedCpu:
 
     def job_rate(self, job: Job, base: float | None = None) -> float:
         """The job's speed now: its processor share, divided by its kind's slowdown while a
-        decode stretch runs."""
+        job of the kind that contends with it (`CONTENDED_BY`) runs."""
         r = self.rate() if base is None else base
         slow = self._contended.get(job.kind)
-        if slow and job.kind != DECODE and any(j.kind == DECODE for j in self.jobs):
-            r /= slow
+        if slow:
+            by = CONTENDED_BY.get(job.kind, DECODE)
+            if by != job.kind and any(j.kind == by for j in self.jobs):
+                r /= slow
         return r
 
     # Internals ------------------------------------------------------------------------------
