@@ -370,7 +370,8 @@ class TPDriver:
                                              run_bucket)
         done = self.runner.warmup_graphs(batch_sizes, query_lens, max_context, mtp_modules,
                                          budget_s, log, cached_only, restart_budget_s,
-                                         run_bucket or (lambda key: self.run(WarmGraph(key))))
+                                         run_bucket or (lambda key: self._collective(
+                                             WarmGraph(key))))
         self.run(WarmGraph(None))
         return done
 
@@ -385,7 +386,16 @@ class TPDriver:
         a graph exists for it (same buckets built), so None on rank 0 is None everywhere."""
         if not self.runner.fuses_greedy_rounds:
             return None
-        return self.run(GreedyRound(input_ids, starts, tables, room))
+        return self._collective(GreedyRound(input_ids, starts, tables, room))
+
+    def _collective(self, cmd: Any) -> Any:
+        """`run` for a command whose work runs model collectives: if rank 0 raises half-way,
+        the group is desynchronised and fails (as in `execute`)."""
+        try:
+            return self.run(cmd)
+        except Exception:
+            self.failed = self.tp_size > 1
+            raise
 
     def ping(self) -> None:
         """Raise unless every rank answers and none has failed (collective)."""
