@@ -94,7 +94,7 @@ def _rank(rank: int, tp: int, port: int, env: dict, model: str, prompts, ks, max
     else:
         driver = TPDriver(core)
         result = _decode(driver, model, prompts, ks, max_tokens)
-        result["shm_collectives"] = core.runner is not None and _shm_calls()
+        result["shm_collectives"] = _shm_calls()
         driver.shutdown()
         queue.put(result)
     torch.distributed.barrier()

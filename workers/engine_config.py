@@ -8,6 +8,8 @@ from typing import Literal
 
 import torch
 
+from mtpserve.workers.model import shm_collectives
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -77,8 +79,6 @@ def compile_enabled(mode: str, device: str, tp_size: int = 1) -> bool:
     (README, engine benchmarks) and faster at TP = 2 too (README, "TP on CPU"); off on CUDA
     (not yet measured here). TP > 1 compiles only where its collectives can sit in a graph:
     same-node CPU ranks with shared-memory collectives (NCCL/gloo collectives stay eager)."""
-    from mtpserve.workers.model import shm_collectives
-
     mode = compile_mode(mode)
     if tp_size > 1 and not (shm_collectives.enabled() and shm_collectives.available(device)):
         return False

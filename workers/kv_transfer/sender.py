@@ -204,7 +204,7 @@ class KVSender:
     def stats(self) -> dict[str, int]:
         with self._lock:
             return {**self._stats, "held": len(self._holds), "peers": len(self._servers),
-                    "send_buffer_bytes": sum(s.buffer_bytes for s in self._servers.values())}
+                    "send_buffer_bytes": self.send_buffer_bytes()}  # re-entrant lock
 
     def close(self) -> None:
         """Stop all threads, close channels and the store; release what is still held."""
@@ -430,7 +430,7 @@ def _listen(host: str, port: int | tuple[int, int], timeout: timedelta) -> dist.
             last = e
             continue
         bound = sock.getsockname()[1]
-        # detach: the store closes the descriptor itself (on failure too, or it leaks one).
+        # detach: the store owns the descriptor and closes it with itself.
         return dist.TCPStore(host, bound, None, True, timeout, wait_for_workers=False,
                              master_listen_fd=sock.detach())
     raise RuntimeError(f"no free KV store port in {ports}: {last}")

@@ -396,10 +396,7 @@ class DecodeGraphs:
                     log(f"warm-up budget spent: {len(keys) - len(self.compiled & set(keys))} "
                         "bucket(s) left to run eagerly")
                 break
-            if run_bucket is None:
-                self.run(*self.example_inputs(key))
-            else:
-                run_bucket(key)
+            (run_bucket or self.warm_bucket)(key)
             done += 1
             if log:
                 how = "loaded" if i < len(cached) else "compiled"
