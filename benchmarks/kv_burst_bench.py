@@ -11,7 +11,9 @@ nonce, so no prefix cache on either side skips a block.
 Per request, from the client's stream: TTFT (prefill: the first token comes from the prefill
 replica), time to second token (TTST, from sending: the first decode-side token, after the KV
 pull, admission and the first decode round) and the decode-side wait TTST - TTFT, which leaves
-out the prefill queueing that a burst into one prefill replica adds.
+out the prefill queueing that a burst into one prefill replica adds. The servers run with
+MTPSERVE_TRACE_HOPS=1, so that wait is also split at the decode replica's hops (LEGS).
+`--gil released held` adds variants whose compiled graphs hold the GIL (the stock loader).
 
     python -m mtpserve.benchmarks.kv_burst_bench --json benchmarks/results/kv-burst-cpu.json
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import time
 import uuid
 from pathlib import Path
@@ -31,10 +34,17 @@ import httpx
 
 from mtpserve.benchmarks.local_server import running_server, variant_config
 from mtpserve.benchmarks.serve_bench import _pct, sse_events
+from mtpserve.workers import hop_trace
+from mtpserve.workers.model import aoti_runner
 from mtpserve.workers.paths import config_path
 from mtpserve.workers.training.prompts import held_out_prompts
 
 METRICS = ("ttft_ms", "ttst_ms", "decode_wait_ms")
+# The decode-side wait split at the hops of the second token's chunk (workers/hop_trace.py):
+# first token at the client -> the decode replica got the request -> rank 0's lane took its
+# pull -> scatter done -> joined the decode rounds -> its first round's chunk -> client.
+LEGS = (("first_token", "decode_in"), ("decode_in", "pull_start"), ("pull_start", "pull_end"),
+        ("pull_end", "activated"), ("activated", "engine"), ("engine", "client"))
 
 
 async def timed_stream(client: httpx.AsyncClient, prompt: str, max_tokens: int) -> dict:
@@ -42,24 +52,34 @@ async def timed_stream(client: httpx.AsyncClient, prompt: str, max_tokens: int) 
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "ignore_eos": True, "return_token_ids": True,
             "stream_options": {"include_usage": True}}
-    t0 = time.perf_counter()
+    t0 = time.time()
     stamps: list[float] = []  # arrival time of each output token (a chunk may carry several)
+    hops: dict[str, float] = {}  # the second token's chunk's hop stamps (wall clock)
     prompt_tokens = None
     async for data in sse_events(client, body):
+        now = time.time()
         if data.get("usage"):
             prompt_tokens = data["usage"]["prompt_tokens"]
         choices = data.get("choices") or [{}]
-        stamps += [time.perf_counter()] * len(choices[0].get("token_ids") or [])
+        new = len(choices[0].get("token_ids") or [])
+        if len(stamps) < 2 <= len(stamps) + new:
+            hops = {**(choices[0].get("mtpserve_trace") or {}), "client": now}
+        stamps += [now] * new
     assert len(stamps) >= 2, f"{len(stamps)} tokens: no decode-side token to time"
+    hops["first_token"] = stamps[0]
+    legs = {f"{a}->{b}_ms": (hops[b] - hops[a]) * 1e3 for a, b in LEGS
+            if a in hops and b in hops}
     return {"ttft_ms": (stamps[0] - t0) * 1e3, "ttst_ms": (stamps[1] - t0) * 1e3,
-            "decode_wait_ms": (stamps[1] - stamps[0]) * 1e3, "prompt_tokens": prompt_tokens}
+            "decode_wait_ms": (stamps[1] - stamps[0]) * 1e3, "prompt_tokens": prompt_tokens,
+            **legs}
 
 
 def summary(samples: list[dict]) -> dict:
     out: dict = {"n": len(samples)}
-    for m in METRICS:
-        values = [s[m] for s in samples]
-        out[f"{m}_p50"], out[f"{m}_p99"] = _pct(values, 50), _pct(values, 99)
+    for m in METRICS + tuple(f"{a}->{b}_ms" for a, b in LEGS):
+        values = [s[m] for s in samples if m in s]
+        if values:
+            out[f"{m}_p50"], out[f"{m}_p99"] = _pct(values, 50), _pct(values, 99)
     return out
 
 
@@ -109,7 +129,7 @@ async def measure(url: str, burst: int, singles: int, bursts: int, prompt_tokens
     return res
 
 
-def format_table(results: dict[int, dict], burst: int) -> str:
+def format_table(results: dict[str, dict], burst: int) -> str:
     f = lambda x, p=0: "-" if x is None else f"{x:.{p}f}"  # noqa: E731
     rows = [f"{burst} simultaneous arrivals vs one alone, into one decode replica "
             "(ms; ratio = burst p99 / single p99)",
@@ -123,6 +143,15 @@ def format_table(results: dict[int, dict], burst: int) -> str:
             rows.append(f"| {lanes} | {kind} ({x['n']}) | {cells} | {peak} |")
         rows.append(f"| {lanes} | p99 ratio | "
                     + " | ".join(f(r[f"{m}_p99_ratio"], 2) for m in METRICS) + " | |")
+    rows += ["", "The decode-side wait by hop (ms, p50 / p99; MTPSERVE_TRACE_HOPS=1)",
+             "| pull lanes | arrivals | " + " | ".join(f"{a} -> {b}" for a, b in LEGS) + " |",
+             "|---|---|" + "---|" * len(LEGS)]
+    for lanes, r in results.items():
+        for kind in ("single", "burst"):
+            x = r[kind]
+            rows.append(f"| {lanes} | {kind} | " + " | ".join(
+                f"{f(x.get(f'{a}->{b}_ms_p50'), 1)} / {f(x.get(f'{a}->{b}_ms_p99'), 1)}"
+                for a, b in LEGS) + " |")
     rows += [f"lanes {lanes}: {r['pulls']} pulls of {f(r['pull_mib_mean'], 2)} MiB, "
              f"{f(r['pull_wire_ms_mean'], 1)} ms on the wire, {f(r['pull_lane_ms_mean'], 1)} ms "
              f"on the lane (mean)" for lanes, r in results.items()]
@@ -134,6 +163,9 @@ def main() -> None:
     ap.add_argument("--config", default=str(config_path("local-cpu.yaml")))
     ap.add_argument("--lanes", type=int, nargs="+", default=[1, 4],
                     help="kv_transfer.max_concurrent_pulls values, one server each")
+    ap.add_argument("--gil", nargs="+", choices=("released", "held"), default=["released"],
+                    help="compiled decode graphs run with the GIL released (default) or held "
+                         "(MTPSERVE_AOTI_RELEASE_GIL=0, the stock AOTInductor loader)")
     ap.add_argument("--burst", type=int, default=16)
     ap.add_argument("--singles", type=int, default=8, help="single arrivals, one at a time")
     ap.add_argument("--bursts", type=int, default=3, help="bursts measured (after a warm-up)")
@@ -143,8 +175,11 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=900, help="server start limit (s)")
     ap.add_argument("--json", dest="json_out")
     a = ap.parse_args()
-    results: dict[int, dict] = {}
-    for lanes in a.lanes:
+    os.environ[hop_trace.ENV] = "1"  # `mtpserve up` passes it on to every replica
+    results: dict[str, dict] = {}
+    for lanes, gil in ((n, g) for g in a.gil for n in a.lanes):
+        name = str(lanes) if gil == "released" else f"{lanes}, GIL held"
+        os.environ[aoti_runner.ENV] = "1" if gil == "released" else "0"
         over = {"kv_transfer": {"max_concurrent_pulls": lanes},
                 # The whole burst's prompts fit one prefill step (see the module docstring).
                 "prefill": {"max_num_batched_tokens": a.burst * (a.prompt_tokens + 64)},
@@ -152,15 +187,15 @@ def main() -> None:
                 "limits": {"max_queued_requests": max(64, 4 * a.burst)}}
         cfg = variant_config(Path(a.config), over, a.port)
         with running_server(cfg, a.timeout) as start_s:
-            results[lanes] = asyncio.run(measure(f"http://127.0.0.1:{a.port}", a.burst,
-                                                 a.singles, a.bursts, a.prompt_tokens,
-                                                 a.max_tokens))
-            results[lanes]["start_seconds"] = start_s
-        print(format_table({lanes: results[lanes]}, a.burst), flush=True)
+            results[name] = asyncio.run(measure(f"http://127.0.0.1:{a.port}", a.burst,
+                                                a.singles, a.bursts, a.prompt_tokens,
+                                                a.max_tokens))
+            results[name]["start_seconds"] = start_s
+        print(format_table({name: results[name]}, a.burst), flush=True)
     print(format_table(results, a.burst))
     if a.json_out:
         out = {"config": a.config, "burst": a.burst, "singles": a.singles, "bursts": a.bursts,
-               "max_tokens": a.max_tokens, "variants": {str(k): v for k, v in results.items()}}
+               "max_tokens": a.max_tokens, "variants": results}
         Path(a.json_out).write_text(json.dumps(out, indent=2))
 
 

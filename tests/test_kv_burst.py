@@ -16,7 +16,14 @@ BURST = 16
 
 
 @pytest.mark.parametrize("lanes", [1, 4])
-def test_a_burst_of_16_arrivals_is_pulled_concurrently(tiny_qwen3, lanes: int) -> None:
+def test_a_burst_of_16_arrivals_is_pulled_concurrently(tiny_qwen3, lanes: int,
+                                                       monkeypatch) -> None:
+    # Traced (MTPSERVE_TRACE_HOPS=1): each first decode-side chunk carries its arrival hops,
+    # in order, and nothing is left noted once the streams end.
+    from mtpserve.workers import hop_trace
+
+    monkeypatch.setattr(hop_trace, "ENABLED", True)
+    firsts: list[dict] = []
     # Prefill holds all 16 (3 blocks each) until decode pulls; decode runs all 16 at once.
     p, d = make_servers(tiny_qwen3, decode_max_num_seqs=BURST, prefill_blocks=128,
                         kv={"max_concurrent_pulls": lanes})
@@ -29,6 +36,8 @@ def test_a_burst_of_16_arrivals_is_pulled_concurrently(tiny_qwen3, lanes: int) -
             out = [params.first_token_id]
             async for chunk in d.generate(req, params):
                 assert chunk.error is None, chunk.error
+                if chunk.token_ids and len(out) == 1:
+                    firsts.append(chunk.stamps)
                 out += chunk.token_ids
             return out
 
@@ -39,6 +48,11 @@ def test_a_burst_of_16_arrivals_is_pulled_concurrently(tiny_qwen3, lanes: int) -
                                                                        strict=True)))
 
         assert asyncio.run(main()) == want
+        order = (*hop_trace.ARRIVAL_HOPS, "engine", "decode_out")
+        assert len(firsts) == BURST
+        for st in firsts:
+            assert [st[h] for h in order] == sorted(st[h] for h in order), st
+        assert not hop_trace._pending
         s = d.driver.core.puller.stats()
         assert s["pulls"] == BURST and s["failures"] == 0
         if lanes == 1:  # the serial puller: the counter sees one pull at a time

@@ -208,7 +208,7 @@ class AsyncEngine:
             self._observe(outputs, time.perf_counter() - t_step)
             stalled = not outputs and self.engine.scheduler.idle
             for out in outputs:
-                self._publish(out.request_id, stamp(to_chunk(out), "engine"))
+                self._publish(out.request_id, stamp(to_chunk(out), "engine", out.request_id))
 
     def _observe(self, outputs: list[RequestOutput], seconds: float) -> None:
         for fn in self.step_observers:

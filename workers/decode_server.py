@@ -11,6 +11,7 @@ from ray import serve
 from mtpserve.workers.async_engine import sampling_params
 from mtpserve.workers.block_manager import blocks_for
 from mtpserve.workers.engine import Engine, EngineError
+from mtpserve.workers import hop_trace
 from mtpserve.workers.hop_trace import stamp
 from mtpserve.workers.kv_transfer.arrivals import KVArrivals
 from mtpserve.workers.messages import (
@@ -83,6 +84,7 @@ class DecodeServer(EngineReplica):
         """Stream tokens after the first one (which the prefill side produced). Without
         `params` the request is recomputed here from its prompt and resumed tokens."""
         self._check_alive()
+        hop_trace.note(req.request_id, "decode_in")
         add = None if params is None else (lambda e: self._add_transferred(e, req, params))
         # Routing load in expected tokens: what requests typically generate here, capped by
         # max_tokens (a chat request without max_tokens carries the whole window).
@@ -98,6 +100,7 @@ class DecodeServer(EngineReplica):
                 yield stamp(chunk, "decode_out")
         finally:
             self.expected.pop(req.request_id, None)
+            hop_trace.forget(req.request_id)
         if last is not None and last.finished and last.finish_reason != "error":
             self.output_len.update(last.num_output_tokens)
 

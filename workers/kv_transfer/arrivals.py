@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from mtpserve.workers import hop_trace
 from mtpserve.workers.tp_commands import PullKV, ReleaseKV, StartPulls
 from mtpserve.workers.tp_group import TPDriver
 
@@ -91,6 +92,8 @@ class KVArrivals(_RankPoller):
                     req.draft_token_ids = drafts.tolist() if drafts is not None else []
                     req.draft_probs = o.extras.get("draft_probs")
                     engine.activate_transferred(req)
+                    if not cancelled:  # its stream is gone: nothing would take the note
+                        hop_trace.note(o.request_id, "activated")
                 else:
                     engine.drop_transferred(req)
                     if not cancelled:

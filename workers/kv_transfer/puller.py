@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from mtpserve.workers import hop_trace
 from mtpserve.workers.kv_transfer.packing import scatter_blocks
 from mtpserve.workers.kv_transfer.receiver import KVReceiver
 from mtpserve.workers.kv_transfer.resharding import head_range, pull_slices
@@ -124,7 +125,9 @@ class KVPuller:
                     self._fault_count -= delay > 0
                 if delay:
                     time.sleep(delay)
+                self._trace(job.request_id, "pull_start")
                 res = PullResult(True, extras=self._pull(job, job.timeout_s, lane))
+                self._trace(job.request_id, "pull_end")
             except Exception as e:  # this request fails; the replica goes on
                 lane.buffer = None  # an abandoned receive may still write into it
                 err = f"KV transfer of {job.request_id} failed on rank {self.rank}: {e}"
@@ -142,6 +145,10 @@ class KVPuller:
                     self.on_done()
                 except Exception:
                     logger.exception("KVPuller on_done raised")
+
+    def _trace(self, request_id: str, hop: str) -> None:
+        if self.rank == 0:  # the replica's process, where the request's chunks are made
+            hop_trace.note(request_id, hop)
 
     def _pull(self, job: Any, timeout_s: float, lane: _Lane) -> dict[str, torch.Tensor]:
         """Receive this rank's KV heads of `job` into its blocks within `timeout_s`, through

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from mtpserve.workers.model.aoti_runner import load_package
+
 log = logging.getLogger(__name__)
 
 ENV_DIR = "MTPSERVE_COMPILE_CACHE"
@@ -113,7 +115,7 @@ class AOTGraphCache:
         if path.is_file():
             try:
                 t0 = time.perf_counter()
-                fn = torch._inductor.aoti_load_package(str(path))
+                fn = load_package(path, default_cache_dir() / "ext")
                 self.load_s += time.perf_counter() - t0
                 self.loaded += 1
                 return fn
@@ -136,7 +138,7 @@ class AOTGraphCache:
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-        fn = torch._inductor.aoti_load_package(str(path))
+        fn = load_package(path, default_cache_dir() / "ext")
         self.compile_s += time.perf_counter() - t0
         self.compiled += 1
         return fn
