@@ -1066,6 +1066,43 @@ def analyse(rec: dict, profile: dict, contended: dict | None = None) -> dict:
             cfg["decode_coef"] = per_phase
         out["variants"][v.name] = {"note": v.note, "config": cfg, **res}
     out["diagnostics"] = diagnostics(rec, profile, meas)
+    primary = "co-located" if "co-located" in out["variants"] else "calibrated"
+    out["ttft_by_arrival"] = {
+        "variant": primary,
+        "phases": [ttft_by_arrival(ok_requests(ph), pred) for ph, pred in
+                   zip(rec["phases"], out["variants"][primary]["predicted"], strict=True)]}
+    return out
+
+
+ARRIVAL_STATES = ("alone", "behind-prefill", "during-decode")
+
+
+def arrival_state(req: dict, others: list[dict]) -> str:
+    """What the server was doing when `req` arrived, from the client's own times: another
+    request still waiting for its first token (`behind-prefill`, whatever else streams), only
+    other requests streaming their decode (`during-decode`), or nothing (`alone`)."""
+    a = req["arrival_s"]
+    if any(o["arrival_s"] <= a < o["arrival_s"] + o["ttft_s"] for o in others):
+        return "behind-prefill"
+    if any(o["arrival_s"] + o["ttft_s"] <= a < o["arrival_s"] + o["last_s"] for o in others):
+        return "during-decode"
+    return "alone"
+
+
+def ttft_by_arrival(measured: list[dict], predicted: list[dict]) -> dict:
+    """TTFT p50 measured vs predicted per arrival state (`arrival_state`): where in the load
+    the prediction goes wrong. Diagnostic only: it reads the phase, never feeds a model."""
+    groups: dict[str, list[tuple[float, float]]] = {s: [] for s in ARRIVAL_STATES}
+    for i, r in enumerate(measured):
+        others = measured[:i] + measured[i + 1:]
+        if predicted[i]["ttft_s"] is not None:
+            groups[arrival_state(r, others)].append((r["ttft_s"], predicted[i]["ttft_s"]))
+    out = {}
+    for state, pairs in groups.items():
+        m = pct_ms([x for x, _ in pairs], 50)
+        q = pct_ms([y for _, y in pairs], 50)
+        out[state] = {"requests": len(pairs), "ttft_ms_p50_measured": m,
+                      "ttft_ms_p50_predicted": q, "ttft_p50_error_pct": err_pct(q, m)}
     return out
 
 
@@ -1236,6 +1273,13 @@ def main(argv: list[str] | None = None) -> int:
                                         default=float))
     for d in res["diagnostics"]:
         print("diagnostics:", json.dumps(d))
+    by = res["ttft_by_arrival"]
+    print(f"\nTTFT p50 by what was in flight at arrival ({by['variant']}; measured / "
+          "predicted ms, requests):")
+    for ph, groups in zip(rec["phases"], by["phases"], strict=True):
+        print(f"  {ph['name']:>6}: " + "; ".join(
+            f"{s} {g['ttft_ms_p50_measured'] or 0:.1f} / {g['ttft_ms_p50_predicted'] or 0:.1f} "
+            f"({g['requests']})" for s, g in groups.items()))
     out = {"settings": settings, "profile": profile, "recording": rec, **res}
     Path(a.json_out).write_text(json.dumps(out, indent=1) + "\n")
     return 0

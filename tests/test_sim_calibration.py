@@ -250,3 +250,22 @@ def test_decode_slowdown_from_the_decode_contended_probe() -> None:
     assert cal.decode_contention({"reps": [fast]}, 1.0)["contended_decode_slowdown"] == 1.0
     lost = dict(fast, counters_contended=dict(fast["counters_contended"], engine_ttft_count=1))
     assert "contended_decode_slowdown" not in cal.decode_contention({"reps": [lost]}, 1.0)
+
+
+def test_ttft_by_arrival_groups_requests_by_what_was_in_flight() -> None:
+    """A arrives alone; B during A's prefill; C while only A decodes (B done); D after all."""
+    def req(arrival: float, ttft: float, last: float) -> dict:
+        return {"arrival_s": arrival, "ttft_s": ttft, "last_s": last}
+
+    a, b = req(0.0, 0.10, 0.50), req(0.05, 0.20, 0.25)
+    c, d = req(0.40, 0.12, 0.60), req(2.0, 0.08, 0.40)
+    reqs = [a, b, c, d]
+    assert [cal.arrival_state(r, [o for o in reqs if o is not r]) for r in reqs] == \
+        ["alone", "behind-prefill", "during-decode", "alone"]
+    pred = [{"ttft_s": t} for t in (0.05, 0.30, 0.06, 0.08)]
+    got = cal.ttft_by_arrival(reqs, pred)
+    assert got["alone"]["requests"] == 2
+    assert got["alone"]["ttft_ms_p50_measured"] == pytest.approx(90.0)
+    assert got["alone"]["ttft_ms_p50_predicted"] == pytest.approx(65.0)
+    assert got["during-decode"]["ttft_p50_error_pct"] == pytest.approx(-50.0)
+    assert got["behind-prefill"]["ttft_p50_error_pct"] == pytest.approx(50.0)
