@@ -1278,8 +1278,9 @@ def main(argv: list[str] | None = None) -> int:
           "predicted ms, requests):")
     for ph, groups in zip(rec["phases"], by["phases"], strict=True):
         print(f"  {ph['name']:>6}: " + "; ".join(
-            f"{s} {g['ttft_ms_p50_measured'] or 0:.1f} / {g['ttft_ms_p50_predicted'] or 0:.1f} "
-            f"({g['requests']})" for s, g in groups.items()))
+            f"{s} {g['ttft_ms_p50_measured']:.1f} / {g['ttft_ms_p50_predicted']:.1f} "
+            f"({g['requests']})" if g["requests"] else f"{s} - (0)"
+            for s, g in groups.items()))
     out = {"settings": settings, "profile": profile, "recording": rec, **res}
     Path(a.json_out).write_text(json.dumps(out, indent=1) + "\n")
     return 0
