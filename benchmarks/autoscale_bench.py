@@ -272,8 +272,8 @@ def deploy(a: AutoscaleBenchArgs) -> None:
         serve.run(build_app(cfg), name="mtpserve", route_prefix="/")
         return
     from mtpserve.router.ingress import OpenAIIngress
-    from mtpserve.workers.decode_server import DecodeServer
-    from mtpserve.workers.prefill_server import PrefillServer
+    from mtpserve.workers.replica.decode_server import DecodeServer
+    from mtpserve.workers.replica.prefill_server import PrefillServer
 
     handles = []
     for role, cls in (("prefill", PrefillServer), ("decode", DecodeServer)):

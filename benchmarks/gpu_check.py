@@ -107,8 +107,8 @@ def _device_checks(device: str, model: str) -> dict:
 
     from mtpserve.workers.model_runner import ForwardBatch, ModelRunner
     from mtpserve.workers.sampling_params import SamplingParams
-    from mtpserve.workers.spec.keyed_random import SLOT_DRAFT, keyed_uniforms
-    from mtpserve.workers.spec.rejection_sampler import RejectionSampler
+    from mtpserve.workers.spec_decode.keyed_random import SLOT_DRAFT, keyed_uniforms
+    from mtpserve.workers.spec_decode.rejection_sampler import RejectionSampler
 
     g = torch.Generator().manual_seed(0)
     seeds = torch.randint(-(1 << 62), 1 << 62, (4096,), generator=g)

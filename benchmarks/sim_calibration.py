@@ -790,7 +790,8 @@ def measurements(rec: dict, profile: dict) -> dict:
     - KV pulls: bytes per pulled token and end-to-end bytes/s of the decode probes' pulls.
 
     The prefill engine does not time a request that ends at its first token (max_tokens 1:
-    workers/metrics.py no longer finds it when the output arrives), so only the decode probes
+    workers/replica/metrics.py no longer finds it when the output arrives), so only the decode
+    probes
     give the engine's TTFT; the prefill-only probes give a cross-check, the least-squares line
     client TTFT = overhead + scale x profile prefill time over their prompt lengths.
     """

@@ -77,7 +77,7 @@ def _rank(rank: int, tp: int, port: int, env: dict, model: str, prompts, ks, max
           queue) -> None:
     os.environ.update(env)
     torch.set_num_threads(1)
-    from mtpserve.workers.tp_group import RankCore, RankSpec, TPDriver, worker_loop
+    from mtpserve.workers.replica.tp_group import RankCore, RankSpec, TPDriver, worker_loop
 
     if tp == 1:
         from mtpserve.workers.engine_config import compile_enabled

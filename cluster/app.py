@@ -69,8 +69,8 @@ def resolve(cfg: ClusterConfig) -> ClusterConfig:
 
 def build_app(args: ClusterConfig) -> Application:
     from mtpserve.router.ingress import OpenAIIngress
-    from mtpserve.workers.decode_server import DecodeServer
-    from mtpserve.workers.prefill_server import PrefillServer
+    from mtpserve.workers.replica.decode_server import DecodeServer
+    from mtpserve.workers.replica.prefill_server import PrefillServer
 
     cfg = resolve(args if isinstance(args, ClusterConfig) else ClusterConfig(**args))
     prefill = PrefillServer.options(**deployment_options(cfg, "prefill")).bind(cfg)

@@ -1,8 +1,9 @@
 """Model-based Ray Serve autoscaling policies for the decode and prefill deployments.
 
-Replicas report window aggregates from `record_autoscaling_stats()` (workers/signals.py); these
+Replicas report window aggregates from `record_autoscaling_stats()`
+(workers/replica/signals.py); these
 class policies run every control-loop tick inside the Serve controller, so they are cheap and
-pure apart from publishing the decision (workers/metrics.py) and the demand board
+pure apart from publishing the decision (workers/replica/metrics.py) and the demand board
 (cluster/demand_board.py).
 
 Decode: the latest fresh report of every replica gives its load (requests running + waiting),
@@ -274,7 +275,7 @@ def decode_load(reports: dict) -> DecodeLoad:
 
 def _publish(deployment: str, desired: int, extra: dict[str, float]) -> None:
     try:
-        from mtpserve.workers.metrics import publish_policy
+        from mtpserve.workers.replica.metrics import publish_policy
 
         publish_policy(deployment, desired, extra)
     except Exception:  # metrics must never break scaling

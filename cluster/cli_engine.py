@@ -137,7 +137,11 @@ def _draft_vocab(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from mtpserve.workers.model.config import ModelConfig
-    from mtpserve.workers.spec.draft_vocab import corpus_token_streams, rank_tokens, write_ranking
+    from mtpserve.workers.spec_decode.draft_vocab import (
+        corpus_token_streams,
+        rank_tokens,
+        write_ranking,
+    )
     from mtpserve.workers.tokenizer import load_tokenizer
     from mtpserve.workers.training.data import split_files
 

@@ -433,7 +433,7 @@ class ClusterConfig(_Strict):
                     )
             dv = self.speculation.draft_vocab_size
             if dv is not None:
-                from mtpserve.workers.spec.draft_vocab import draft_token_ids
+                from mtpserve.workers.spec_decode.draft_vocab import draft_token_ids
 
                 draft_token_ids(self.model, dv, hf.get("vocab_size", dv))  # raises with the fix
             n_mtp = hf.get("num_nextn_predict_layers", 0) or 0

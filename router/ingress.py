@@ -78,7 +78,7 @@ def _push_counters(orchestrator: DisaggOrchestrator, interval_s: float = 1.0
     /metrics and the stats endpoint sum the counters over ingress replicas."""
     import ray
 
-    from mtpserve.workers.metrics import hub, replica_key
+    from mtpserve.workers.replica.metrics import hub, replica_key
 
     stop = threading.Event()
     key = orchestrator.replica_key = replica_key("ingress")

@@ -257,7 +257,7 @@ def hub_source() -> MetricsSource:
     """Source over the cluster's `MetricsHub` actor (Serve ingress)."""
 
     async def source() -> dict:
-        from mtpserve.workers.metrics import hub
+        from mtpserve.workers.replica.metrics import hub
 
         return await hub().collect.remote()
 

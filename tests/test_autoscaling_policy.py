@@ -17,7 +17,7 @@ from mtpserve.cluster.autoscaling_policy import (
     prefill_replicas,
 )
 from mtpserve.workers.perf_model import PerfModel
-from mtpserve.workers.signals import DecodeWindows, PrefillWindows
+from mtpserve.workers.replica.signals import DecodeWindows, PrefillWindows
 
 # A replica whose rounds cost 10 ms + 1 ms per request + 2 ms per draft step + 0.5 ms per
 # drafted token: bigger batches are slower, drafts pay only while acceptance is good.

@@ -49,7 +49,7 @@ def test_the_tp_driver_offers_every_runner_capability(tiny_qwen3) -> None:
     """Every member of the `Runner` protocol exists on both implementations with the same
     signature, so the engine never loses a capability (graphs, warm-up, fused rounds) when a
     replica drives a TP group."""
-    from mtpserve.workers.tp_group import RankCore, RankSpec, TPDriver
+    from mtpserve.workers.replica.tp_group import RankCore, RankSpec, TPDriver
 
     members = _protocol_members()
     assert {"execute", "warmup_graphs", "fuses_greedy_rounds", "greedy_round"} <= set(members)

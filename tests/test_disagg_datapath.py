@@ -27,8 +27,8 @@ def fault_injection(monkeypatch):
 
 def make_servers(model, decode_max_num_seqs: int = 8, prefill_blocks: int = 64,
                  decode_blocks: int = 256, k: int = 2, kv: dict | None = None, **extra):
-    from mtpserve.workers.decode_server import DecodeServer
-    from mtpserve.workers.prefill_server import PrefillServer
+    from mtpserve.workers.replica.decode_server import DecodeServer
+    from mtpserve.workers.replica.prefill_server import PrefillServer
 
     cfg = ClusterConfig(
         model=str(model),

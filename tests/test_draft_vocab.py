@@ -14,13 +14,13 @@ from test_sampling_distribution import NUM_POS, assert_matches, exact_marginals,
 from mtpserve.workers.engine import Engine, EngineConfig
 from mtpserve.workers.model_runner import ModelRunner
 from mtpserve.workers.sampling_params import SamplingParams
-from mtpserve.workers.spec.draft_vocab import (
+from mtpserve.workers.spec_decode.draft_vocab import (
     DraftVocabError,
     draft_token_ids,
     rank_tokens,
     write_ranking,
 )
-from mtpserve.workers.spec.sampling import processed_probs
+from mtpserve.workers.spec_decode.sampling import processed_probs
 
 
 def test_ranking_is_by_frequency_then_id(tmp_path) -> None:

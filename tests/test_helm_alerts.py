@@ -16,7 +16,7 @@ import pytest
 from helm_render import CHART, MULTI, NAMESPACE, RELEASE, load_values, render, render_case
 
 from mtpserve.router.metrics_api import render as render_metrics
-from mtpserve.workers.metrics import ITL_BUCKETS, TTFT_BUCKETS, Histogram
+from mtpserve.workers.replica.metrics import ITL_BUCKETS, TTFT_BUCKETS, Histogram
 
 FULL = f"{RELEASE}-mtpserve"
 SELECTOR = f'namespace="{NAMESPACE}",ray_cluster=~"{FULL}-[a-z0-9]{{5}}"'

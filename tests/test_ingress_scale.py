@@ -52,7 +52,7 @@ async def stream(client: httpx.AsyncClient, prompt: str) -> list[int]:
 def ingress_counters(t_end: float, deadline_s: float = 30.0) -> list[dict]:
     """Both ingress replicas' orchestrator counters from the metrics hub, once each replica
     has pushed them after `t_end` (they push every second), so none is missed."""
-    from mtpserve.workers.metrics import HUB_NAME, HUB_NAMESPACE
+    from mtpserve.workers.replica.metrics import HUB_NAME, HUB_NAMESPACE
 
     hub = ray.get_actor(HUB_NAME, namespace=HUB_NAMESPACE)
     end = time.monotonic() + deadline_s

@@ -523,7 +523,7 @@ def test_stats_grow_by_exactly_the_payload_of_a_pull(prefill, receiver):
 
 def test_puller_receives_resharded_kv_into_its_blocks_and_reuses_its_buffer(prefill, receiver):
     from mtpserve.workers.kv_transfer.puller import KVPuller
-    from mtpserve.workers.tp_commands import PullKV
+    from mtpserve.workers.replica.tp_commands import PullKV
 
     addresses = [address for _, address in prefill]
     own = [torch.zeros(2, 8, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM) for _ in range(
@@ -552,7 +552,7 @@ def test_puller_receives_resharded_kv_into_its_blocks_and_reuses_its_buffer(pref
 
 def test_puller_reports_a_failed_pull_without_dying(prefill, receiver):
     from mtpserve.workers.kv_transfer.puller import KVPuller
-    from mtpserve.workers.tp_commands import PullKV
+    from mtpserve.workers.replica.tp_commands import PullKV
 
     own = [torch.zeros(2, 8, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM) for _ in range(
         NUM_MAIN_LAYERS + NUM_MTP_LAYERS)]
@@ -572,7 +572,7 @@ def test_pulls_run_concurrently_on_their_own_lanes(prefill, receiver):
     """A slow pull (from one prefill rank) does not hold back another (from the other one):
     each lane has its own thread and buffer, and both land exactly in their blocks."""
     from mtpserve.workers.kv_transfer.puller import KVPuller
-    from mtpserve.workers.tp_commands import PullKV
+    from mtpserve.workers.replica.tp_commands import PullKV
 
     own = [torch.zeros(2, 8, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM) for _ in range(
         NUM_MAIN_LAYERS + NUM_MTP_LAYERS)]
@@ -622,7 +622,7 @@ def _wait_results(puller, rids: list[str], timeout_s: float = 30.0) -> float:
 def test_concurrent_pulls_from_one_slow_sender_all_complete(prefill, receiver):
     """The pair serves one pull at a time; a pull's timeout starts when it has the pair, so a
     pull queued behind a slow (but live) one still gets its whole time."""
-    from mtpserve.workers.tp_commands import PullKV
+    from mtpserve.workers.replica.tp_commands import PullKV
 
     puller, own = _puller(receiver, lanes=3)
     try:
@@ -647,7 +647,7 @@ def test_concurrent_pulls_from_one_slow_sender_all_complete(prefill, receiver):
 def test_pulls_queued_on_a_frozen_sender_fail_together_others_complete(prefill, receiver):
     """A frozen prefill rank costs its queued pulls one timeout together, not one each, and
     a pull from another rank completes meanwhile."""
-    from mtpserve.workers.tp_commands import PullKV
+    from mtpserve.workers.replica.tp_commands import PullKV
 
     puller, _ = _puller(receiver, lanes=4)
     frozen = Peer()

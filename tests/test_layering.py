@@ -18,10 +18,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = ("workers", "router", "cluster", "benchmarks")
-# workers/ modules that are Serve shells or the Ray side of the data path: the only ones
-# there that may import Ray. Everything else in workers/ is the Ray-free engine.
-RAY_SHELLS = {"workers.prefill_server", "workers.decode_server", "workers.replica",
-              "workers.tp_workers", "workers.metrics", "workers.kv_transfer.addresses"}
+# The engine is workers/ less these two folders: replica/ (Serve shells, the TP group, metrics,
+# the replica side of the data path: the only place that imports Ray) and kv_transfer/ (the
+# wire protocol: Ray-free, never imports replica/).
+REPLICA, WIRE = "workers.replica", "workers.kv_transfer"
+
+
+def _in(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
 
 
 def _modules() -> dict[str, set[str]]:
@@ -69,10 +73,25 @@ def test_workers_never_import_router_or_cluster() -> None:
 
 
 def test_the_engine_is_ray_free() -> None:
+    """Only replica/ imports Ray."""
     bad = {m: sorted(i for i in imps if i.split(".")[0] == "ray")
            for m, imps in _modules().items()
-           if m.startswith("workers") and m not in RAY_SHELLS}
+           if m.startswith("workers") and not _in(m, REPLICA)}
     assert not {m: b for m, b in bad.items() if b}
+
+
+def test_the_engine_never_imports_the_replica_or_the_wire() -> None:
+    """The folder line is the layer line: the engine imports neither replica/ nor kv_transfer/,
+    and the wire protocol does not import the replica."""
+    bad = {}
+    for m, imps in _modules().items():
+        if not m.startswith("workers") or _in(m, REPLICA):
+            continue
+        banned = (REPLICA,) if _in(m, WIRE) else (REPLICA, WIRE)
+        hits = sorted(i for i in imps if any(_in(i.removeprefix("mtpserve."), b) for b in banned))
+        if hits:
+            bad[m] = hits
+    assert not bad
 
 
 @pytest.mark.parametrize("source, check", [
@@ -82,6 +101,11 @@ def test_the_engine_is_ray_free() -> None:
     ("from ..router import api\n", test_workers_never_import_router_or_cluster),
     ("def f():\n    import ray\n", test_the_engine_is_ray_free),
     ("from workers.engine import Engine\n", test_every_import_uses_the_one_import_name),
+    ("from mtpserve.workers.replica.tp_group import TPDriver\n",
+     test_the_engine_never_imports_the_replica_or_the_wire),
+    ("def f():\n    from mtpserve.workers.kv_transfer import KVSender\n",
+     test_the_engine_never_imports_the_replica_or_the_wire),
+    ("from .replica import metrics\n", test_the_engine_never_imports_the_replica_or_the_wire),
 ])
 def test_the_checks_see_a_violation(source: str, check) -> None:
     """The scanner itself: each kind of violation, in a probe module of workers/, is found

@@ -14,7 +14,7 @@ from mtpserve.router.local_orchestrator import LocalOrchestrator
 from mtpserve.router.metrics_api import local_source, parse_samples, render
 from mtpserve.workers.async_engine import AsyncEngine
 from mtpserve.workers.engine import Engine, EngineConfig
-from mtpserve.workers.metrics import EngineRecorder
+from mtpserve.workers.replica.metrics import EngineRecorder
 from mtpserve.workers.tokenizer import load_tokenizer
 
 MODEL = "tiny"

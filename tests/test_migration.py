@@ -32,7 +32,7 @@ class ActorDiedError(Exception):
 
 
 class KVTransferFailed(RuntimeError):
-    """Named like workers.decode_server.KVTransferFailed."""
+    """Named like workers.replica.decode_server.KVTransferFailed."""
 
 
 class BackPressureError(Exception):

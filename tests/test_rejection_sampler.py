@@ -7,15 +7,15 @@ import pytest
 import torch
 
 from mtpserve.workers.sampling_params import SamplingParams
-from mtpserve.workers.spec.keyed_random import (
+from mtpserve.workers.spec_decode.keyed_random import (
     SLOT_ACCEPT,
     SLOT_DRAFT,
     SLOT_FINAL,
     fold_seed,
     keyed_uniforms,
 )
-from mtpserve.workers.spec.rejection_sampler import RejectionSampler
-from mtpserve.workers.spec.sampling import processed_probs, sample_with_uniforms
+from mtpserve.workers.spec_decode.rejection_sampler import RejectionSampler
+from mtpserve.workers.spec_decode.sampling import processed_probs, sample_with_uniforms
 
 GREEDY = SamplingParams(temperature=0)
 

@@ -15,7 +15,7 @@ from test_rejection_sampler import chi2
 from mtpserve.workers.engine import Engine, EngineConfig
 from mtpserve.workers.model.loader import load_model
 from mtpserve.workers.sampling_params import SamplingParams
-from mtpserve.workers.spec.sampling import processed_probs
+from mtpserve.workers.spec_decode.sampling import processed_probs
 
 PROMPT = [1, 4, 3, 2]
 NUM_POS = 5  # output positions checked: the first token, then up to 3 drafts + bonus

@@ -130,7 +130,7 @@ def test_prefill_then_decode_equals_alone(tiny_qwen3) -> None:
 def _tp_rank(rank: int, port: int, path: str, out) -> None:
     import torch.distributed as dist
 
-    from mtpserve.workers.tp_group import RankCore, RankSpec, TPDriver, worker_loop
+    from mtpserve.workers.replica.tp_group import RankCore, RankSpec, TPDriver, worker_loop
 
     torch.set_num_threads(1)
     spec = RankSpec(model=path, role="decode", tp_size=2, num_kv_blocks=256, block_size=4,

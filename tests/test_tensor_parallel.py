@@ -11,7 +11,7 @@ import torch.multiprocessing as mp
 from serve_cluster import free_port
 
 from mtpserve.workers.model_runner import ForwardBatch, ModelRunner
-from mtpserve.workers.spec.draft_vocab import write_ranking
+from mtpserve.workers.spec_decode.draft_vocab import write_ranking
 
 PROMPT = [5, 17, 99, 3, 250, 7, 42, 8, 1, 77, 31]
 
@@ -133,7 +133,7 @@ def install_plane_checker(device: str) -> dict:
 
 
 def _spec(path: str, port: int, role: str = "prefill"):
-    from mtpserve.workers.tp_group import RankSpec
+    from mtpserve.workers.replica.tp_group import RankSpec
 
     return RankSpec(model=path, role=role, tp_size=2, num_kv_blocks=64, block_size=4,
                     init_method=f"tcp://127.0.0.1:{port}", kv_host="127.0.0.1",
@@ -144,7 +144,7 @@ def _split_rank(rank: int, port: int, path: str, prompts: list, out, shm: bool) 
     import os
 
     from mtpserve.workers.model.parallel import get_tp
-    from mtpserve.workers.tp_group import RankCore, TPDriver, worker_loop
+    from mtpserve.workers.replica.tp_group import RankCore, TPDriver, worker_loop
 
     os.environ["MTPSERVE_SHM_COLLECTIVES"] = "1" if shm else "0"
     torch.set_num_threads(1)
@@ -224,7 +224,7 @@ def _health_rank(rank: int, port: int, path: str, events, deadline_s: float) -> 
 
     from mtpserve.workers.async_engine import AsyncEngine
     from mtpserve.workers.engine import Engine, EngineConfig
-    from mtpserve.workers.tp_group import RankCore, TPDriver, worker_loop
+    from mtpserve.workers.replica.tp_group import RankCore, TPDriver, worker_loop
 
     torch.set_num_threads(1)
     core = RankCore(_spec(path, port), rank)
@@ -300,7 +300,7 @@ class _Duplex:
 
 
 def test_forward_batch_encoding_round_trips() -> None:
-    from mtpserve.workers.control_plane import decode_batch, encode_batch
+    from mtpserve.workers.replica.control_plane import decode_batch, encode_batch
 
     for b in batches() + [ForwardBatch("main", [[1, 2, 3], [4]], [0, 7], [[0, 1], [2]],
                                        logit_rows=[2, 3])]:
@@ -313,8 +313,8 @@ def test_a_rank0_exception_mid_forward_fails_the_group_at_once() -> None:
     (no desynchronised pairing), fails its health check, and the replica refuses new work."""
     from types import SimpleNamespace
 
-    from mtpserve.workers.replica import EngineReplica, ReplicaUnavailableError
-    from mtpserve.workers.tp_group import TPDriver
+    from mtpserve.workers.replica.replica import EngineReplica, ReplicaUnavailableError
+    from mtpserve.workers.replica.tp_group import TPDriver
 
     sent: list[str] = []
 

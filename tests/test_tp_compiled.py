@@ -63,7 +63,7 @@ def _run(runner, path: str, warm: bool, ks: tuple[int, ...]) -> dict:
 
 
 def _rank(rank: int, port: int, path: str, cache: str, ks: tuple[int, ...], out) -> None:
-    from mtpserve.workers.tp_group import RankCore, RankSpec, TPDriver, worker_loop
+    from mtpserve.workers.replica.tp_group import RankCore, RankSpec, TPDriver, worker_loop
 
     os.environ["MTPSERVE_COMPILE"] = "on"
     if 1 in ks:  # the k = 1 greedy round as one graph, through the TP driver (opt-in)

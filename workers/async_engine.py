@@ -66,7 +66,7 @@ class AsyncEngine:
         self.engine = engine
         self.poller = poller
         # Called on the engine thread after each step with (engine, outputs, seconds): metrics
-        # and autoscaling signals (workers/metrics.py EngineRecorder).
+        # and autoscaling signals (workers/replica/metrics.py EngineRecorder).
         self.step_observers: list[Callable[[Engine, list[RequestOutput], float], None]] = []
         self._actions: queue.Queue[Callable[[], None]] = queue.Queue()
         self._listeners: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}

@@ -7,7 +7,8 @@ the KV for transfer) and "decode"
 (requests arrive with their KV already in place).
 
 Randomness: every draw is keyed by (request seed, position of the token it decides, slot)
-(workers.spec.keyed_random), so a seeded request's output depends only on its prompt, seed and
+(workers.spec_decode.keyed_random), so a seeded request's output depends only on its prompt, seed
+and
 k: not on the batch, TP, prefill->decode, preemption or resumption elsewhere. A resumed or
 preempted request recomputes all tokens but the last emitted one and goes straight to a
 verify round, which keeps its round structure (and so its draws) unchanged.
@@ -36,8 +37,8 @@ from mtpserve.workers.request import Request, RequestStatus
 from mtpserve.workers.round_outcomes import RoundOutcomes
 from mtpserve.workers.sampling_params import SamplingParams
 from mtpserve.workers.scheduler import PrefillChunk, Scheduler
-from mtpserve.workers.spec.mtp_proposer import MTPProposer
-from mtpserve.workers.spec.rejection_sampler import RejectionSampler
+from mtpserve.workers.spec_decode.mtp_proposer import MTPProposer
+from mtpserve.workers.spec_decode.rejection_sampler import RejectionSampler
 
 __all__ = ["DTYPES", "Engine", "EngineConfig", "EngineError", "RequestOutput"]
 

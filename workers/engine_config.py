@@ -37,7 +37,7 @@ class EngineConfig:
     # Automatic prefix caching (workers/prefix_cache.py): full blocks of main + MTP KV that a
     # request computed are shared by later requests with the same prefix.
     prefix_caching: bool = True
-    # Draft over the N most frequent tokens only (workers.spec.draft_vocab); None: all.
+    # Draft over the N most frequent tokens only (workers.spec_decode.draft_vocab); None: all.
     draft_vocab_size: int | None = None
     # Compiled fixed-shape decode graphs (workers/model/decode_graph.py): "auto" turns them on
     # where they were measured faster (see `compile_enabled`); MTPSERVE_COMPILE overrides.

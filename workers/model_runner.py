@@ -25,7 +25,7 @@ from mtpserve.workers.model.cuda_graphs import CUDAGraphs
 from mtpserve.workers.model.decode_graph import DecodeGraphs, GraphInputs, GraphKey
 from mtpserve.workers.model.loader import load_model
 from mtpserve.workers.model.parallel import get_tp
-from mtpserve.workers.spec.draft_vocab import draft_token_ids
+from mtpserve.workers.spec_decode.draft_vocab import draft_token_ids
 
 
 @dataclass
@@ -71,7 +71,8 @@ def column_major_linears(model: torch.nn.Module) -> None:
 
 @runtime_checkable
 class Runner(Protocol):
-    """What the engine drives: `ModelRunner` in one process, `TPDriver` (workers/tp_group.py)
+    """What the engine drives: `ModelRunner` in one process, `TPDriver`
+    (workers/replica/tp_group.py)
     for a TP group, which mirrors each call to every rank. Both implement all of it, so a
     capability (graphs, warm-up, fused rounds) cannot vanish when serving
     (tests/test_compile_default.py enumerates this protocol on both)."""

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mtpserve.workers.sampling_params import SamplingParams
-from mtpserve.workers.spec.keyed_random import fold_seed
+from mtpserve.workers.spec_decode.keyed_random import fold_seed
 
 
 class RequestStatus(enum.Enum):
@@ -53,7 +53,7 @@ class Request:
     num_rounds: int = 0
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
-    # Keys every random number of this request (workers.spec.keyed_random): the user's seed,
+    # Keys every random number of this request (workers.spec_decode.keyed_random): the user's seed,
     # or one drawn at admission when the request has none.
     seed: int | None = None
     num_preemptions: int = 0

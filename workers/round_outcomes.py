@@ -15,9 +15,13 @@ import torch
 from mtpserve.workers.outputs import RequestOutput, request_output, token_logprobs
 from mtpserve.workers.request import Request
 from mtpserve.workers.scheduler import PrefillChunk, draft_slots
-from mtpserve.workers.spec.keyed_random import SLOT_FINAL, uniforms_for
-from mtpserve.workers.spec.mtp_proposer import MTPExtend
-from mtpserve.workers.spec.sampling import processed_probs, sample_with_uniforms, suppress_tokens
+from mtpserve.workers.spec_decode.keyed_random import SLOT_FINAL, uniforms_for
+from mtpserve.workers.spec_decode.mtp_proposer import MTPExtend
+from mtpserve.workers.spec_decode.sampling import (
+    processed_probs,
+    sample_with_uniforms,
+    suppress_tokens,
+)
 
 
 class RoundOutcomes:

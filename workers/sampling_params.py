@@ -14,7 +14,7 @@ class SamplingParams:
 
     `num_speculative_tokens` caps this request's drafts per round (0 disables speculation);
     None uses the engine's k. `seed` keys every random number the request uses (see
-    `workers.spec.keyed_random`); None: the engine draws one at admission. `user_seed` says
+    `workers.spec_decode.keyed_random`); None: the engine draws one at admission. `user_seed` says
     whether the seed was the user's choice (a reproducible request, whose k adaptive
     speculation must not change) or drawn for the user upstream (the router does that so the
     seed travels with the request). `min_tokens`: EOS and stop tokens cannot be generated

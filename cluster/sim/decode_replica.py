@@ -6,7 +6,8 @@ Faithful to the engine: admission of transferred requests FIFO by a sequence slo
 pulled on one serial transfer lane per replica while rounds go on, joining at the next round
 boundary, per-request k capped by the replica's k for the batch band (workers/adaptive_k.py,
 the real `AdaptiveK` fed with this replica's acceptance), the replica's own online
-`PerfModel` seeded by the start profile, and the real `DecodeWindows` (workers/signals.py) on
+`PerfModel` seeded by the start profile, and the real `DecodeWindows`
+(workers/replica/signals.py) on
 the simulated clock, so `report()` is what `record_autoscaling_stats()` would return.
 
 Simplified ("fluid" rounds): every request of an acceptance class emits the class's expected
@@ -28,13 +29,13 @@ from mtpserve.cluster.sim.replica_models import ReplicaModel, prefill_alone_s, p
 from mtpserve.cluster.sim.requests import SimRequest
 from mtpserve.workers.adaptive_k import AdaptiveK
 from mtpserve.workers.perf_model import PerfModel, features
-from mtpserve.workers.signals import DecodeWindows
+from mtpserve.workers.replica.signals import DecodeWindows
 
 STEP_CAP_S = 0.5  # longest stretch of identical rounds (= the recent-batch window's bucket)
 # Refit the online model and re-band k at most this often (the engine: every 8 / 16 rounds);
 # replicas report once a second, so finer refits would not reach the policy anyway.
 SOLVE_EVERY_S = 1.0
-DEFAULT_EXPECTED_TOKENS = 256  # = workers.decode_server.DEFAULT_EXPECTED_TOKENS
+DEFAULT_EXPECTED_TOKENS = 256  # = workers.replica.decode_server.DEFAULT_EXPECTED_TOKENS
 
 
 def lookahead(k: int) -> int:

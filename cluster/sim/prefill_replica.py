@@ -1,5 +1,6 @@
 """A simulated prefill replica: chunked prefill as workers/scheduler.py schedules it for
-`Engine(role="prefill")`, with the real `PrefillWindows` (workers/signals.py) on the simulated
+`Engine(role="prefill")`, with the real `PrefillWindows` (workers/replica/signals.py) on the
+simulated
 clock, so `report()` is what the replica's `record_autoscaling_stats()` returns.
 
 Each step takes the prompts being prefilled, then admits waiting prompts FIFO while the token
@@ -16,7 +17,7 @@ from collections import deque
 from mtpserve.cluster.sim.lifecycle import DRAINING, STARTING, STOPPED
 from mtpserve.cluster.sim.replica_models import ReplicaModel, attended
 from mtpserve.cluster.sim.requests import SimRequest
-from mtpserve.workers.signals import PrefillWindows
+from mtpserve.workers.replica.signals import PrefillWindows
 
 PREFILL_MAX_NUM_SEQS = 64  # EngineReplica passes 64 when the role has no max_num_seqs
 

@@ -82,7 +82,7 @@ class PairChannel:
         self.generation = generation
         self.broken = False
         self._store = store
-        # Callers pass the node's interface (workers/kv_transfer/addresses.py); loopback only
+        # Callers pass the node's interface (workers/replica/addresses.py); loopback only
         # when nothing says otherwise (single-process tests).
         self._interface = interface or os.environ.get("GLOO_SOCKET_IFNAME") or "lo"
         self._group: Any = None

@@ -44,7 +44,7 @@ DEFAULT_MAX_CONCURRENT = 4
 
 
 class KVPuller:
-    """Runs `PullKV` jobs (workers.tp_commands) on background threads; results are polled.
+    """Runs `PullKV` jobs (workers.replica.tp_commands) on background threads; results are polled.
 
     `on_done()` runs on the thread after each result (rank 0 wakes its engine with it).
     Thread-safe: `submit`, `result`, `take`, `num_finished` may be called from any thread.
@@ -81,7 +81,7 @@ class KVPuller:
             t.start()
 
     # any thread ----------------------------------------------------------------------------
-    def submit(self, job: Any) -> None:  # a workers.tp_commands.PullKV
+    def submit(self, job: Any) -> None:  # a workers.replica.tp_commands.PullKV
         self._jobs.put(job)
 
     def result(self, request_id: str) -> PullResult | None:

@@ -101,7 +101,7 @@ class CausalLM(nn.Module):
             mtp.to(dtype)
 
     def restrict_draft_vocab(self, token_ids: list[int]) -> None:
-        """Draft over `token_ids` only (workers.spec.draft_vocab): each MTP module gets a
+        """Draft over `token_ids` only (workers.spec_decode.draft_vocab): each MTP module gets a
         head holding just those rows. Call before `lower_mtp_precision`. Under TP every rank
         calls it (the full head is gathered once)."""
         for mtp in self.mtp:

@@ -331,7 +331,7 @@ def pip_section(command: str, ev: dict, json_name: str | None, model: Path) -> l
 def draft_vocab_section(path: Path, command: str | None) -> list[str]:
     """`draft_vocab.json`'s source, and the share of the held-out standard-library tokens its
     top N covers."""
-    from mtpserve.workers.spec.draft_vocab import FILE_NAME
+    from mtpserve.workers.spec_decode.draft_vocab import FILE_NAME
     from mtpserve.workers.training.evaluate import held_out_tokens
 
     f = path / FILE_NAME

@@ -708,7 +708,7 @@ upgrades the Service of KubeRay's Gateway (<fullname>-gateway, port 80), named
 {{- end }}
 
 {{/*
-Histogram bounds of /metrics (workers/metrics.py TTFT_BUCKETS, ITL_BUCKETS), written as the
+Histogram bounds of /metrics (workers/replica/metrics.py TTFT_BUCKETS, ITL_BUCKETS), written as the
 `le` labels router/metrics_api.py prints (Python's repr of a float); tests/test_helm_alerts.py
 keeps them equal.
 */}}

@@ -9,12 +9,12 @@ import torch
 from ray import serve
 
 from mtpserve.workers.engine import Engine
-from mtpserve.workers.kv_transfer.arrivals import PrefillHolds
 from mtpserve.workers.messages import GenerateRequest, KVTransferParams
-from mtpserve.workers.metrics import EMA, attach_replica_metrics
-from mtpserve.workers.replica import EngineReplica, replica_tag
+from mtpserve.workers.replica.arrivals import PrefillHolds
+from mtpserve.workers.replica.metrics import EMA, attach_replica_metrics
+from mtpserve.workers.replica.replica import EngineReplica, replica_tag
+from mtpserve.workers.replica.tp_commands import HoldKV
 from mtpserve.workers.scheduler import draft_slots
-from mtpserve.workers.tp_commands import HoldKV
 
 
 @serve.deployment(name="PrefillServer")
@@ -45,7 +45,7 @@ class PrefillServer(EngineReplica):
         """Extend a held request's lease by `kv_transfer.hold_ttl_s` from now on every rank:
         the decode deployment is busy and the orchestrator is still offering the transfer.
         False if it is not held here (pulled, released, expired or unknown)."""
-        from mtpserve.workers.tp_commands import RenewKV
+        from mtpserve.workers.replica.tp_commands import RenewKV
 
         def renew(e) -> bool:
             if request_id not in self.driver.core.holds:
@@ -119,7 +119,7 @@ class PrefillServer(EngineReplica):
         return {"inflight": self.inflight, "prefix": await self.prefix_summary()}
 
     async def record_autoscaling_stats(self) -> dict:
-        # Window aggregates that empty when idle (workers/signals.py).
+        # Window aggregates that empty when idle (workers/replica/signals.py).
         return self.recorder.autoscaling_stats(await self.engine.acall(lambda e: e.stats()))
 
 

@@ -2,7 +2,7 @@
 
 Rank 0 (in the Serve replica) schedules and samples; it sends every command (a forward, a KV
 hold / release, a batch of KV pulls, a poll, a ping) to the other ranks over the gloo
-*control* group (workers/control_plane.py); the model's collectives run on the *data* group
+*control* group (workers/replica/control_plane.py); the model's collectives run on the *data* group
 (NCCL on GPUs, gloo on CPU), which only ever carries tensors on the engine's device. Ranks
 >= 1 run `worker_loop`. Ray-free: the Ray actors that host ranks live in `tp_workers.py`.
 
@@ -26,7 +26,15 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from mtpserve.workers.control_plane import (
+from mtpserve.workers.engine_config import compile_enabled
+from mtpserve.workers.kv_transfer import KVReceiver, KVSender
+from mtpserve.workers.kv_transfer.puller import KVPuller
+from mtpserve.workers.model import shm_collectives
+from mtpserve.workers.model.decode_graph import GraphKey
+from mtpserve.workers.model.parallel import set_tp
+from mtpserve.workers.model.shm_collectives import ShmCollectives
+from mtpserve.workers.model_runner import ForwardBatch, ModelRunner
+from mtpserve.workers.replica.control_plane import (
     OP_FORWARD,
     OP_OBJECT,
     OP_PING,
@@ -34,13 +42,7 @@ from mtpserve.workers.control_plane import (
     OP_SHUTDOWN,
     ControlPlane,
 )
-from mtpserve.workers.engine_config import compile_enabled
-from mtpserve.workers.model import shm_collectives
-from mtpserve.workers.model.decode_graph import GraphKey
-from mtpserve.workers.model.parallel import set_tp
-from mtpserve.workers.model.shm_collectives import ShmCollectives
-from mtpserve.workers.model_runner import ForwardBatch, ModelRunner
-from mtpserve.workers.tp_commands import (
+from mtpserve.workers.replica.tp_commands import (
     GreedyRound,
     HoldKV,
     InjectFault,
@@ -99,8 +101,6 @@ class RankCore:
     def __init__(self, spec: RankSpec, rank: int) -> None:
         from mtpserve.workers.engine import DTYPES
         from mtpserve.workers.engine_config import resolve_attention_backend, resolve_dtype
-        from mtpserve.workers.kv_transfer import KVReceiver, KVSender
-        from mtpserve.workers.kv_transfer.puller import KVPuller
 
         self.spec, self.rank = spec, rank
         self.failed = False  # a command raised on this rank: the replica must be replaced

@@ -14,7 +14,7 @@ exactness; and drafts are a function of the request's tokens alone, so a migrate
 preempted request drafts the same.
 
 Sampled drafts use the uniform keyed (seed, position of the drafted token, SLOT_DRAFT + depth).
-With a draft vocabulary (workers.spec.draft_vocab) the MTP head scores only the most frequent
+With a draft vocabulary (workers.spec_decode.draft_vocab) the MTP head scores only the most frequent
 tokens; q is then that subset's softmax, which is the distribution the rejection sampler uses.
 """
 
@@ -27,8 +27,12 @@ import torch
 
 from mtpserve.workers.model_runner import ForwardBatch
 from mtpserve.workers.request import Request
-from mtpserve.workers.spec.keyed_random import SLOT_DRAFT, keyed_uniforms
-from mtpserve.workers.spec.sampling import processed_probs, sample_with_uniforms, suppress_tokens
+from mtpserve.workers.spec_decode.keyed_random import SLOT_DRAFT, keyed_uniforms
+from mtpserve.workers.spec_decode.sampling import (
+    processed_probs,
+    sample_with_uniforms,
+    suppress_tokens,
+)
 
 # (request, position of the token being decided) -> token ids it may not be (min_tokens)
 BannedFn = Callable[[Request, int], list[int]]

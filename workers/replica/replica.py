@@ -8,9 +8,9 @@ import os
 
 from mtpserve.workers.async_engine import AsyncEngine, Poller
 from mtpserve.workers.engine import Engine, EngineConfig
-from mtpserve.workers.kv_transfer.addresses import resolve_kv_endpoint
-from mtpserve.workers.tp_group import RankSpec
-from mtpserve.workers.tp_workers import start_group
+from mtpserve.workers.replica.addresses import resolve_kv_endpoint
+from mtpserve.workers.replica.tp_group import RankSpec
+from mtpserve.workers.replica.tp_workers import start_group
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ class EngineReplica:
         await self.engine.ping(lambda e: self.driver.ping(), HEALTH_DEADLINE_S)
 
     async def _fault(self, delay_s: float, count: int) -> None:
-        from mtpserve.workers.tp_commands import InjectFault
+        from mtpserve.workers.replica.tp_commands import InjectFault
 
         if not fault_injection_enabled():
             raise RuntimeError("fault injection is disabled (MTPSERVE_ENABLE_FAULT_INJECTION)")

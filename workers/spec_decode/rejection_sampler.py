@@ -18,8 +18,13 @@ from dataclasses import dataclass
 import torch
 
 from mtpserve.workers.sampling_params import SamplingParams
-from mtpserve.workers.spec.keyed_random import MAX_DEPTH, SLOT_ACCEPT, SLOT_FINAL, keyed_uniforms
-from mtpserve.workers.spec.sampling import processed_probs, sample_with_uniforms
+from mtpserve.workers.spec_decode.keyed_random import (
+    MAX_DEPTH,
+    SLOT_ACCEPT,
+    SLOT_FINAL,
+    keyed_uniforms,
+)
+from mtpserve.workers.spec_decode.sampling import processed_probs, sample_with_uniforms
 
 PLACEHOLDER_TOKEN_ID = -1
 

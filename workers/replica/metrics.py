@@ -3,7 +3,8 @@ the autoscaling signals, fed from the engine thread.
 
 `EngineRecorder` attaches to an `AsyncEngine`: every step (timed by the loop) and every
 request's round (through `engine.adaptive.on_drafts`) lands in cumulative counters, histograms,
-the sliding windows of workers/signals.py and the online performance model. A snapshot (plain
+the sliding windows of workers/replica/signals.py and the online performance model. A snapshot
+(plain
 dict) goes to the `/metrics` endpoint: in-process for the local orchestrator, or pushed once a
 second to the `MetricsHub` actor that the ingress reads in a Ray cluster. Prometheus rendering
 lives in router.metrics_api.
@@ -18,7 +19,7 @@ import time
 from collections.abc import Callable
 
 from mtpserve.workers.perf_model import PerfModel, profile_rounds
-from mtpserve.workers.signals import DecodeWindows, PrefillWindows
+from mtpserve.workers.replica.signals import DecodeWindows, PrefillWindows
 
 logger = logging.getLogger(__name__)
 

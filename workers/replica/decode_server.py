@@ -8,23 +8,23 @@ from collections.abc import AsyncIterator
 
 from ray import serve
 
+from mtpserve.workers import hop_trace
 from mtpserve.workers.async_engine import sampling_params
 from mtpserve.workers.block_manager import blocks_for
 from mtpserve.workers.engine import Engine, EngineError
-from mtpserve.workers import hop_trace
 from mtpserve.workers.hop_trace import stamp
-from mtpserve.workers.kv_transfer.arrivals import KVArrivals
 from mtpserve.workers.messages import (
     ERROR_KV_TRANSFER,
     GenerateRequest,
     KVTransferParams,
     TokenChunk,
 )
-from mtpserve.workers.metrics import EMA, attach_replica_metrics
-from mtpserve.workers.replica import EngineReplica
+from mtpserve.workers.replica.arrivals import KVArrivals
+from mtpserve.workers.replica.metrics import EMA, attach_replica_metrics
+from mtpserve.workers.replica.replica import EngineReplica
+from mtpserve.workers.replica.tp_commands import ProbeKV
 from mtpserve.workers.request import Request
 from mtpserve.workers.scheduler import decode_slots
-from mtpserve.workers.tp_commands import ProbeKV
 
 
 class KVTransferFailed(RuntimeError):
@@ -131,7 +131,7 @@ class DecodeServer(EngineReplica):
                 "prefix": await self.prefix_summary()}
 
     async def record_autoscaling_stats(self) -> dict:
-        # Window aggregates that empty when idle (workers/signals.py) + the perf model.
+        # Window aggregates that empty when idle (workers/replica/signals.py) + the perf model.
         return self.recorder.autoscaling_stats(await self.engine.acall(lambda e: e.stats()))
 
 

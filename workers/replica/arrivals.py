@@ -18,8 +18,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from mtpserve.workers import hop_trace
-from mtpserve.workers.tp_commands import PullKV, ReleaseKV, StartPulls
-from mtpserve.workers.tp_group import TPDriver
+from mtpserve.workers.replica.tp_commands import PullKV, ReleaseKV, StartPulls
+from mtpserve.workers.replica.tp_group import TPDriver
 
 if TYPE_CHECKING:
     from mtpserve.workers.engine import Engine

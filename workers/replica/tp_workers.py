@@ -12,7 +12,7 @@ import ray
 from ray.util import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from mtpserve.workers.tp_group import RankCore, RankSpec, TPDriver, worker_loop
+from mtpserve.workers.replica.tp_group import RankCore, RankSpec, TPDriver, worker_loop
 
 # Longest a replica waits for its TP workers to be placed, load their shards and join the
 # group; past it the replica fails to start (Serve retries it) instead of hanging.

@@ -37,7 +37,7 @@ _ENCODED_FIELDS = ("kind", "input_ids", "start_positions", "block_tables", "logi
 def encode_batch(b: ForwardBatch) -> list[int]:
     """A ForwardBatch as a flat int list: fields, per-row lengths, then the row contents."""
     assert tuple(f.name for f in dataclasses.fields(b)) == _ENCODED_FIELDS, (
-        "ForwardBatch changed: teach workers/control_plane.py its new fields")
+        "ForwardBatch changed: teach workers/replica/control_plane.py its new fields")
     B = len(b.input_ids)
     has_hidden = 1 if b.hidden_rows else 0
     out = [_KINDS[b.kind], b.module, _HIDDEN[b.hidden_from], B, len(b.logit_rows), has_hidden]
