@@ -1,0 +1,417 @@
+"""Writes benchmarks/README.md: every benchmark with its command, what it measures and its latest
+result, each table read from the JSON in benchmarks/results/ (git keeps the older ones).
+
+    python -m mtpserve.benchmarks.results_readme --write     # or without --write: print it
+
+`tests/test_docs.py` regenerates the page and fails when the committed one differs, so a new
+result file or a changed renderer means running this again. A new benchmark script must be
+listed in `BENCHMARKS` (or `HELPERS`): the test also fails on an unlisted one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent
+RESULTS = ROOT / "results"
+OUTPUT = ROOT / "README.md"
+
+
+def _load(name: str) -> Any:
+    return json.loads((RESULTS / name).read_text())
+
+
+def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return out
+
+
+def _f(x: float | None, digits: int = 1) -> str:
+    return "-" if x is None else f"{x:,.{digits}f}"
+
+
+def _pair(a: float, b: float, digits: int = 1) -> str:
+    return f"{_f(a, digits)} / {_f(b, digits)}"
+
+
+# Renderers: one per result format, each returns markdown lines ------------------------------
+def engine(name: str) -> list[str]:
+    d = _load(name)
+    ks = sorted({r["k"] for r in d["engine"]})
+    rows = {}
+    for r in d["engine"]:
+        rows.setdefault((r["variant"], r["batch_size"]), {})[r["k"]] = r
+    table = []
+    for (variant, batch), by_k in rows.items():
+        cells = []
+        for k in ks:
+            r = by_k.get(k)
+            if r is None:
+                cells.append("-")
+            elif k == 0:
+                cells.append(f"{_f(r['tokens_per_s'])} ({r['speedup_vs_transformers']:.2f}x HF)")
+            else:
+                cells.append(f"{_f(r['tokens_per_s'])} ({r['speedup_vs_k0']:.2f}x k=0)")
+        per_round = " / ".join(_f(by_k[k]["mean_accepted_length"], 2) for k in ks if k in by_k)
+        table.append([variant, batch, *cells, per_round])
+    hf = d["transformers"]["tokens_per_s"]
+    return [f"tok/s, {d['dtype']}, {d['device']}, {d['threads']} threads, {d['num_prompts']} "
+            f"prompts x {d['max_tokens']} tokens, best of {d['repeats']}; "
+            f"`transformers.generate` {_f(hf)} tok/s.", "",
+            *_table(["variant", "batch", *[f"k={k}" for k in ks], "tokens per round"], table)]
+
+
+def serve(*names: str) -> list[str]:
+    rows = []
+    for name in names:
+        d = _load(name)
+        rows.append([d["concurrency"], d["num_requests"], _pair(d["ttft_ms_p50"], d["ttft_ms_p99"],
+                     0), _pair(d["tpot_ms_p50"], d["tpot_ms_p99"]), _f(d["output_tokens_per_s"]),
+                     _f(d["acceptance_rate"], 3), _f(d["kv_achieved_gib_per_s"], 3),
+                     _f(d["kv_raw_gib_per_s"], 3)])
+    return _table(["concurrency", "requests", "TTFT p50 / p99 ms", "TPOT p50 / p99 ms",
+                   "output tok/s", "acceptance", "KV pull GiB/s", "raw send/recv GiB/s"], rows)
+
+
+def datapath(name: str) -> list[str]:
+    d = _load(name)
+    p, t = d["kv_pull_c1_1k"], d["tpot_with_arrivals"]
+    return [*_table(["KV pulls", "MiB per pull", "KV pull GiB/s", "raw send/recv GiB/s",
+                     "pull / raw"],
+                    [[p["kv_pulls"], _f(p["kv_pull_bytes_mean"] / 2**20),
+                      _f(p["kv_achieved_gib_per_s"], 3), _f(p["kv_raw_gib_per_s"], 3),
+                      _f(p["kv_pull_over_raw"], 2)]]),
+            "", f"TPOT of {t['num_streams']} running streams without and with {t['num_arrivals']} "
+            f"arrivals of ~{t['arrival_tokens']} tokens pulled into the same decode replica:", "",
+            *_table(["", "TPOT p50 ms", "TPOT p99 ms"],
+                    [[w, _f(t[w]["tpot_ms_p50"]), _f(t[w]["tpot_ms_p99"])]
+                     for w in ("without", "with")]),
+            "", f"p99 with / without: {_f(t['p99_ratio'], 2)}."]
+
+
+_LEGS = [("decode_wait", "TTST - TTFT"), ("first_token->decode_in", "first token -> decode"),
+         ("decode_in->pull_start", "-> lane takes the pull"),
+         ("pull_start->pull_end", "pull + scatter"), ("pull_end->activated", "-> joins rounds"),
+         ("activated->engine", "-> first round"), ("engine->client", "-> client")]
+
+
+def kv_burst(name: str) -> list[str]:
+    d = _load(name)
+    rows, legs = [], []
+    for variant, v in d["variants"].items():
+        for arrivals in ("single", "burst"):
+            s = v[arrivals]
+            rows.append([variant, arrivals, _pair(s["ttft_ms_p50"], s["ttft_ms_p99"], 0),
+                         _pair(s["ttst_ms_p50"], s["ttst_ms_p99"], 0),
+                         _pair(s["decode_wait_ms_p50"], s["decode_wait_ms_p99"], 0),
+                         v["peak_pulls_in_flight"] if arrivals == "burst" else ""])
+            legs.append([variant, arrivals, *(_pair(s[f"{k}_ms_p50"], s[f"{k}_ms_p99"])
+                                              for k, _ in _LEGS if f"{k}_ms_p50" in s)])
+    return [f"Pull lanes (`kv_transfer.max_concurrent_pulls`) and GIL mode per variant; "
+            f"{d['singles']} single arrivals, {d['bursts']} bursts of {d['burst']}, "
+            f"{d['max_tokens']} tokens each. ms, p50 / p99.", "",
+            *_table(["lanes", "arrivals", "TTFT", "TTST", "TTST - TTFT", "most pulls in flight"],
+                    rows),
+            "", "The decode-side wait, hop by hop (ms, p50 / p99):", "",
+            *_table(["lanes", "arrivals", *[label for _, label in _LEGS]], legs)]
+
+
+def prefix(name: str) -> list[str]:
+    rows = []
+    for config, r in _load(name).items():
+        rows.append([config, _f(r["ttft_ms_p50_cold"], 0), _f(r["ttft_ms_p50_warm"], 0),
+                     _pair(r["ttft_ms_p50"], r["ttft_ms_p99"], 0),
+                     _f(r["prefill_tokens_computed"], 0), _f(r["hit_fraction_of_ideal"], 2),
+                     _f(r["kv_bytes_pulled"] / 2**20), _pair(r["kv_bytes_per_cold"] / 1024,
+                                                             r["kv_bytes_per_warm"] / 1024, 0)])
+    return _table(["configuration", "TTFT p50 cold ms", "TTFT p50 warm ms", "TTFT p50 / p99 ms",
+                   "prefill tokens computed", "prefill hits / ideal", "KV pulled MiB",
+                   "KV per cold / warm request KiB"], rows)
+
+
+def topology(name: str) -> list[str]:
+    d = _load(name)
+    rows = [[variant, _f(v["start_seconds"], 0), _f(1000 / v["c1"]["tpot_ms_p50"]),
+             _f(v["c1"]["ttft_ms_p50"], 0), _f(v["c4"]["output_tokens_per_s"]),
+             _f(v["c4"]["tpot_ms_p50"]), _f(v["c4"]["ttft_ms_p50"], 0)]
+            for variant, v in d["variants"].items()]
+    off = d["offline_decode_tokens_per_s"]
+    return [f"k = {d['k']}; offline engine on one thread for reference: eager {_f(off['off'])}, "
+            f"compiled {_f(off['on'])} decode tok/s.", "",
+            *_table(["variant", "start s", "1 stream tok/s (1/TPOT p50)", "1 stream TTFT p50 ms",
+                     "4 streams output tok/s", "4 streams TPOT p50 ms", "4 streams TTFT p50 ms"],
+                    rows)]
+
+
+def tp_cpu(name: str) -> list[str]:
+    d = _load(name)
+    base = d["variants"]["tp1-eager"]
+    ks = [str(k) for k in d["settings"]["ks"]]
+    def cell(v: dict, k: str) -> str:
+        return f"{_f(v[k]['tokens_per_s'])} ({v[k]['tokens_per_s'] / base[k]['tokens_per_s']:.2f}x)"
+
+    rows = [[variant, *(cell(v, k) for k in ks), "yes" if v["same_tokens_as_tp1_eager"] else "NO"]
+            for variant, v in d["variants"].items()]
+    s = d["settings"]
+    return [f"Batch 1, {s['num_prompts']} prompts x {s['max_tokens']} tokens, greedy; tok/s "
+            "(vs tp1-eager).", "",
+            *_table(["variant", *[f"k={k}" for k in ks], "tokens equal to tp1-eager"], rows)]
+
+
+def stream_hops(name: str) -> list[str]:
+    d = _load(name)
+    hops = [h for h in d["streams_1"] if "->" in h]
+    rows = [[h, *(_pair(d[s][h]["p50_ms"], d[s][h]["p90_ms"], 2) for s in ("streams_1",
+                                                                          "streams_4"))]
+            for h in hops]
+    return [f"k = {d['k']}, {d['max_tokens']} tokens per request; "
+            f"{d['streams_1']['tokens_per_chunk']:.2f} tokens per chunk. ms, p50 / p90 per "
+            "decode-side chunk.", "", *_table(["hop", "1 stream", "4 streams"], rows)]
+
+
+def guidellm(name: str) -> list[str]:
+    rows = []
+    for r in _load(name):
+        req = r.get("requests") or {}
+        ok = f"{req['successful']} / {req['total']}" if req else "-"
+        rows.append([r["streams"], _f(r["output_tok_s"]["mean"]), _f(r["itl_ms"]["p50"]),
+                     _f(r["ttft_ms"]["p50"], 0), ok])
+    return _table(["streams", "output tok/s (mean)", "ITL p50 ms", "TTFT p50 ms",
+                   "requests ok / total"], rows)
+
+
+def autoscale(*names: str) -> list[str]:
+    rows = []
+    for name in names:
+        d = _load(name)
+        s, a = d["summary"], d["args"]
+        rows.append([a["deploy"], _f(s["tpot_slo_ms"], 0), s["max_decode_replicas"],
+                     _f(s["tpot_violation_seconds"]), _f(s["replica_seconds"]),
+                     _f(s["decode_replica_seconds"]), s["requests"], s["errors"]])
+    return ["`model` is mtpserve's policies, `default` Serve's request-based policy "
+            "(`target_ongoing_requests: 2`), same bounds.", "",
+            *_table(["policy (`--deploy`)", "TPOT SLO ms", "max decode replicas",
+                     "violation-s", "replica-s", "decode replica-s", "requests", "errors"],
+                    rows)]
+
+
+def sim_calibration(name: str) -> list[str]:
+    d = _load(name)
+    phases = [p["name"] for p in d["settings"]["phases"]]
+    first = next(iter(d["variants"].values()))["rows"]
+    def cell(r: dict, kind: str) -> str:
+        return f"{_f(r[f'ttft_ms_p50_{kind}'])} / {_f(r[f'tpot_ms_p50_{kind}'], 2)}"
+
+    rows = [["measured", *(cell(r, "measured") for r in first)]]
+    for variant, v in d["variants"].items():
+        rows.append([variant, *(f"{cell(r, 'predicted')} ({r['ttft_p50_error_pct']:+.0f}% / "
+                                f"{r['tpot_p50_error_pct']:+.0f}%)" for r in v["rows"])])
+    rates = ", ".join(f"{p['name']} {p['rate']:g} req/s" for p in d["settings"]["phases"])
+    return [f"Phases: {rates}. TTFT p50 / TPOT p50 ms, measured, then each simulator variant's "
+            "prediction (p50 error).", "",
+            *_table(["", *phases], rows)]
+
+
+def sim_table(name: str) -> list[str]:
+    rows = [[r["scenario"], r["policy"], _f(r["slo_attainment"], 3), _f(r["goodput_rps"]),
+             _f(r["gpu_seconds"], 0), _pair(r["ttft_ms_p50"], r["ttft_ms_p99"], 0),
+             _pair(r["tpot_ms_p50"], r["tpot_ms_p99"])] for r in _load(name)["rows"]]
+    return _table(["scenario", "policy", "SLO attainment", "goodput req/s", "GPU-seconds",
+                   "TTFT p50 / p99 ms", "TPOT p50 / p99 ms"], rows)
+
+
+def model_pilots(name: str) -> list[str]:
+    rows = [[shape, f"{r['params'] / 1e6:.1f}M", r["steps"], _f(r["minutes"]),
+             _f(r["heldout_main_nats"], 3), _f(r["heldout_bits_per_byte"], 3)]
+            for shape, r in _load(name).items()]
+    return _table(["layers x hidden - vocab", "parameters", "steps", "minutes",
+                   "held-out loss (nats/token)", "held-out bits per byte"], rows)
+
+
+@dataclass(frozen=True)
+class Bench:
+    script: str  # relative to benchmarks/
+    title: str
+    command: str
+    measures: str
+    results: tuple[str, ...] = ()
+    render: Callable[..., list[str]] | None = None
+    note: str = ""
+
+
+BENCHMARKS = [
+    Bench("engine_bench.py", "Engine speed: `mtpserve bench engine`",
+          "mtpserve bench engine --variants eager,graphs-jit,graphs --ks 0,1,2,3 "
+          "--batch-sizes 1 --num-prompts 8 --max-tokens 128 --json out.json",
+          "Offline decode tokens/s of `transformers.generate` and of our engine at each k and "
+          "batch size, greedy, same prompts and weights, variants interleaved in one run: "
+          "`eager`, `graphs-jit` (decode graphs through torch.compile), `graphs` (AOTInductor "
+          "packages, the default). Greedy output is exact, so tokens per round are the same "
+          "for every variant.",
+          ("engine-cpu-float32-v3.json",), engine),
+    Bench("serve_bench.py", "Serving: `mtpserve bench serve`",
+          "mtpserve bench serve --num-requests 16 --max-tokens 64 --concurrency C",
+          "N concurrent streaming clients against a running server: TTFT and TPOT "
+          "percentiles, output tokens/s, acceptance, and KV pull bandwidth next to a raw "
+          "send/recv of the same bytes on the same channel.",
+          ("serve-local-cpu-c1.json", "serve-local-cpu-c4.json"), serve,
+          "Measured before the KV data path was reworked (pulls on transfer threads) and on the "
+          "TP=2 decode topology of `configs/local-cpu-tp2.yaml`; the data path's own numbers "
+          "are the next benchmark's."),
+    Bench("datapath_bench.py", "KV data path",
+          "python -m mtpserve.benchmarks.datapath_bench --out benchmarks/results/datapath-cpu.json",
+          "KV pull throughput against a raw send/recv of the same bytes on the same channel "
+          "(one request at a time, ~1.1k-token prompts), and TPOT of running streams while "
+          "long prompts' KV is pulled into their decode replica.",
+          ("datapath-cpu.json",), datapath),
+    Bench("kv_burst_bench.py", "A burst of KV arrivals",
+          "python -m mtpserve.benchmarks.kv_burst_bench --gil released held --json out.json",
+          "Time to second token (TTST: the first token from the decode side, after the KV pull) "
+          "when 16 transfers land in one decode replica at once, next to single arrivals, for "
+          "1 and 4 pull lanes; with `MTPSERVE_TRACE_HOPS=1` the decode-side wait is split at "
+          "the decode replica's hops.",
+          ("kv-burst-cpu-run4.json",), kv_burst),
+    Bench("prefix_bench.py", "Prefix caching",
+          "python -m mtpserve.benchmarks.prefix_bench --json benchmarks/results/prefix-cpu.json",
+          "2 prefill replicas and 1 decode replica, started once per configuration; 16 requests "
+          "one at a time alternating between 2 groups that share a 1024-token prefix, 16 "
+          "output tokens each. Prefill tokens computed come from the server's prefix-cache "
+          "counters; the ideal is every warm request hitting its whole shared prefix. "
+          "`mtpserve bench serve --shared-prefix-tokens 1024 --num-prefixes 2` runs the same "
+          "workload against any server.",
+          ("prefix-cpu.json",), prefix),
+    Bench("topology_bench.py", "Local topologies",
+          "python -m mtpserve.benchmarks.topology_bench --variants decode-tp2-gloo-eager "
+          "decode-tp2-eager decode-tp2-compiled decode-tp2-compiled-again decode-tp1-compiled "
+          "--fresh-compile-cache --json out.json",
+          "`mtpserve up` with variants of `configs/local-cpu.yaml`, one after another: start "
+          "time (cold, or warm from the compile cache for `-again`), then streaming clients at "
+          "1 and 4 at a time, k = 2.",
+          ("topology-cpu-tp2-shm.json",), topology),
+    Bench("tp_cpu_bench.py", "Tensor parallelism on CPU",
+          "python -m mtpserve.benchmarks.tp_cpu_bench --json benchmarks/results/tp-cpu.json",
+          "Offline decode speed of a TP=2 group next to TP=1 (one thread per rank): gloo vs "
+          "shared-memory collectives, eager vs compiled; every variant's greedy tokens are "
+          "checked against TP=1 eager.",
+          ("tp-cpu.json",), tp_cpu),
+    Bench("stream_hops_bench.py", "Where a served token's time goes",
+          "python -m mtpserve.benchmarks.stream_hops_bench --json out.json",
+          "`mtpserve up` with `MTPSERVE_TRACE_HOPS=1`: each streamed chunk carries wall-clock "
+          "stamps of the hops it passed (engine thread, decode replica, ingress, SSE event, "
+          "client), at 1 and 4 streams.",
+          ("stream-hops-cpu-gil-released.json",), stream_hops,
+          "Compiled graphs run with the GIL released (the default)."),
+    Bench("guidellm_run.py", "guidellm against `mtpserve up`",
+          "python -m mtpserve.benchmarks.guidellm_run --streams 4 1 --out out-folder",
+          "guidellm (installed separately) with concurrent streams, synthetic 128-token "
+          "prompts, 64 output tokens, 24 requests per run, the model's own tokenizer.",
+          ("guidellm/summary.json",), guidellm),
+    Bench("prefill_burst.py", "Mixed prefill + decode batches",
+          "python -m mtpserve.benchmarks.prefill_burst --repeats 3 --json out.json",
+          "Offline engine: TPOT of running decode requests while long prompts arrive, with "
+          "prefill chunks riding along decode rounds (`mixed_batches`) or alternating with "
+          "them, configurations interleaved, best of `--repeats`.",
+          note="No result file is stored; the script prints its table."),
+    Bench("autoscale_bench.py", "Autoscaling: `mtpserve bench autoscale`",
+          "mtpserve bench autoscale --deploy model --time-scale 0.5 --idle-s 30 --concurrency 8 "
+          "--target-tpot-ms 15 --max-decode-replicas 2 --json model.json --png model.png\n"
+          "mtpserve bench autoscale --deploy default --time-scale 0.5 --idle-s 30 "
+          "--concurrency 8 --target-tpot-ms 15 --max-decode-replicas 2 --json default.json "
+          "--png default.png",
+          "A load profile (ramp up to 8 streaming clients, greedy code prompts, then "
+          "random-text prompts sampled at temperature 1 to drop acceptance, ramp down, idle) "
+          "against a local cluster deployed with our policies (`model`) or Serve's default "
+          "policy (`default`). Violation-seconds: seconds whose finished requests had a median "
+          "client TPOT over the SLO; replica-seconds: replicas integrated over the run. The "
+          "JSON holds the per-second timeline.",
+          ("autoscale-local-cpu-model-slo15-max2.json",
+           "autoscale-local-cpu-default-slo15-max2.json"), autoscale,
+          "On 2 shared cores every replica competes for the same CPUs, so added decode "
+          "replicas add little capacity; see docs/autoscaling.md."),
+    Bench("sim_calibration.py", "Simulator calibration",
+          "python -m mtpserve.benchmarks.sim_calibration --json out.json",
+          "Fits the replica profile, records a Poisson load (1, 2, 3 req/s) and probes through "
+          "`mtpserve up`, then replays exactly those arrivals in the simulator under each "
+          "variant of its replica model and compares TTFT and TPOT per phase. "
+          "`--recording OLD.json` replays a saved load without the cluster.",
+          ("sim-calibration-cpu-run5.json",), sim_calibration,
+          "What the variants are: docs/autoscaling.md."),
+    Bench("../cluster/sim/", "Autoscaling policies at GPU scale: `mtpserve sim table`",
+          "mtpserve sim table --json tuned.json                              # seed 0\n"
+          "mtpserve sim table --seed 1 --rate-scale 1.25 --json held-out.json",
+          "The discrete-event simulator drives the real policies and two baselines (Serve's "
+          "default, an SLA-planner-style policy) on a modelled H200 MiMo-7B-like cluster, one "
+          "simulated hour per scenario. A comparison between policies under one model, not a "
+          "prediction.",
+          ("sim-h200-mimo7b-seed0.json", "sim-h200-mimo7b-seed1-x1.25.json"), None),
+    Bench("model_pilots.py", "Default model pilots",
+          "python -m mtpserve.benchmarks.model_pilots --out runs/pilots --minutes 6 --threads 1",
+          "Candidate shapes of the default model, each trained for the same wall-clock budget "
+          "on the same corpus; held-out loss in bits per byte (comparable across "
+          "vocabularies).",
+          ("model_pilots.json",), model_pilots),
+    Bench("gpu_check.py", "The GPU check",
+          "python -m mtpserve.benchmarks.gpu_check --out DIR\n"
+          "python -m mtpserve.benchmarks.gpu_check --out DIR --device cpu   # dry run on CPU",
+          "One script for a lent GPU machine: engine speed on CUDA, the GPU fast path (device "
+          "sampling, flex attention, CUDA graphs) against the eager path, the disaggregated "
+          "app on one GPU over gloo, the KV burst, and NCCL TP / KV pairs where there are "
+          "enough GPUs.",
+          note="No GPU result is stored: the GPU path has not been measured."),
+]
+# Scripts in benchmarks/ that are not benchmarks themselves.
+HELPERS = {"__init__.py", "local_server.py", "results_readme.py"}
+
+
+def _section(b: Bench) -> list[str]:
+    shown = b.script.removeprefix("../")
+    out = [f"## {b.title}", "", f"[`{shown}`]({b.script})", "", "```bash", b.command, "```", "",
+           b.measures, ""]
+    if b.note:
+        out += [b.note, ""]
+    if b.results:
+        links = ", ".join(f"[`results/{name}`](results/{name})" for name in b.results)
+        out += [f"Latest result{'s' if len(b.results) > 1 else ''}: {links}.", ""]
+    if b.render is not None:
+        out += b.render(*b.results) + [""]
+    elif b.results:  # one table per file (separate runs of one command)
+        for name in b.results:
+            out += [f"`results/{name}`:", "", *sim_table(name), ""]
+    return out
+
+
+def render() -> str:
+    out = ["# Benchmarks", "",
+           "<!-- Generated by `python -m mtpserve.benchmarks.results_readme --write` from",
+           "     benchmarks/results/*.json; tests/test_docs.py fails when it is stale. -->", "",
+           "Each script prints a table and writes JSON; `results/` holds the latest JSON of each",
+           "(git keeps the older ones). Unless a section says otherwise the numbers come from",
+           "the development machine: a 2-core AMD EPYC VM without a GPU, the embedded",
+           "`models/tiny-code-mtp`, fp32, one run per result. Other jobs often shared the two",
+           "cores, so single numbers move by 15-30% between runs; compare rows of one run, not",
+           "across runs. Install the extras with `pip install -e '.[bench]'`.", ""]
+    for b in BENCHMARKS:
+        out += _section(b)
+    return "\n".join(out).rstrip("\n") + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--write", action="store_true", help=f"write {OUTPUT}")
+    args = parser.parse_args(argv)
+    text = render()
+    if args.write:
+        OUTPUT.write_text(text)
+    else:
+        sys.stdout.write(text)
+
+
+if __name__ == "__main__":
+    main()
