@@ -67,12 +67,25 @@ def resolve(cfg: ClusterConfig) -> ClusterConfig:
     return cfg.model_copy(update={"model": str(path.resolve())}) if path.exists() else cfg
 
 
+def with_kv_secret(cfg: ClusterConfig) -> ClusterConfig:
+    """`cfg` carrying a fresh per-deployment KV secret (kept if it has one): KV sender stores
+    and pairs then accept only the replicas and ingresses of this application."""
+    from mtpserve.workers.kv_transfer.auth import Secret
+
+    if cfg.kv_transfer.secret is not None:
+        return cfg
+    kv = cfg.kv_transfer.model_copy()
+    kv._secret = Secret.generate()
+    return cfg.model_copy(update={"kv_transfer": kv})
+
+
 def build_app(args: ClusterConfig) -> Application:
     from mtpserve.router.ingress import OpenAIIngress
     from mtpserve.workers.replica.decode_server import DecodeServer
     from mtpserve.workers.replica.prefill_server import PrefillServer
 
-    cfg = resolve(args if isinstance(args, ClusterConfig) else ClusterConfig(**args))
+    cfg = with_kv_secret(resolve(args if isinstance(args, ClusterConfig)
+                                 else ClusterConfig(**args)))
     prefill = PrefillServer.options(**deployment_options(cfg, "prefill")).bind(cfg)
     decode = DecodeServer.options(**deployment_options(cfg, "decode")).bind(cfg)
     return OpenAIIngress.options(**ingress_options(cfg)).bind(prefill, decode, cfg)

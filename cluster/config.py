@@ -10,9 +10,9 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from mtpserve.workers.paths import default_model_path
 
@@ -243,6 +243,14 @@ class KVTransferSettings(_Strict):
         "NCCL_SOCKET_IFNAME); None: the interface that carries `host` ('lo' for a loopback "
         "host)."
     )
+    # The deployment's KV secret (workers.kv_transfer.auth.Secret), set by the app builder
+    # (cluster.app.with_kv_secret), never by YAML: private, so it is in no dump, repr,
+    # schema or stats, yet it travels with the config (pickled) to every replica.
+    _secret: Any = PrivateAttr(default=None)
+
+    @property
+    def secret(self) -> Any:
+        return self._secret
 
     @model_validator(mode="after")
     def _port_range(self) -> KVTransferSettings:

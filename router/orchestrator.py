@@ -70,6 +70,8 @@ class OrchestratorConfig:
     retry_backoff_s: float = 0.2
     retry_window_s: float = 30.0
     kv_hold_ttl_s: float = 120.0  # how long a prefill replica keeps a request's KV for decode
+    # The deployment's KV secret (signs direct releases); its repr is redacted.
+    kv_secret: Any = field(default=None, repr=False)
 
     @classmethod
     def of(cls, cfg: Any) -> OrchestratorConfig:
@@ -79,7 +81,8 @@ class OrchestratorConfig:
                    kv_failure_policy=cfg.kv_transfer.failure_policy,
                    kv_timeout_s=cfg.kv_transfer.timeout_s, stall_timeout_s=m.stall_timeout_s,
                    retry_backoff_s=m.retry_backoff_s, retry_window_s=m.retry_window_s,
-                   kv_hold_ttl_s=cfg.kv_transfer.hold_ttl_s)
+                   kv_hold_ttl_s=cfg.kv_transfer.hold_ttl_s,
+                   kv_secret=getattr(cfg.kv_transfer, "secret", None))
 
 
 class _Stalled(Exception):
@@ -381,7 +384,8 @@ class DisaggOrchestrator:
         (mtpserve.router.routing) sends it to; if that replica is gone, another answers False."""
         rid = params.request_id
         if params.sender_addresses and await asyncio.to_thread(
-                drop_holds, list(params.sender_addresses), rid, _DIRECT_RELEASE_TIMEOUT_S):
+                drop_holds, list(params.sender_addresses), rid, _DIRECT_RELEASE_TIMEOUT_S,
+                self.config.kv_secret):
             self.num_direct_releases += 1
             return
         backoff, until = self.config.retry_backoff_s, time.monotonic() + self.config.stall_timeout_s

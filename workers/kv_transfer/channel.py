@@ -6,15 +6,22 @@ Built directly on a TCPStore + PrefixStore rendezvous (notes/ray-platform.md §3
 
 from __future__ import annotations
 
+import logging
 import os
+import secrets
+import socket
+import time
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from mtpserve.workers.kv_transfer.mailbox import QueueReader, post
+from mtpserve.workers.kv_transfer.auth import KVAuth
+from mtpserve.workers.kv_transfer.mailbox import BadMessage, QueueReader, post
 from mtpserve.workers.kv_transfer.packing import as_bytes
+
+logger = logging.getLogger(__name__)
 
 SENDER_RANK = 0  # the prefill side of every pair
 RECEIVER_RANK = 1  # the decode side
@@ -25,6 +32,13 @@ MAX_PROBE_BYTES = 1 << 30
 NCCL_GROUP_TIMEOUT_S = 600.0
 # TORCH_NCCL_ASYNC_ERROR_HANDLING: 2 = abort the failed communicator, keep the process.
 NCCL_ASYNC_ERROR_HANDLING = "2"
+# Deadlines of data ops: NCCL's `work.wait(timeout)` does not enforce the timeout (only with
+# blocking wait), so NCCL ops are polled (`is_completed()`) against their deadline and the
+# pair's communicator is aborted past it. gloo honours `wait(timeout)`; this variable makes gloo
+# take the polled path too, so CPU tests run the exact control flow NCCL pairs run.
+POLL_COMPLETION_ENV = "MTPSERVE_KV_POLL_COMPLETION"
+_POLL_MAX_PAUSE_S = 5e-4  # longest sleep between polls: the latency a polled op may add
+_NONCE_BYTES = 32
 
 
 class KVTransferError(RuntimeError):
@@ -37,6 +51,77 @@ def parse_address(address: str) -> tuple[str, int]:
     if not host or not port.isdigit():
         raise ValueError(f"KV sender address must be 'host:port', got {address!r}")
     return host.strip("[]"), int(port)
+
+
+def listen_store(host: str, port: int | tuple[int, int], timeout: timedelta) -> dist.TCPStore:
+    """A TCPStore server on `port` (0: any free port), or on the first free port of an
+    inclusive range (`kv_transfer.store_port_range`, for firewalls that open a fixed range
+    between nodes). It listens on `host` only, not on every interface (TCPStore's own server
+    binds all of them): the socket is bound here and handed to the store, which owns it from
+    then on and closes it when the last reference to the server object goes."""
+    ports = range(port[0], port[1] + 1) if isinstance(port, tuple) else [port]
+    last: Exception | None = None
+    for p in ports:
+        try:
+            sock = _bound_socket(host, p)
+        except OSError as e:  # in use: try the next one
+            last = e
+            continue
+        bound = sock.getsockname()[1]
+        # detach: the store owns the descriptor and closes it with itself.
+        return dist.TCPStore(host, bound, None, True, timeout, wait_for_workers=False,
+                             master_listen_fd=sock.detach())
+    raise RuntimeError(f"no free KV store port in {ports}: {last}")
+
+
+def _bound_socket(host: str, port: int) -> socket.socket:
+    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(socket.SOMAXCONN)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def wait_work(work: Any, timeout_s: float, poll: bool) -> None:
+    """Wait for a p2p op within `timeout_s`; TimeoutError past it (the op is then still
+    pending: the caller aborts the pair's group, which fails it).
+
+    `poll`: check `is_completed()` against the deadline instead of trusting
+    `wait(timeout)` (NCCL: required, see POLL_COMPLETION_ENV). Once complete, `wait()`
+    raises the op's error, if any, and orders the current stream after it."""
+    if not poll:
+        work.wait(timedelta(seconds=max(timeout_s, 1e-3)))
+        return
+    deadline = time.monotonic() + timeout_s
+    pause = 2e-5
+    while not work.is_completed():
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"op not completed within {timeout_s:.1f}s (polled; timed out)")
+        time.sleep(pause)
+        pause = min(2 * pause, _POLL_MAX_PAUSE_S)
+    work.wait()
+
+
+def wait_stream(device: torch.device, timeout_s: float) -> None:
+    """Wait until the current CUDA stream's work so far has run, within `timeout_s`
+    (TimeoutError past it). Not `stream.synchronize()`: that blocks without bound behind an
+    NCCL op whose peer died. Only this stream is waited for, never the device."""
+    if device.type != "cuda":
+        return
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    deadline = time.monotonic() + timeout_s
+    pause = 2e-5
+    while not event.query():
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"the pair's stream did not finish within {timeout_s:.1f}s")
+        time.sleep(pause)
+        pause = min(2 * pause, _POLL_MAX_PAUSE_S)
 
 
 def connect_store(address: str, timeout_s: float) -> dist.TCPStore:
@@ -72,6 +157,7 @@ class PairChannel:
         backend: str = "gloo",
         interface: str | None = None,
         generation: int = 0,
+        auth: KVAuth | None = None,
     ) -> None:
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"unknown KV transfer backend {backend!r}")
@@ -87,6 +173,11 @@ class PairChannel:
         self._interface = interface or os.environ.get("GLOO_SOCKET_IFNAME") or "lo"
         self._group: Any = None
         self._inbox: QueueReader | None = None
+        self._auth = auth or KVAuth(None)
+        # Per-direction sequence numbers of signed messages in the current generation.
+        self._sent_seq = self._recv_seq = 0
+        self.rejected = 0  # messages refused: not signed with the secret, replayed, malformed
+        self.poll_work = backend == "nccl" or os.environ.get(POLL_COMPLETION_ENV) == "1"
 
     @classmethod
     def for_pair(
@@ -99,6 +190,7 @@ class PairChannel:
         backend: str,
         interface: str | None,
         generation: int,
+        auth: KVAuth | None = None,
     ) -> PairChannel:
         """This side (`rank`) of the channel between a KVSender and decode rank `receiver_id`.
 
@@ -112,6 +204,7 @@ class PairChannel:
             backend=backend,
             interface=interface,
             generation=generation,
+            auth=auth,
         )
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -127,7 +220,9 @@ class PairChannel:
 
     def connect(self, timeout_s: float) -> None:
         """Build the process group of the current generation; collective with the peer."""
+        deadline = time.monotonic() + timeout_s
         self._inbox = QueueReader(self._store, self.inbox_name())
+        self._sent_seq = self._recv_seq = 0
         prefix = dist.PrefixStore(f"{self.namespace}/g{self.generation}/pg", self._store)
         try:
             self._group = _make_group(self.backend, prefix, self.rank, timeout_s, self._interface)
@@ -135,6 +230,50 @@ class PairChannel:
             self.broken = True
             raise self._error(f"building the channel timed out or failed ({_first_line(e)})") from e
         self.broken = False
+        if self._auth.enabled:
+            self._prove(max(deadline - time.monotonic(), 1e-3))
+
+    def _prove(self, timeout_s: float) -> None:
+        """Both ends show the secret over the group itself: whoever joined the rendezvous as
+        our peer must answer our random nonce with its HMAC. Without this, a process that
+        raced into the pair's rendezvous (the store accepts anyone) would receive the KV
+        bytes that signed pulls ask for. Order matches on both sides (NCCL needs it)."""
+        device = (torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl"
+                  else torch.device("cpu"))
+        context = f"{self.namespace}/g{self.generation}"
+        mine = secrets.token_bytes(_NONCE_BYTES)
+        theirs = torch.empty(_NONCE_BYTES, dtype=torch.uint8, device=device)
+        proof = torch.empty(_NONCE_BYTES, dtype=torch.uint8, device=device)
+        deadline = time.monotonic() + timeout_s
+
+        def left() -> float:
+            return max(deadline - time.monotonic(), 1e-3)
+
+        def as_tensor(b: bytes) -> torch.Tensor:
+            return torch.frombuffer(bytearray(b), dtype=torch.uint8).to(device)
+
+        def check(role: str) -> None:
+            want = self._auth.challenge_reply(mine, role, context)
+            if proof.cpu().numpy().tobytes() != want:
+                self.rejected += 1
+                self.mark_broken()
+                raise self._error("the peer in the pair's group does not hold the KV secret")
+
+        peer_role, my_role = ("r", "s") if self.rank == SENDER_RANK else ("s", "r")
+        if self.rank == SENDER_RANK:
+            self.send(as_tensor(mine), left(), "the pair's challenge")
+            self.recv(theirs, left(), "the peer's challenge")
+            reply = self._auth.challenge_reply(theirs.cpu().numpy().tobytes(), my_role, context)
+            self.send(as_tensor(reply), left(), "the pair's proof")
+            self.recv(proof, left(), "the peer's proof")
+            check(peer_role)
+        else:
+            self.recv(theirs, left(), "the peer's challenge")
+            self.send(as_tensor(mine), left(), "the pair's challenge")
+            self.recv(proof, left(), "the peer's proof")
+            check(peer_role)  # before we prove anything to an impostor
+            reply = self._auth.challenge_reply(theirs.cpu().numpy().tobytes(), my_role, context)
+            self.send(as_tensor(reply), left(), "the pair's proof")
 
     def reconnect(self, generation: int, timeout_s: float) -> None:
         """Drop the old group and connect again under generation `generation`."""
@@ -155,7 +294,10 @@ class PairChannel:
     # -- ops -------------------------------------------------------------------------------------
 
     def put(self, msg: dict[str, Any]) -> None:
-        """Send a control message to the peer (non-blocking)."""
+        """Send a control message to the peer (non-blocking); signed when there is a secret."""
+        if self._auth.enabled:
+            self._sent_seq += 1
+            msg = self._auth.sign({**msg, "seq": self._sent_seq}, self.inbox_name(1 - self.rank))
         try:
             post(self._store, self.inbox_name(1 - self.rank), msg)
         except (RuntimeError, dist.DistError) as e:
@@ -172,15 +314,49 @@ class PairChannel:
         return msg
 
     def poll(self, timeout_s: float, what: str) -> dict[str, Any] | None:
-        """Like `take`, but a timeout returns None and leaves the channel usable (idle waits)."""
+        """Like `take`, but a timeout returns None and leaves the channel usable (idle waits).
+        Messages that are malformed or not signed with the secret are dropped (and counted):
+        they come from someone else who reached the store, not from the peer."""
         assert self._inbox is not None, "poll() before connect()"
-        try:
-            return self._inbox.get(timeout_s)
-        except TimeoutError:
-            return None
-        except (RuntimeError, dist.DistError) as e:
-            self.mark_broken()
-            raise self._error(f"waiting for {what} failed ({_first_line(e)})") from e
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                msg = self._inbox.get(max(deadline - time.monotonic(), 1e-3))
+            except TimeoutError:
+                return None
+            except BadMessage as e:
+                self._refuse(str(e))
+                continue
+            except (RuntimeError, dist.DistError) as e:
+                self.mark_broken()
+                raise self._error(f"waiting for {what} failed ({_first_line(e)})") from e
+            if self._accepts(msg):
+                return msg
+            self._refuse(f"unsigned or replayed {str(msg.get('op', 'reply'))[:20]!r}")
+
+    def wake(self, store: dist.Store) -> None:
+        """Post a stop to this side's own inbox through `store` (the owner's client), so the
+        thread waiting in `poll` returns it."""
+        post(store, self.inbox_name(), self._auth.stamp({"op": "stop"}, self.inbox_name()))
+
+    def _accepts(self, msg: dict[str, Any]) -> bool:
+        auth = self._auth
+        if not auth.enabled:
+            return True
+        if not auth.verify(msg, self.inbox_name()):
+            return False
+        if msg.get("op") == "stop" and "seq" not in msg:  # our owner's wake-up (`wake`)
+            return True
+        seq = msg.get("seq")
+        if not isinstance(seq, int) or seq <= self._recv_seq:
+            return False
+        self._recv_seq = seq
+        return True
+
+    def _refuse(self, why: str) -> None:
+        self.rejected += 1
+        logger.warning("KV channel to %s [%s/g%d]: dropped a message (%s)", self.peer,
+                       self.namespace, self.generation, why)
 
     def send(self, tensor: torch.Tensor, timeout_s: float, what: str) -> None:
         self._p2p("send", tensor, timeout_s, what)
@@ -198,8 +374,10 @@ class PairChannel:
                 work = self._group.send([buf], 1 - self.rank, _TAG)
             else:
                 work = self._group.recv([buf], 1 - self.rank, _TAG)
-            work.wait(timedelta(seconds=max(timeout_s, 1e-3)))
-        except (RuntimeError, dist.DistError) as e:
+            wait_work(work, timeout_s, self.poll_work)
+        except (RuntimeError, dist.DistError, TimeoutError) as e:
+            # Past the deadline the op is still pending: aborting this pair's group (only
+            # this pair's) fails it on both ends and frees the thread; the next use rebuilds.
             self.mark_broken()
             kind = "timed out" if "timed out" in str(e).lower() else "failed"
             raise self._error(
@@ -219,12 +397,21 @@ class PairChannel:
         group, self._group = self._group, None
         if group is None:
             return
-        try:
-            # gloo: closes the sockets so the peer's pending op fails now instead of timing out;
-            # NCCL: aborts the communicator instead of hanging on it.
-            (group.abort if self.backend == "nccl" else group.shutdown)()
-        except (RuntimeError, AttributeError):
-            pass
+        # gloo: closes the sockets so the peer's pending op fails now instead of timing out;
+        # NCCL: aborts the communicator (its pending kernels end) instead of hanging on it.
+        # Names differ across torch versions; the first one present is used.
+        names = ("abort", "_abort", "shutdown") if self.backend == "nccl" else (
+            "shutdown", "abort")
+        for name in names:
+            fn = getattr(group, name, None)
+            if fn is None:
+                continue
+            try:
+                fn()
+            except RuntimeError:
+                logger.debug("KV channel %s: %s() of the group raised", self.namespace, name,
+                             exc_info=True)
+            return
 
 
 def _make_group(

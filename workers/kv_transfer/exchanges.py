@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from mtpserve.workers.kv_transfer.channel import KVTransferError, PairChannel
+from mtpserve.workers.kv_transfer.channel import KVTransferError, PairChannel, wait_stream
 from mtpserve.workers.kv_transfer.deadlines import remaining
 from mtpserve.workers.kv_transfer.packing import (
     extras_nbytes,
@@ -81,7 +81,7 @@ class Exchange:
             payload = torch.empty(size, dtype=torch.uint8, device=self.device)
         if payload.numel():
             channel.recv(payload, left(), f"KV of {what}")
-        _sync(self.device)
+        self._settle(left(), f"KV of {what}")
         seconds = time.perf_counter() - t0
         left()  # no ack once abandoned: the sender then releases the request as failed
         channel.put({"op": "ack", "request_id": request_id})
@@ -108,10 +108,22 @@ class Exchange:
             channel.mark_broken()  # the sender would send a different size: out of step
             raise KVTransferError(f"KV channel {channel.peer} answered {reply} to {what}")
         channel.recv(buf, left(), f"bytes of {what}")
-        _sync(self.device)
+        self._settle(left(), f"bytes of {what}")
         seconds = time.perf_counter() - t0
         self.record({"probes": 1, "probe_bytes": num_bytes, "probe_seconds": seconds})
         return {"bytes": num_bytes, "seconds": seconds, "gib_per_s": num_bytes / seconds / 2**30}
+
+    def _settle(self, timeout_s: float, what: str) -> None:
+        """Wait for a CUDA recv to land, within the deadline: NCCL's wait() may only order the
+        current stream (the pair's own, see KVReceiver._exchange), not the host, and the clock
+        must stop at the last byte. Only that stream is waited for, never the device; a recv
+        stuck past the deadline (a dead peer) aborts the pair's communicator."""
+        try:
+            wait_stream(self.device, timeout_s)
+        except TimeoutError as e:
+            self.channel.mark_broken()
+            raise KVTransferError(f"KV channel {self.channel.peer}: {what} did not land "
+                                  f"within the deadline ({e}); channel aborted") from e
 
     def _left(self, op: str, what: str) -> float:
         """Seconds left for the next step of `op` (before `what`). An abandoned exchange breaks
@@ -135,11 +147,3 @@ def _check_reply(
     if reply.get(key[0]) != key[1]:
         channel.mark_broken()  # the stream is out of step; never hand over wrong bytes
         raise KVTransferError(f"KV channel {channel.peer} answered {reply} to {what}")
-
-
-def _sync(device: torch.device) -> None:
-    """Wait for a CUDA recv to land: NCCL's wait() may only order the current stream (the
-    pair's own, see KVReceiver._exchange), not the host, and the clock must stop at the last
-    byte. Only that stream is waited for, never the device (the engine's step goes on)."""
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()

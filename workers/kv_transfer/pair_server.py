@@ -18,7 +18,6 @@ import torch
 import torch.distributed as dist
 
 from mtpserve.workers.kv_transfer.channel import MAX_PROBE_BYTES, KVTransferError, PairChannel
-from mtpserve.workers.kv_transfer.mailbox import post
 from mtpserve.workers.kv_transfer.packing import Packed, dtype_name, extras_nbytes, pack_payload
 
 if TYPE_CHECKING:
@@ -64,7 +63,7 @@ class PairServer:
         """Wake the pair thread wherever it waits on its inbox (`store`: the sender's store)."""
         self.stop.set()
         try:
-            post(store, self.channel.inbox_name(), {"op": "stop"})
+            self.channel.wake(store)
         except (RuntimeError, dist.DistError):
             pass
 
@@ -72,7 +71,8 @@ class PairServer:
         """Answer the decode rank's messages until stopped or the channel breaks."""
         sender, channel = self._sender, self.channel
         try:
-            channel.connect(sender.transfer_timeout_s)
+            with _on_stream(self._stream):  # the challenge's ops too stay off the engine's
+                channel.connect(sender.transfer_timeout_s)
             last_used = time.monotonic()
             while not self.stop.is_set():
                 msg = channel.poll(min(IDLE_WAIT_S, sender.pair_idle_s), "a pull")
@@ -149,8 +149,8 @@ class PairServer:
                 }
             )
             delay = sender._fault_delay()
-            if delay:
-                time.sleep(delay)
+            if delay and self.stop.wait(delay):  # a stuck peer; a replaced pair stops
+                raise KVTransferError(f"pair to {self.receiver_id} stopped during a test stall")
             if payload.numel():
                 channel.send(payload, sender.transfer_timeout_s, f"KV of request {request_id!r}")
             nbytes = kv.numel() * kv.element_size() + extras_nbytes(meta)  # padding not counted

@@ -74,6 +74,7 @@ class KVPuller:
         # one waiting for its pair counts): 1 means arrivals were admitted one at a time.
         self._stats = {"pulls": 0, "failures": 0, "seconds": 0.0, "peak_in_flight": 0}
         self._in_flight = 0
+        self._closed = False
         self._threads = [threading.Thread(target=self._loop, args=(_Lane(self._device),),
                                           name=f"{name}-kv-pull-{i}", daemon=True)
                          for i in range(max(1, max_concurrent))]
@@ -105,7 +106,16 @@ class KVPuller:
         with self._lock:
             return dict(self._stats)
 
+    def healthy(self) -> str | None:
+        """None while every transfer lane runs, else how many died: the replica's health
+        check fails on it (a dead lane's queued pulls would wait for ever)."""
+        if self._closed:
+            return None
+        dead = sum(t.ident is not None and not t.is_alive() for t in self._threads)
+        return f"{dead} of {len(self._threads)} KV pull lanes died" if dead else None
+
     def close(self) -> None:
+        self._closed = True
         for _ in self._threads:
             self._jobs.put(None)
         for t in self._threads:

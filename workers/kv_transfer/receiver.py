@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from mtpserve.workers.kv_transfer.auth import KVAuth, Secret
 from mtpserve.workers.kv_transfer.channel import (
     MAX_PROBE_BYTES,
     RECEIVER_RANK,
@@ -87,6 +88,7 @@ class KVReceiver:
         interface: str | None = None,
         name: str = "decode",
         max_links: int = 64,
+        secret: Secret | bytes | None = None,
     ) -> None:
         self.receiver_id = f"{name}-{uuid.uuid4().hex[:8]}"
         # Live pairs (a store connection, a gloo/NCCL group, buffers) are budgeted: past
@@ -95,6 +97,7 @@ class KVReceiver:
         self.backend = backend
         self._device = torch.device(device)
         self._interface = interface
+        self._auth = KVAuth(secret)  # senders with the deployment's secret refuse unsigned
         self._lock = threading.Lock()
         self._links: dict[str, _Link] = {}
         self._generation = 0  # per receiver, so every (re)connection gets a fresh namespace
@@ -340,7 +343,7 @@ class KVReceiver:
         try:
             # The announcement tells the sender to (re)start its side at this generation.
             announcement = {"op": "connect", "receiver": self.receiver_id, "generation": generation}
-            post(link.store, MAILBOX, announcement)
+            post(link.store, MAILBOX, self._auth.stamp(announcement, MAILBOX))
         except (RuntimeError, dist.DistError) as e:
             self._drop(link)  # the sender's store is gone: reconnect from scratch next time
             raise KVTransferError(
@@ -355,6 +358,7 @@ class KVReceiver:
                 backend=self.backend,
                 interface=self._interface,
                 generation=generation,
+                auth=self._auth,
             )
             link.channel.connect(remaining(deadline, f"connecting to {link.address}"))
         else:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -19,8 +18,15 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from mtpserve.workers.kv_transfer.channel import SENDER_RANK, PairChannel, connect_store
-from mtpserve.workers.kv_transfer.mailbox import MAILBOX, QueueReader, post
+from mtpserve.workers.kv_transfer.auth import KVAuth, ReplayGuard, Secret
+from mtpserve.workers.kv_transfer.channel import (
+    SENDER_RANK,
+    KVTransferError,
+    PairChannel,
+    connect_store,
+    listen_store,
+)
+from mtpserve.workers.kv_transfer.mailbox import MAILBOX, BadMessage, QueueReader, post
 from mtpserve.workers.kv_transfer.packing import Packed, pack_payload
 from mtpserve.workers.kv_transfer.pair_server import IDLE_WAIT_S, PairServer
 
@@ -41,7 +47,13 @@ _STAT_KEYS = (
     "channel_builds",
     "channel_rebuilds",
     "channel_failures",
+    "renewed",  # leases extended by a decode replica that still queues the request
+    "mailbox_rejected",  # mailbox messages refused: malformed, unsigned, stale or replayed
+    "mailbox_errors",  # store errors or crashes the accept loop survived
 )
+# After a store error, the accept loop reconnects after this pause (doubling to the max), so
+# a persistent fault logs a line per pause instead of spinning.
+_ACCEPT_RETRY_S, _ACCEPT_RETRY_MAX_S = 0.05, 5.0
 # (request_id, "acked" | "expired" | "failed" | "released")
 ReleaseCallback = Callable[[str, str], None]
 
@@ -96,6 +108,7 @@ class KVSender:
         name: str = "prefill",
         prepack: bool = True,
         send_buffer_budget_bytes: int = 1 << 30,
+        secret: Secret | bytes | None = None,
     ) -> None:
         self.name = name
         self.pair_idle_s = pair_idle_s  # a pair unused this long is closed (its peer may be gone)
@@ -108,7 +121,10 @@ class KVSender:
         self._device = torch.device(device)
         self._interface = interface
         self._on_release = on_release
-        self._store = _listen(host, port, timedelta(seconds=transfer_timeout_s))
+        # Only holders of the deployment's secret may connect, drop or renew (auth.py).
+        self._auth = KVAuth(secret)
+        self._mailbox_guard = ReplayGuard(self._auth, MAILBOX)
+        self._store = listen_store(host, port, timedelta(seconds=transfer_timeout_s))
         self.address = f"{host}:{self._store.port}"
         self._lock = threading.Condition()  # guards everything below; notified on hold/close
         self._holds: dict[str, Held] = {}
@@ -118,13 +134,17 @@ class KVSender:
         self._probe_buf: torch.Tensor | None = None  # grow-only, shared by all pairs (read-only)
         self._fault_delay_s, self._fault_count = 0.0, 0  # test-only: see inject_fault
         self._prepack: queue.Queue[str | None] | None = queue.Queue() if prepack else None
-        self._threads = [
-            threading.Thread(target=self._accept_loop, name=f"{name}-kv-accept", daemon=True),
-            threading.Thread(target=self._expire_loop, name=f"{name}-kv-expire", daemon=True),
-        ]
+        # Supervised: a loop that ends while the sender is open is recorded here, and
+        # `healthy()` (read by the replica's health check) turns false.
+        self._dead_loops: list[str] = []
+        loops = [("accept", self._accept_loop), ("expire", self._expire_loop)]
         if self._prepack is not None:
-            self._threads.append(threading.Thread(target=self._pack_loop,
-                                                  name=f"{name}-kv-pack", daemon=True))
+            loops.append(("pack", self._pack_loop))
+        self._threads = [
+            threading.Thread(target=self._supervised, args=(what, fn),
+                             name=f"{name}-kv-{what}", daemon=True)
+            for what, fn in loops
+        ]
         for t in self._threads:
             t.start()
 
@@ -197,6 +217,14 @@ class KVSender:
         with self._lock:
             self._fault_delay_s, self._fault_count = send_delay_s, count
 
+    def healthy(self) -> str | None:
+        """None while every data-path thread runs, else what died (the replica's health
+        check fails on it, so Serve replaces the replica instead of every pull failing)."""
+        with self._lock:
+            if self._closed or not self._dead_loops:
+                return None
+            return f"{self.name}: KV {', '.join(self._dead_loops)} loop died"
+
     def held_request_ids(self) -> list[str]:
         with self._lock:
             return list(self._holds)
@@ -214,7 +242,7 @@ class KVSender:
             self._closed = True
             servers = list(self._servers.values())
             self._lock.notify_all()
-        post(self._store, MAILBOX, {"op": "stop"})
+        post(self._store, MAILBOX, self._auth.stamp({"op": "stop"}, MAILBOX))
         if self._prepack is not None:
             self._prepack.put(None)
         for server in servers:
@@ -230,45 +258,103 @@ class KVSender:
 
     # -- threads ---------------------------------------------------------------------------------
 
-    def _accept_loop(self) -> None:
-        """Start a pair thread for each (re)connection announced in the mailbox."""
-        # An own client: a waiting client blocks its connection for everyone else.
-        store = connect_store(self.address, self.transfer_timeout_s)
-        mailbox = QueueReader(store, MAILBOX)
-        while True:
-            try:
-                msg = mailbox.get(IDLE_WAIT_S)
-            except TimeoutError:
-                if self._closed:
-                    return
-                continue
-            if msg["op"] == "stop":
-                return
-            if msg["op"] == "drop":  # a release posted straight to this store (drop_holds)
-                self.drop(str(msg.get("request_id")))
-                continue
-            receiver_id, generation = msg["receiver"], int(msg["generation"])
-            # The pair thread's own client: its waits block only this connection.
-            pair_store = connect_store(self.address, self.transfer_timeout_s)
-            channel = PairChannel.for_pair(
-                pair_store,
-                receiver_id,
-                SENDER_RANK,
-                peer=f"decode {receiver_id}",
-                backend=self.backend,
-                interface=self._interface,
-                generation=generation,
-            )
-            server = PairServer(self, receiver_id, channel)
+    def _supervised(self, what: str, loop: Callable[[], None]) -> None:
+        try:
+            loop()
+        except BaseException:
+            logger.exception("%s: KV %s loop died", self.name, what)
+            raise
+        finally:
             with self._lock:
-                if self._closed:
+                if not self._closed:
+                    self._dead_loops.append(what)
+                    logger.error("%s: KV %s loop ended while the sender is open; the "
+                                 "replica's health check fails from now on", self.name, what)
+
+    def _accept_loop(self) -> None:
+        """Start a pair thread for each (re)connection announced in the mailbox; apply drops
+        and renewals posted there. Survives what anyone who reaches the store can send
+        (malformed, unsigned or replayed messages are counted and skipped) and store errors
+        (it reconnects), so one bad message never ends KV serving for good."""
+        store: dist.TCPStore | None = None
+        retry_s = _ACCEPT_RETRY_S
+        while True:
+            if self._closed:
+                return
+            try:
+                if store is None:
+                    # An own client: a waiting client blocks its connection for everyone else.
+                    store = connect_store(self.address, self.transfer_timeout_s)
+                    mailbox = QueueReader(store, MAILBOX)
+                try:
+                    msg = mailbox.get(IDLE_WAIT_S)
+                except TimeoutError:
+                    continue
+                retry_s = _ACCEPT_RETRY_S
+                if not self._mailbox_guard.admit(msg):
+                    raise BadMessage("unsigned, stale or replayed mailbox message")
+                if self._handle_mailbox(msg):
                     return
-                old = self._servers.get(receiver_id)
-                self._servers[receiver_id] = server
-                self._stats["channel_builds" if old is None else "channel_rebuilds"] += 1
-                server.start()  # under the lock, so close() never joins an unstarted one
-            if old is not None:  # the decode side gave up on the old generation
-                old.interrupt(self._store)
+            except BadMessage as e:
+                self._count({"mailbox_rejected": 1})
+                logger.warning("%s: skipped a mailbox message (%s)", self.name, e)
+            except (KVTransferError, RuntimeError, dist.DistError) as e:
+                # The store client broke (or a pair could not be set up): reconnect and go on.
+                self._count({"mailbox_errors": 1})
+                logger.warning("%s: KV mailbox error (%s); reconnecting in %.2fs", self.name,
+                               str(e).splitlines()[0][:200] if str(e) else type(e).__name__,
+                               retry_s)
+                store = None
+                with self._lock:
+                    if not self._closed:
+                        self._lock.wait(retry_s)
+                retry_s = min(2 * retry_s, _ACCEPT_RETRY_MAX_S)
+            except Exception:  # a bug on one message must not end the loop
+                self._count({"mailbox_errors": 1})
+                logger.exception("%s: handling a mailbox message failed", self.name)
+
+    def _handle_mailbox(self, msg: dict) -> bool:
+        """Apply one admitted mailbox message; True on stop."""
+        op = msg.get("op")
+        if op == "stop":
+            return True
+        if op == "drop":  # a release posted straight to this store (drop_holds)
+            self.drop(str(msg.get("request_id")))
+            return False
+        if op == "renew":  # a decode replica still queues these requests (renew_holds)
+            rids = msg.get("request_ids")
+            if not isinstance(rids, list):
+                raise BadMessage("renew without a list of request ids")
+            self._count({"renewed": sum(self.renew(str(r)) for r in rids[:4096])})
+            return False
+        if op != "connect":
+            raise BadMessage(f"unknown op {str(op)[:20]!r}")
+        receiver_id, generation = msg.get("receiver"), msg.get("generation")
+        if not isinstance(receiver_id, str) or not isinstance(generation, int):
+            raise BadMessage("connect without a receiver id and a generation")
+        # The pair thread's own client: its waits block only this connection.
+        pair_store = connect_store(self.address, self.transfer_timeout_s)
+        channel = PairChannel.for_pair(
+            pair_store,
+            receiver_id,
+            SENDER_RANK,
+            peer=f"decode {receiver_id}",
+            backend=self.backend,
+            interface=self._interface,
+            generation=generation,
+            auth=self._auth,
+        )
+        server = PairServer(self, receiver_id, channel)
+        with self._lock:
+            if self._closed:
+                return True
+            old = self._servers.get(receiver_id)
+            self._servers[receiver_id] = server
+            self._stats["channel_builds" if old is None else "channel_rebuilds"] += 1
+            server.start()  # under the lock, so close() never joins an unstarted one
+        if old is not None:  # the decode side gave up on the old generation
+            old.interrupt(self._store)
+        return False
 
     def _pack_loop(self) -> None:
         """Pack each new hold's whole head range ahead of its pull (see `Held.packed`)."""
@@ -414,39 +500,6 @@ class KVSender:
             self._on_release(request_id, reason)
         except Exception:
             logger.exception("%s: on_release(%r, %r) raised", self.name, request_id, reason)
-
-
-def _listen(host: str, port: int | tuple[int, int], timeout: timedelta) -> dist.TCPStore:
-    """The sender's rendezvous store on `port` (0: any free port), or on the first free port
-    of an inclusive range (`kv_transfer.store_port_range`, for firewalls that open a fixed
-    range between nodes). It listens on `host` only (the node's KV address), not on every
-    interface: the socket is bound here and handed to the store, which owns it from then."""
-    ports = range(port[0], port[1] + 1) if isinstance(port, tuple) else [port]
-    last: Exception | None = None
-    for p in ports:
-        try:
-            sock = _bound_socket(host, p)
-        except OSError as e:  # in use: try the next one
-            last = e
-            continue
-        bound = sock.getsockname()[1]
-        # detach: the store owns the descriptor and closes it with itself.
-        return dist.TCPStore(host, bound, None, True, timeout, wait_for_workers=False,
-                             master_listen_fd=sock.detach())
-    raise RuntimeError(f"no free KV store port in {ports}: {last}")
-
-
-def _bound_socket(host: str, port: int) -> socket.socket:
-    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(addr)
-        sock.listen(socket.SOMAXCONN)
-    except OSError:
-        sock.close()
-        raise
-    return sock
 
 
 def _record_event(device: torch.device) -> torch.cuda.Event | None:

@@ -13,11 +13,15 @@ while other ranks catch up.
 
 from __future__ import annotations
 
+import logging
+import queue
+import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from mtpserve.workers import hop_trace
+from mtpserve.workers.kv_transfer.mailbox import renew_holds
 from mtpserve.workers.replica.tp_commands import PullKV, ReleaseKV, StartPulls
 from mtpserve.workers.replica.tp_group import TPDriver
 
@@ -26,8 +30,13 @@ if TYPE_CHECKING:
     from mtpserve.workers.messages import KVTransferParams
     from mtpserve.workers.request import Request
 
+logger = logging.getLogger(__name__)
+
 # While rank 0 is done but another rank is not, poll at most this often.
 POLL_INTERVAL_S = 0.002
+# A waiting request's prefill hold is renewed this many times per hold_ttl_s, so a renewal
+# that is late or lost still leaves the lease standing.
+RENEWALS_PER_TTL = 3
 
 
 class _RankPoller:
@@ -57,6 +66,13 @@ class KVArrivals(_RankPoller):
         self.timeout_s = timeout_s
         self.on_failed = on_failed  # (request_id, message): end the client's stream
         self._params: dict[str, KVTransferParams] = {}
+        # Leases: a request that waits here for blocks or for its pull keeps its prefill
+        # hold, renewed every hold_ttl_s / RENEWALS_PER_TTL (same config on both sides), so
+        # a long decode queue never turns into an expired hold and a recompute.
+        spec = driver.core.spec
+        self._renew_every_s = spec.kv_hold_ttl_s / RENEWALS_PER_TTL
+        self._leases: dict[str, tuple[tuple[str, ...], float]] = {}  # rid -> (senders, due)
+        self._renewer = _Renewer(spec.kv_secret, min(self.timeout_s, self._renew_every_s))
 
     def park(self, engine: Engine, req: Request, params: KVTransferParams,
              num_slots: int) -> None:
@@ -66,17 +82,41 @@ class KVArrivals(_RankPoller):
         # Requests aborted while queued leave no trace in the scheduler: forget their params.
         self._params = {rid: p for rid, p in self._params.items() if rid in queued}
         self._params[req.request_id] = params
+        self._leases[req.request_id] = (tuple(params.sender_addresses),
+                                        time.monotonic() + self._renew_every_s)
 
     def next_poll_in(self) -> float | None:
         sched = self.engine.scheduler
         if sched.can_admit_transferred():
             return 0.0
-        return self._due() if sched.receiving else None
+        due = self._due() if sched.receiving else None
+        if self._leases:
+            renew = max(min(d for _, d in self._leases.values()) - time.monotonic(), 0.0)
+            due = renew if due is None else min(due, renew)
+        return due
+
+    def _renew_leases(self) -> None:
+        """Engine thread: hand the leases that are due to the renewal thread (never blocks)."""
+        sched = self.engine.scheduler
+        waiting = {r.request_id for r, _ in sched.awaiting_kv}
+        waiting.update(r.request_id for r in sched.receiving)
+        now = time.monotonic()
+        due: dict[tuple[str, ...], list[str]] = {}
+        for rid, (senders, at) in list(self._leases.items()):
+            if rid not in waiting or rid in sched.cancelled:
+                del self._leases[rid]  # pulled, failed or aborted: its hold is not ours
+            elif at <= now:
+                due.setdefault(senders, []).append(rid)
+                self._leases[rid] = (senders, now + self._renew_every_s)
+        for senders, rids in due.items():
+            self._renewer.submit(senders, rids)
 
     def poll(self) -> bool:
         engine = self.engine
         sched = engine.scheduler
         changed = False
+        if self._leases:
+            self._renew_leases()
         admitted = sched.admit_transferred()
         if admitted:
             # One command for all admitted requests: every rank starts its pulls in order.
@@ -106,6 +146,36 @@ class KVArrivals(_RankPoller):
         cached = req.num_registered_blocks  # this replica's prefix cache holds them
         return PullKV(req.request_id, list(p.sender_addresses), list(req.block_ids[cached:]),
                       p.num_kv_heads, self.timeout_s, skip_blocks=cached)
+
+
+class _Renewer:
+    """Posts lease renewals to prefill senders' stores on its own thread (a frozen store
+    must not stall the engine thread); started on first use."""
+
+    def __init__(self, secret: Any, timeout_s: float) -> None:
+        self._secret = secret
+        self._timeout_s = timeout_s
+        self._jobs: queue.SimpleQueue[tuple[tuple[str, ...], list[str]]] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self.posted = 0  # renew messages that went through
+
+    def submit(self, senders: tuple[str, ...], request_ids: list[str]) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="kv-lease-renew",
+                                            daemon=True)
+            self._thread.start()
+        self._jobs.put((senders, request_ids))
+
+    def _loop(self) -> None:
+        while True:
+            senders, rids = self._jobs.get()
+            try:
+                if renew_holds(list(senders), rids, self._timeout_s, self._secret):
+                    self.posted += 1
+                else:  # the prefill replica is unreachable; its pull will say so
+                    logger.debug("renewing the holds of %s at %s failed", rids, senders)
+            except Exception:
+                logger.exception("renewing the holds of %s failed", rids)
 
 
 class PrefillHolds(_RankPoller):

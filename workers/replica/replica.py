@@ -56,6 +56,7 @@ class EngineReplica:
             draft_vocab_size=cfg.speculation.draft_vocab_size, compile=cfg.engine.compile,
             compile_cache_dir=cfg.engine.compile_cache_dir,
             attention_backend=cfg.engine.attention_backend,
+            kv_secret=getattr(kv, "secret", None),
         )
         self.driver, self.workers, self.kv_addresses = start_group(
             spec, side.cpus_per_rank, side.gpus_per_rank)

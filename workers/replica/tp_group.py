@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from mtpserve.workers.engine_config import compile_enabled
 from mtpserve.workers.kv_transfer import KVReceiver, KVSender
+from mtpserve.workers.kv_transfer.auth import Secret
 from mtpserve.workers.kv_transfer.puller import KVPuller
 from mtpserve.workers.model import shm_collectives
 from mtpserve.workers.model.decode_graph import GraphKey
@@ -93,12 +94,17 @@ class RankSpec:
     compile: str = "auto"  # EngineConfig.compile
     compile_cache_dir: str | None = None  # EngineConfig.compile_cache_dir
     attention_backend: str = "auto"  # EngineConfig.attention_backend
+    # The deployment's KV secret (cluster.app builds it; its repr is redacted): senders
+    # accept only pairs, drops and renewals signed with it. None: no KV auth (tests).
+    kv_secret: Secret | None = None
 
 
 class RankCore:
     """Model shard + KV cache + this rank's KV sender (prefill) or transfer thread (decode)."""
 
-    def __init__(self, spec: RankSpec, rank: int) -> None:
+    def __init__(self, spec: RankSpec, rank: int, store: dist.Store | None = None) -> None:
+        """`store`: a client of the group's rendezvous store (tp_workers.Rendezvous) instead
+        of `spec.init_method`, whose rank 0 would host a store on every interface."""
         from mtpserve.workers.engine import DTYPES
         from mtpserve.workers.engine_config import resolve_attention_backend, resolve_dtype
 
@@ -123,12 +129,18 @@ class RankCore:
             # The TP group never leaves its node (STRICT_PACK): loopback serves the control
             # group. KV pairs get their interface explicitly (spec.kv_interface).
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-            dist.init_process_group("gloo", init_method=spec.init_method, rank=rank,
-                                    world_size=spec.tp_size, timeout=IDLE_TIMEOUT)
+            rendezvous = {"store": store} if store is not None else {
+                "init_method": spec.init_method}
+            dist.init_process_group("gloo", rank=rank, world_size=spec.tp_size,
+                                    timeout=IDLE_TIMEOUT, **rendezvous)
             self.control = ControlPlane(dist.group.WORLD, rank)
             self.data_group = dist.new_group(
                 backend="nccl" if spec.device == "cuda" else "gloo",
                 timeout=timedelta(seconds=spec.data_timeout_s))
+            if spec.device == "cuda":
+                # NCCL builds a communicator at its first collective, through the rendezvous
+                # store; build it now, so the store can close once the group is formed.
+                dist.all_reduce(torch.zeros(1, device="cuda"), group=self.data_group)
             # Same-node CPU ranks (the whole group, above) exchange activations through shared
             # memory: ~30 us per collective instead of ~1 ms over gloo's loopback TCP here.
             shm = None
@@ -167,13 +179,14 @@ class RankCore:
                                    hold_ttl_s=spec.kv_hold_ttl_s,
                                    transfer_timeout_s=spec.kv_timeout_s,
                                    on_release=self._on_release, name=f"prefill-r{rank}",
+                                   secret=spec.kv_secret,
                                    # Pack ahead in host memory; on NCCL the gather is a fast
                                    # device kernel and device memory is precious.
                                    prepack=spec.kv_backend != "nccl")
         else:
             self.receiver = KVReceiver(backend=spec.kv_backend, device=kv_device,
                                        interface=spec.kv_interface, name=f"decode-r{rank}",
-                                       max_links=spec.kv_max_pairs)
+                                       max_links=spec.kv_max_pairs, secret=spec.kv_secret)
             self.puller = KVPuller(self.receiver, self.runner.kv_cache.layers, spec.tp_size,
                                    rank, on_done=self._wake, name=f"decode-r{rank}",
                                    max_concurrent=spec.kv_max_concurrent_pulls)
@@ -232,9 +245,21 @@ class RankCore:
             return self.receiver.probe(cmd.sender_address, cmd.num_bytes)
         raise TypeError(f"unknown command {type(cmd).__name__}")
 
+    def data_path_failure(self) -> str | None:
+        """Why this rank's KV data path cannot serve (a supervised thread died), or None."""
+        for part in (self.sender, self.puller):
+            why = part.healthy() if part is not None else None
+            if why:
+                return why
+        return None
+
     def ping_collective(self) -> bool:
-        """True if any rank has failed (collective over the control group)."""
-        flags = [int(self.failed)]
+        """True if any rank has failed or lost its KV data path (collective over the control
+        group)."""
+        why = self.data_path_failure()
+        if why:
+            logger.error("rank %d: %s", self.rank, why)
+        flags = [int(self.failed or why is not None)]
         if self.control is not None:
             flags = self.control.all_reduce_max(flags)
         return bool(flags[0])
@@ -409,9 +434,9 @@ class TPDriver:
                 self.failed = True
                 raise
         else:
-            bad = self.core.failed
+            bad = self.core.ping_collective()
         if bad:
-            raise RuntimeError("a TP rank failed")
+            raise RuntimeError("a TP rank failed (or its KV data path died)")
 
     def poll(self) -> list:
         """What finished on every rank (see `RankCore.poll`); [] when nothing is pending."""

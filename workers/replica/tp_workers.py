@@ -4,14 +4,16 @@ the replica's own placement-group bundles (so they die with the replica)."""
 from __future__ import annotations
 
 import concurrent.futures
-import socket
 import threading
 from dataclasses import replace
+from datetime import timedelta
 
 import ray
+import torch.distributed as dist
 from ray.util import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from mtpserve.workers.kv_transfer.channel import listen_store
 from mtpserve.workers.replica.tp_group import RankCore, RankSpec, TPDriver, worker_loop
 
 # Longest a replica waits for its TP workers to be placed, load their shards and join the
@@ -41,10 +43,33 @@ class TPWorker:
                 and self.thread is not None and self.thread.is_alive())
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class Rendezvous:
+    """Rank 0's TP rendezvous store, open only while the group forms.
+
+    All bundles of a replica are STRICT_PACKed on one node, so the store listens on that
+    node's loopback address only (`init_process_group(init_method="tcp://...")` would have
+    rank 0 host it on every interface, for the replica's life). `close()` once every rank
+    has joined: the groups (gloo connections, NCCL communicators built eagerly by RankCore)
+    no longer need it, and nothing outside the replica can then reach it."""
+
+    def __init__(self, host: str = "127.0.0.1", timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+        self.host = host
+        self._timeout = timedelta(seconds=timeout_s)
+        self._server: dist.TCPStore | None = listen_store(host, 0, self._timeout)
+        self.port = self._server.port
+        self.init_method = f"tcp://{host}:{self.port}"  # what ranks >= 1 join through
+
+    def client(self) -> dist.TCPStore:
+        """A client of the store, for rank 0 (RankCore(spec, 0, store=...))."""
+        return dist.TCPStore(self.host, self.port, None, False, self._timeout)
+
+    def close(self) -> None:
+        """Stop listening (the server goes with its last reference, held only here)."""
+        self._server = None
+
+    @property
+    def closed(self) -> bool:
+        return self._server is None
 
 
 def start_group(spec: RankSpec, cpus_per_rank: float, gpus_per_rank: float,
@@ -59,7 +84,8 @@ def start_group(spec: RankSpec, cpus_per_rank: float, gpus_per_rank: float,
         core = RankCore(spec, 0)
         return TPDriver(core), [], [core.kv_address]
     # All bundles of a replica are STRICT_PACKed on one node, so loopback reaches them.
-    spec = replace(spec, init_method=f"tcp://127.0.0.1:{_free_port()}")
+    rendezvous = Rendezvous()
+    spec = replace(spec, init_method=rendezvous.init_method)
     pg = get_current_placement_group()
     workers = []
     for rank in range(1, tp):
@@ -72,7 +98,7 @@ def start_group(spec: RankSpec, cpus_per_rank: float, gpus_per_rank: float,
     pending = [w.init.remote() for w in workers]
     # Rank 0 joins the group on a helper thread so that the wait below is bounded.
     pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tp-rank0-init")
-    rank0 = pool.submit(RankCore, spec, 0)
+    rank0 = pool.submit(RankCore, spec, 0, rendezvous.client())
     pool.shutdown(wait=False)
     try:
         addresses = ray.get(pending, timeout=startup_timeout_s)
@@ -82,4 +108,6 @@ def start_group(spec: RankSpec, cpus_per_rank: float, gpus_per_rank: float,
             ray.kill(w)
         raise TimeoutError(f"TP group of {tp} ranks did not start within "
                            f"{startup_timeout_s:.0f}s") from e
+    finally:
+        rendezvous.close()  # every rank has joined (or the replica fails to start)
     return TPDriver(core), workers, [core.kv_address, *addresses]
