@@ -30,31 +30,20 @@ Routes read `app.state.ingress` per request, so the state may also be set after 
 from __future__ import annotations
 
 import time
-import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from mtpserve.router.auth import APIKeyMiddleware
-from mtpserve.router.chat_template import apply_chat_template
 from mtpserve.router.errors import APIError, install_error_handlers
-from mtpserve.router.generation import ChoiceSet
 from mtpserve.router.ingress_state import (
     IngressState,
-    build_choices,
-    check_max_tokens,
-    check_model,
-    check_token_ids,
-    check_window,
-    encode_prompt,
+    encode_prompts,
     ingress_state,
     is_admin,
-    max_tokens,
     redact,
-    total_mtp_stats,
-    usage_of,
+    render_chat,
 )
 from mtpserve.router.limits import AdmissionGate, LimitsMiddleware
 from mtpserve.router.metrics_api import (
@@ -63,27 +52,15 @@ from mtpserve.router.metrics_api import (
     orchestrator_totals,
     replica_caches,
 )
+from mtpserve.router.pipeline import CHAT, COMPLETION, admit, respond
 from mtpserve.router.protocol import (
-    AssistantMessage,
-    ChatChoice,
-    ChatCompletionChunk,
     ChatCompletionRequest,
-    ChatCompletionResponse,
-    ChatStreamChoice,
-    CompletionChoice,
     CompletionRequest,
-    CompletionResponse,
-    DeltaMessage,
     KVProbeRequest,
     ModelCard,
     ModelList,
 )
-from mtpserve.router.responses import (
-    json_response,
-    run_to_end,
-    sse_event,
-    stream_response,
-)
+from mtpserve.router.responses import json_response
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -150,108 +127,18 @@ def create_app(state: IngressState | None = None) -> FastAPI:
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, request: Request) -> Any:
         s = ingress_state(request)
-        body.check_supported()
-        check_model(s, body.model)
-        check_max_tokens(s, body.max_tokens, "max_tokens")
-        check_token_ids(s, list(body.stop_token_ids or []), "stop_token_ids")
-        prompts = []
-        for p in body.prompts:
-            ids = await encode_prompt(s, p) if isinstance(p, str) else list(p)
-            check_token_ids(s, ids, "prompt")
-            check_window(s, ids, "prompt")
-            prompts.append(ids)
-        requested = body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
-        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        choices = ChoiceSet(s.orchestrator, build_choices(
-            s, body, rid, prompts, [max_tokens(s, requested, len(p)) for p in prompts]))
-        want_ids = bool(body.return_token_ids)
-
-        def chunk(cs: list[CompletionChoice], **kw: Any) -> CompletionResponse:
-            return CompletionResponse(id=rid, created=created, model=s.model_name, choices=cs,
-                                      **kw)
-
-        if body.stream:
-            async def events() -> AsyncIterator[str]:
-                while (ev := await choices.next_event()) is not None:
-                    if ev.text or ev.finish_reason or (
-                            (want_ids or ev.choice.wants_logprobs) and ev.token_ids):
-                        yield sse_event(chunk([CompletionChoice(
-                            index=ev.choice.index, text=ev.text, finish_reason=ev.finish_reason,
-                            logprobs=ev.choice.completion_logprobs(ev.logprobs),
-                            token_ids=ev.token_ids if want_ids else None,
-                            mtp_stats=ev.choice.mtp_stats() if ev.finish_reason else None,
-                            mtpserve_trace=ev.trace())]))
-                if body.include_usage:
-                    yield sse_event(chunk([], usage=usage_of(prompts, choices),
-                                     mtp_stats=total_mtp_stats(choices)))
-                yield "data: [DONE]\n\n"
-
-            return await stream_response(request, choices, events)
-
-        await run_to_end(request, choices)
-        return json_response(chunk(
-            [CompletionChoice(index=c.index, text=c.text, finish_reason=c.finish_reason,
-                              logprobs=c.completion_logprobs(c.logprobs),
-                              token_ids=c.token_ids if want_ids else None,
-                              mtp_stats=c.mtp_stats()) for c in choices.choices],
-            usage=usage_of(prompts, choices), mtp_stats=total_mtp_stats(choices),
-            prompt_token_ids=prompts if want_ids else None))
+        admit(s, body, len(body.prompts), "max_tokens")
+        prompts = await encode_prompts(s, body.prompts)
+        return await respond(request, s, body, prompts, COMPLETION,
+                             body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS)
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         s = ingress_state(request)
-        body.check_supported()
-        check_model(s, body.model)
-        check_max_tokens(s, body.max_output_tokens, "max_completion_tokens"
-                          if body.max_completion_tokens else "max_tokens")
-        check_token_ids(s, list(body.stop_token_ids or []), "stop_token_ids")
-        messages = [{"role": m.role, "content": m.text} for m in body.messages]
-        try:
-            ids = apply_chat_template(s.tokenizer, messages)
-        except Exception as e:  # a template may reject a conversation (roles must alternate)
-            raise APIError(f"the chat template failed on these messages: {e}", 400,
-                           param="messages") from None
-        check_window(s, ids, "messages")
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        choices = ChoiceSet(s.orchestrator, build_choices(
-            s, body, rid, [ids], [max_tokens(s, body.max_output_tokens, len(ids))]))
-        want_ids = bool(body.return_token_ids)
-
-        def chunk(cs: list[ChatStreamChoice], **kw: Any) -> ChatCompletionChunk:
-            return ChatCompletionChunk(id=rid, created=created, model=s.model_name, choices=cs,
-                                       **kw)
-
-        if body.stream:
-            async def events() -> AsyncIterator[str]:
-                for c in choices.choices:  # OpenAI opens each choice with the role
-                    yield sse_event(chunk([ChatStreamChoice(
-                        index=c.index, delta=DeltaMessage(role="assistant", content=""))]))
-                while (ev := await choices.next_event()) is not None:
-                    if ev.text or ev.finish_reason or (
-                            (want_ids or ev.choice.wants_logprobs) and ev.token_ids):
-                        yield sse_event(chunk([ChatStreamChoice(
-                            index=ev.choice.index, delta=DeltaMessage(content=ev.text or None),
-                            finish_reason=ev.finish_reason,
-                            logprobs=ev.choice.chat_logprobs(ev.logprobs),
-                            token_ids=ev.token_ids if want_ids else None,
-                            mtp_stats=ev.choice.mtp_stats() if ev.finish_reason else None,
-                            mtpserve_trace=ev.trace())]))
-                if body.include_usage:
-                    yield sse_event(chunk([], usage=usage_of([ids], choices),
-                                     mtp_stats=total_mtp_stats(choices)))
-                yield "data: [DONE]\n\n"
-
-            return await stream_response(request, choices, events)
-
-        await run_to_end(request, choices)
-        return json_response(ChatCompletionResponse(
-            id=rid, created=created, model=s.model_name,
-            choices=[ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
-                                finish_reason=c.finish_reason,
-                                logprobs=c.chat_logprobs(c.logprobs),
-                                token_ids=c.token_ids if want_ids else None,
-                                mtp_stats=c.mtp_stats()) for c in choices.choices],
-            usage=usage_of([ids], choices), mtp_stats=total_mtp_stats(choices),
-            prompt_token_ids=ids if want_ids else None))
+        admit(s, body, 1, "max_completion_tokens" if body.max_completion_tokens
+              else "max_tokens")
+        ids = await render_chat(s, [{"role": m.role, "content": m.text}
+                                    for m in body.messages])
+        return await respond(request, s, body, [ids], CHAT, body.max_output_tokens)
 
     return app

@@ -20,6 +20,10 @@ REPLACEMENT_CHAR = "\ufffd"
 # Prompt tokens decoded with the output, so tokenizers whose decoding depends on the left
 # context (SentencePiece's leading space) produce the same text as a full decode.
 NUM_CONTEXT_TOKENS = 5
+# A UTF-8 character spans at most 4 bytes, so at most 4 byte-level tokens: text still ending
+# in U+FFFD after this many held tokens is invalid bytes, emitted as U+FFFD rather than held
+# (holding forever would re-decode an ever-growing window on every token: quadratic).
+MAX_HELD_TOKENS = 8
 
 
 class IncrementalDetokenizer:
@@ -42,7 +46,9 @@ class IncrementalDetokenizer:
     def _delta(self, final: bool) -> str:
         prefix = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
         text = self._decode(self.token_ids[self.prefix_offset :])
-        if len(text) <= len(prefix) or (text.endswith(REPLACEMENT_CHAR) and not final):
+        held = len(self.token_ids) - self.read_offset
+        if len(text) <= len(prefix) or (text.endswith(REPLACEMENT_CHAR) and not final
+                                        and held < MAX_HELD_TOKENS):
             return ""  # nothing new, or an incomplete character: wait for more bytes
         self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
         return text[len(prefix) :]
@@ -66,13 +72,22 @@ class StopStringMatcher:
         self.stopped = False
 
     def _partial_len(self, text: str) -> int:
-        """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
+        """Length of the longest suffix of `text` that is a proper prefix of a stop string.
+        Only lengths where the stop string holds `text`'s last character are tried, and stop
+        strings are capped in length (router.protocol.MAX_STOP_CHARS), so this stays cheap
+        per delta: the whole stream is linear in its length."""
         best = 0
+        last = text[-1:] if text else ""
         for s in self.stop:
-            for k in range(min(len(s) - 1, len(text)), best, -1):
+            k = min(len(s) - 1, len(text))
+            while k > best:
+                k = s.rfind(last, 0, k) + 1  # the longest candidate ending in `last`
+                if k <= best:
+                    break
                 if text.endswith(s[:k]):
                     best = k
                     break
+                k -= 1
         return best
 
     def feed(self, text: str) -> str:

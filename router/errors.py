@@ -34,12 +34,21 @@ _TYPES = {
 }
 # Matched by class name (anywhere in the MRO) so the router never imports the engine (torch) or
 # Ray; Ray re-raises remote errors as subclasses of the original class, so the MRO still shows it.
-_BAD_REQUEST_NAMES = {"EngineError"}
-_BUSY_NAMES = {"BackPressureError"}  # Serve's max_queued_requests is full
-_UNAVAILABLE_NAMES = {
+# The one definition of these names: the orchestrator decides retries with them too.
+BAD_REQUEST_NAMES = frozenset({"EngineError"})  # the request itself is invalid: never retried
+BUSY_NAMES = frozenset({"BackPressureError"})  # Serve's max_queued_requests is full
+UNAVAILABLE_NAMES = frozenset({
     "DeploymentUnavailableError", "RayActorError", "ActorDiedError", "ActorUnavailableError",
     "ReplicaUnavailableError",
-}
+})
+KV_TRANSFER_NAMES = frozenset({"KVTransferFailed"})
+
+
+def error_names(exc: BaseException) -> set[str]:
+    """The class names in `exc`'s MRO (what the sets above are matched against)."""
+    return {cls.__name__ for cls in type(exc).__mro__}
+
+
 RETRY_AFTER_S = 1
 _MAX_MESSAGE_CHARS = 500
 # Internal endpoints in server-side failures (KV peers, rendezvous stores, actor addresses):
@@ -107,16 +116,16 @@ def from_exception(exc: BaseException) -> APIError:
     an unavailable backend → 503, anything else → 500. Unexpected ones are logged here."""
     if isinstance(exc, APIError):
         return exc
-    names = {cls.__name__ for cls in type(exc).__mro__}
+    names = error_names(exc)
     # Ray's remote errors carry the remote traceback in str(): only the last line is shown.
     lines = str(exc).strip().splitlines()
     detail = _short(f"{type(exc).__name__}: {lines[-1]}" if lines else type(exc).__name__)
-    if names & _BAD_REQUEST_NAMES:
+    if names & BAD_REQUEST_NAMES:
         return APIError(_short(str(exc).strip().splitlines()[-1] if str(exc).strip() else detail),
                         400)
-    if names & _BUSY_NAMES:
+    if names & BUSY_NAMES:
         return overloaded("the server is at capacity; retry after a short wait")
-    if isinstance(exc, (TimeoutError, ConnectionError)) or names & _UNAVAILABLE_NAMES:
+    if isinstance(exc, (TimeoutError, ConnectionError)) or names & UNAVAILABLE_NAMES:
         logger.warning("generation backend unavailable: %s", detail)
         return APIError(f"the generation backend is unavailable ({detail})", 503,
                         code="service_unavailable")
@@ -124,10 +133,15 @@ def from_exception(exc: BaseException) -> APIError:
     return APIError(f"generation failed ({detail})", 500, type="server_error")
 
 
+_VALIDATOR_TAG = re.compile(r"^function-(?:after|before|wrap|plain)\[.*, (\w+)\]$")
+
+
 def _param(loc: tuple) -> str | None:
     """`('body', 'messages', 0, 'content')` → `messages[0].content`."""
     out = ""
     for part in loc[1:] if loc and loc[0] == "body" else loc:
+        if isinstance(part, str):  # a validated type's tag: `function-after[check_text(), str]`
+            part = _VALIDATOR_TAG.sub(r"\1", part)
         out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
     return out or None
 

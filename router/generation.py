@@ -27,7 +27,7 @@ from mtpserve.router.protocol import (
     TopLogprob,
 )
 from mtpserve.router.types import Orchestrator
-from mtpserve.workers.messages import GenerateRequest, TokenChunk, TokenLogprobs
+from mtpserve.workers.messages import ERROR_REQUEST, GenerateRequest, TokenChunk, TokenLogprobs
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +107,8 @@ class Choice:
     def feed(self, chunk: TokenChunk) -> str:
         """Consume one chunk; returns the new text to show. Raises APIError on a failed chunk."""
         if chunk.finish_reason == "error":
+            if chunk.error_kind == ERROR_REQUEST:  # its own inputs: a client error
+                raise APIError(f"the request cannot be generated: {chunk.error}", 400)
             raise APIError(f"generation failed: {chunk.error or 'engine error'}", 500,
                            type="server_error")
         if chunk.finish_reason == "abort":

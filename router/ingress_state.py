@@ -10,16 +10,24 @@ from typing import Any
 from fastapi import Request
 
 from mtpserve.router.auth import key_matches
+from mtpserve.router.chat_template import apply_chat_template
 from mtpserve.router.errors import APIError
 from mtpserve.router.generation import Choice, ChoiceSet
 from mtpserve.router.limits import Limits
-from mtpserve.router.protocol import MTPStats, PromptTokensDetails, SamplingRequest, Usage
+from mtpserve.router.protocol import (
+    MAX_CHOICES,
+    MTPStats,
+    PromptTokensDetails,
+    SamplingRequest,
+    Usage,
+)
 from mtpserve.router.types import Orchestrator
 from mtpserve.workers.messages import GenerateRequest
 
-MAX_CHOICES = 64  # prompts x n in one request
 _REDACTED_KEYS = ("addr", "host", "port", "peer", "store")
-_TOKENIZE_INLINE_CHARS = 8192  # longer prompts are tokenized off the event loop
+# Requests with more text than this are tokenized (and chat-templated) on a worker thread, so
+# one large body never stalls the event loop that streams everyone's tokens.
+_TOKENIZE_INLINE_CHARS = 8192
 
 
 @dataclass
@@ -82,10 +90,32 @@ def check_token_ids(state: IngressState, ids: list[int], param: str) -> None:
                        else f"{what} must be >= 0", 400, param=param)
 
 
-async def encode_prompt(state: IngressState, text: str) -> list[int]:
-    if len(text) <= _TOKENIZE_INLINE_CHARS:
-        return list(state.tokenizer.encode(text))
-    return list(await asyncio.to_thread(state.tokenizer.encode, text))
+async def encode_prompts(state: IngressState, prompts: list[str | list[int]]
+                         ) -> list[list[int]]:
+    """Token ids of each prompt (text is tokenized, ids are kept), off the event loop when
+    the texts are long."""
+
+    def encode() -> list[list[int]]:
+        return [list(state.tokenizer.encode(p)) if isinstance(p, str) else list(p)
+                for p in prompts]
+
+    if sum(len(p) for p in prompts if isinstance(p, str)) <= _TOKENIZE_INLINE_CHARS:
+        return encode()
+    return await asyncio.to_thread(encode)
+
+
+async def render_chat(state: IngressState, messages: list[dict[str, str]]) -> list[int]:
+    """The chat template applied to `messages` (token ids), off the event loop when long."""
+    def render() -> list[int]:
+        try:
+            return apply_chat_template(state.tokenizer, messages)
+        except Exception as e:  # a template may reject a conversation (roles must alternate)
+            raise APIError(f"the chat template failed on these messages: {e}", 400,
+                           param="messages") from None
+
+    if sum(len(m["content"]) for m in messages) <= _TOKENIZE_INLINE_CHARS:
+        return render()
+    return await asyncio.to_thread(render)
 
 
 def max_tokens(state: IngressState, requested: int | None, prompt_len: int) -> int:
@@ -108,15 +138,20 @@ def redact(stats: Any) -> Any:
     return stats
 
 
-def build_choices(state: IngressState, body: SamplingRequest, response_id: str,
-             prompts: list[list[int]], max_tokens: list[int]) -> list[Choice]:
-    n = body.n or 1
+def check_choices(state: IngressState, num_prompts: int, n: int) -> None:
+    """The choice caps, checked before any prompt is tokenized."""
     if n > state.limits.max_n:
         raise APIError(f"'n' is {n}; this server allows at most {state.limits.max_n}", 400,
                        param="n")
-    if len(prompts) * n > MAX_CHOICES:
+    if num_prompts * n > MAX_CHOICES:
         raise APIError(f"at most {MAX_CHOICES} choices per request (prompts x n)", 400,
                        param="n")
+
+
+def build_choices(state: IngressState, body: SamplingRequest, response_id: str,
+             prompts: list[list[int]], max_tokens: list[int]) -> list[Choice]:
+    n = body.n or 1
+    check_choices(state, len(prompts), n)
     choices = []
     for p, ids in enumerate(prompts):
         for i in range(n):

@@ -33,11 +33,20 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from mtpserve.router.errors import APIError, overloaded
+from mtpserve.router.errors import (
+    BAD_REQUEST_NAMES,
+    BUSY_NAMES,
+    KV_TRANSFER_NAMES,
+    UNAVAILABLE_NAMES,
+    APIError,
+    error_names,
+    overloaded,
+)
 from mtpserve.workers.hop_trace import stamp
 from mtpserve.workers.kv_transfer.mailbox import drop_holds
 from mtpserve.workers.messages import (
     ERROR_KV_TRANSFER,
+    ERROR_REQUEST,
     TARGET_REPLICA,
     GenerateRequest,
     KVTransferParams,
@@ -46,13 +55,6 @@ from mtpserve.workers.messages import (
 
 logger = logging.getLogger(__name__)
 
-# Matched by class name anywhere in the MRO (Ray re-raises remote errors as subclasses of the
-# original class), so the router imports neither Ray nor the engine.
-_CLIENT_ERRORS = {"EngineError"}  # the request itself is invalid: never retried
-_KV_ERRORS = {"KVTransferFailed"}
-_BUSY = {"BackPressureError"}
-_UNAVAILABLE = {"RayActorError", "ActorDiedError", "ActorUnavailableError",
-                "DeploymentUnavailableError", "ReplicaUnavailableError"}
 _MAX_BACKOFF_S = 2.0
 # A release posted to the senders' stores: a reachable store answers in milliseconds.
 _DIRECT_RELEASE_TIMEOUT_S = 2.0
@@ -134,15 +136,11 @@ def resumed(request: GenerateRequest, sent: list[int], attempt: int) -> Generate
     return dataclasses.replace(request, **changes)
 
 
-def _names(e: BaseException) -> set[str]:
-    return {cls.__name__ for cls in type(e).__mro__}
-
-
 def _is_kv_failure(e: BaseException, names: set[str]) -> bool:
     """A failed KV pull: raised when decode admits the request (`KVTransferFailed`) or sent
     as the stream's error chunk when it fails later (decode pulls asynchronously), typed
     `error_kind="kv_transfer"` there."""
-    return bool(names & _KV_ERRORS) or getattr(e, "kind", None) == ERROR_KV_TRANSFER
+    return bool(names & KV_TRANSFER_NAMES) or getattr(e, "kind", None) == ERROR_KV_TRANSFER
 
 
 def _short(e: BaseException) -> str:
@@ -239,8 +237,8 @@ class DisaggOrchestrator:
                     raise
                 if not isinstance(e, Exception):
                     raise
-                names = _names(e)
-                if names & _CLIENT_ERRORS or (names & _BUSY and attempt == 0):
+                names = error_names(e)
+                if names & BAD_REQUEST_NAMES or (names & BUSY_NAMES and attempt == 0):
                     raise  # 400 / 429 for the client, as the engine or Serve said
                 logger.warning("prefill of %s failed (attempt %d): %s", request.request_id,
                                attempt + 1, _short(e))
@@ -299,9 +297,12 @@ class DisaggOrchestrator:
                     _cancel(gen)  # aborts the request there and frees its KV blocks
             # The attempt failed: decide whether and how to go on.
             assert failure is not None
-            names = _names(failure)
+            names = error_names(failure)
             detail = _short(failure)
-            if (use_params and not got_chunk and names & _BUSY
+            if getattr(failure, "kind", None) == ERROR_REQUEST:
+                # The request failed on its own inputs: another replica would fail it too.
+                raise APIError(f"the request cannot be generated: {detail}", 400)
+            if (use_params and not got_chunk and names & BUSY_NAMES
                     and cfg.kv_failure_policy == "recompute"
                     and time.monotonic() + backoff < retry_until
                     and (time.monotonic() + backoff < hold_until
@@ -319,9 +320,9 @@ class DisaggOrchestrator:
                 continue
             if use_params and not got_chunk:
                 await self._release_now(params)  # decode failed before pulling
-            if names & _CLIENT_ERRORS and not use_params and not progress.sent:
+            if names & BAD_REQUEST_NAMES and not use_params and not progress.sent:
                 raise failure  # the request itself is invalid (a 400)
-            retry_quietly = not got_chunk and bool(names & (_BUSY | _UNAVAILABLE))
+            retry_quietly = not got_chunk and bool(names & (BUSY_NAMES | UNAVAILABLE_NAMES))
             if use_params and not got_chunk and _is_kv_failure(failure, names):
                 if cfg.kv_failure_policy == "fail":
                     raise APIError(f"KV transfer from the prefill replica failed ({detail}); "
@@ -335,7 +336,7 @@ class DisaggOrchestrator:
             if retry_quietly:
                 # Serve may still route to a replica that just died; or every replica is busy.
                 if time.monotonic() > retry_until:
-                    if names & _BUSY:
+                    if names & BUSY_NAMES:
                         raise overloaded("every decode replica is busy; retry after a short "
                                          "wait")
                     raise APIError(f"no decode replica could take the request ({detail})", 503,
@@ -398,7 +399,7 @@ class DisaggOrchestrator:
             except Exception as e:
                 # A release refused by a full Serve queue is tried again (it frees blocks the
                 # busy replica needs); anything else is left to hold_ttl_s.
-                if not _names(e) & _BUSY or time.monotonic() + backoff > until:
+                if not error_names(e) & BUSY_NAMES or time.monotonic() + backoff > until:
                     logger.debug("release of %s failed: %s", rid, _short(e))
                     return
             await asyncio.sleep(backoff)

@@ -25,17 +25,39 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    Strict,
+    field_validator,
+    model_validator,
+)
 
 from mtpserve.router.errors import APIError
+
+
+def check_text(text: str) -> str:
+    """`text` if it is valid Unicode; JSON may carry a lone surrogate (`"\\ud800"`), which no
+    tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"text is not valid Unicode (lone surrogate at {e.start})") from None
+    return text
+
 
 Int = Annotated[int, Strict()]
 Float = Annotated[float, Strict()]  # strict float still takes JSON integers
 Bool = Annotated[bool, Strict()]
-Str = Annotated[str, Strict()]
+# Every string a client sends is valid Unicode, or the request is a 400 naming the field.
+Str = Annotated[str, Strict(), AfterValidator(check_text)]
 
 MAX_N = 16
+MAX_CHOICES = 64  # prompts x n in one request
 MAX_STOP_STRINGS = 4
+MAX_STOP_CHARS = 512  # per stop string: the matcher's work per delta grows with its length
 MAX_LOGPROBS = 20  # OpenAI's limit for top_logprobs
 MAX_STOP_TOKEN_IDS = 64
 
@@ -91,6 +113,9 @@ class SamplingRequest(_Request):
     def _stop(cls, v: str | list[str] | None) -> str | list[str] | None:
         if isinstance(v, list) and len(v) > MAX_STOP_STRINGS:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
+        for s in [v] if isinstance(v, str) else v or []:
+            if len(s) > MAX_STOP_CHARS:
+                raise ValueError(f"a stop string may have at most {MAX_STOP_CHARS} characters")
         return v
 
     @property
@@ -133,6 +158,15 @@ class CompletionRequest(SamplingRequest):
     suffix: Str | None = None
     best_of: Int | None = None
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_count(cls, v: Any) -> Any:
+        # Before the items are validated: a body of a million tiny prompts is refused at
+        # once, not parsed, tokenized and only then counted.
+        if isinstance(v, list) and len(v) > MAX_CHOICES and not isinstance(v[0], int):
+            raise ValueError(f"at most {MAX_CHOICES} prompts per request")
+        return v
+
     @field_validator("prompt")
     @classmethod
     def _prompt(cls, v: Any) -> Any:
@@ -150,6 +184,10 @@ class CompletionRequest(SamplingRequest):
     @property
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    @property
+    def max_output_tokens(self) -> int | None:
+        return self.max_tokens
 
     def check_supported(self) -> None:
         super().check_supported()

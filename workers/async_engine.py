@@ -19,7 +19,13 @@ from typing import Any, Protocol
 
 from mtpserve.workers.engine import Engine, EngineError, RequestOutput
 from mtpserve.workers.hop_trace import stamp
-from mtpserve.workers.messages import ERROR_ENGINE, GenerateRequest, TokenChunk, merge_chunks
+from mtpserve.workers.messages import (
+    ERROR_ENGINE,
+    ERROR_REQUEST,
+    GenerateRequest,
+    TokenChunk,
+    merge_chunks,
+)
 from mtpserve.workers.request import Request
 from mtpserve.workers.sampling_params import SamplingParams
 
@@ -42,7 +48,8 @@ def to_chunk(out: RequestOutput) -> TokenChunk:
         num_prompt_tokens=out.num_prompt_tokens, num_output_tokens=out.num_output_tokens,
         num_drafted=out.num_drafted, num_accepted=out.num_accepted,
         num_rounds=out.num_rounds, num_cached_tokens=out.num_cached_tokens,
-        logprobs=out.logprobs,
+        logprobs=out.logprobs, error=out.error,
+        error_kind=ERROR_REQUEST if out.error is not None else None,
     )
 
 

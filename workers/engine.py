@@ -7,9 +7,8 @@ the KV for transfer) and "decode"
 (requests arrive with their KV already in place).
 
 Randomness: every draw is keyed by (request seed, position of the token it decides, slot)
-(workers.spec_decode.keyed_random), so a seeded request's output depends only on its prompt, seed
-and
-k: not on the batch, TP, prefill->decode, preemption or resumption elsewhere. A resumed or
+(workers.spec_decode.keyed_random), so a seeded request's output depends only on its prompt,
+seed and k: not on the batch, TP, prefill->decode, preemption or resumption elsewhere. A resumed or
 preempted request recomputes all tokens but the last emitted one and goes straight to a
 verify round, which keeps its round structure (and so its draws) unchanged.
 """
@@ -31,7 +30,7 @@ from mtpserve.workers.engine_config import (
     resolve_dtype,
 )
 from mtpserve.workers.model_runner import ForwardBatch, ModelRunner
-from mtpserve.workers.outputs import RequestOutput, append_tokens
+from mtpserve.workers.outputs import RequestOutput, append_tokens, failed_output
 from mtpserve.workers.prefix_cache import cache_salt
 from mtpserve.workers.request import Request, RequestStatus
 from mtpserve.workers.round_outcomes import RoundOutcomes
@@ -39,6 +38,7 @@ from mtpserve.workers.sampling_params import SamplingParams
 from mtpserve.workers.scheduler import PrefillChunk, Scheduler
 from mtpserve.workers.spec_decode.mtp_proposer import MTPProposer
 from mtpserve.workers.spec_decode.rejection_sampler import RejectionSampler
+from mtpserve.workers.spec_decode.sampling import sampling_fault
 
 __all__ = ["DTYPES", "Engine", "EngineConfig", "EngineError", "RequestOutput"]
 
@@ -119,7 +119,9 @@ class Engine(RoundOutcomes):
         (migration); they count towards max_tokens and the request continues after them
         exactly as it would have where it started (same seed, same k)."""
         resume = list(resume_token_ids or [])
-        if request_id in self.requests:
+        if request_id in self.requests or request_id in self.prefilled:
+            # Held for transfer counts too: a retry under the same id must not free (or
+            # leak) the first attempt's blocks.
             raise EngineError(f"duplicate request id {request_id!r}")
         n = len(prompt_token_ids)
         if n == 0:
@@ -133,6 +135,7 @@ class Engine(RoundOutcomes):
                        or len(resume) >= params.max_tokens):
             raise EngineError(f"nothing left to generate after {len(resume)} resumed tokens")
         vocab = self.model_config.vocab_size
+        params = params.for_vocab(vocab)
         if min(prompt_token_ids + resume) < 0 or max(prompt_token_ids + resume) >= vocab:
             raise EngineError(f"prompt token ids must be in [0, {vocab})")
         if any(t < 0 or t >= vocab for t in params.stop_token_ids):
@@ -228,10 +231,38 @@ class Engine(RoundOutcomes):
     # Steps -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
-        if out.prefill or out.decode:
-            self.num_steps += 1
+        if not (out.prefill or out.decode):
+            return []
+        self.num_steps += 1
+        batch = [*out.decode, *(c.request for c in out.prefill)]
+        marks = [_Mark.of(r) for r in batch]
+        try:
             return self._step(out.decode, out.prefill)
-        return []
+        except Exception:
+            vocab = self.model_config.vocab_size
+            faults = {r.request_id: f for r in batch
+                      if (f := sampling_fault(r.params, vocab)) is not None}
+            if not faults:
+                raise  # an engine fault: the caller fails the batch over (migration)
+            logger.exception("engine step failed on the inputs of %s", sorted(faults))
+            return self._isolate(marks, faults)
+
+    def _isolate(self, marks: list[_Mark], faults: dict[str, str]) -> list[RequestOutput]:
+        """A step raised because of some requests' own inputs (`faults`): those fail alone
+        (an error output, never migrated); every other request of the batch is rolled back
+        to where the step found it and recomputed, which keyed randomness makes exact.
+        Blocks this step named for the prefix cache may lack their MTP entries (the extends
+        did not run): the cache is flushed rather than trusted."""
+        self.block_manager.flush()
+        outputs = []
+        for m in marks:
+            r = m.restore()
+            if r.request_id in faults:
+                self.abort(r.request_id)
+                outputs.append(failed_output(r, faults[r.request_id]))
+            else:
+                self.scheduler.requeue(r)
+        return outputs
 
     def _step(self, reqs: list[Request], chunks: list[PrefillChunk]) -> list[RequestOutput]:
         """One main forward holding a speculative verify round for `reqs` (rows [last,
@@ -356,3 +387,27 @@ class Engine(RoundOutcomes):
             if t["rounds"] else None,
             **{f"total_{k}": v for k, v in t.items()},
         }
+
+
+@dataclasses.dataclass
+class _Mark:
+    """A request's emitted state before a step, to roll back to if the step fails."""
+
+    request: Request
+    num_output_tokens: int
+    status: RequestStatus
+    num_rounds: int
+    drafted: list[int]
+    accepted: list[int]
+
+    @classmethod
+    def of(cls, r: Request) -> _Mark:
+        return cls(r, len(r.output_token_ids), r.status, r.num_rounds,
+                   list(r.drafted_per_position), list(r.accepted_per_position))
+
+    def restore(self) -> Request:
+        r = self.request
+        del r.output_token_ids[self.num_output_tokens:]
+        r.status, r.num_rounds = self.status, self.num_rounds
+        r.drafted_per_position, r.accepted_per_position = self.drafted, self.accepted
+        return r

@@ -93,6 +93,8 @@ TARGET_REPLICA = "target_replica"
 # "kv_transfer" (the request's KV never arrived); anything else is a decode failure (migration).
 ERROR_KV_TRANSFER = "kv_transfer"
 ERROR_ENGINE = "engine"
+# The request failed on its own inputs (it alone): a 400 for its client, never migrated.
+ERROR_REQUEST = "request"
 
 
 @dataclass
@@ -109,7 +111,7 @@ class TokenChunk:
     num_rounds: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from a prefix cache (usage)
     error: str | None = None  # set with finish_reason "error"
-    error_kind: str | None = None  # with "error": ERROR_KV_TRANSFER | ERROR_ENGINE
+    error_kind: str | None = None  # with "error": ERROR_KV_TRANSFER | ERROR_ENGINE | ERROR_REQUEST
     logprobs: list[TokenLogprobs] | None = None  # one per token id, if requested
     # No tokens: the replica is alive and still working on the request (queued for KV
     # blocks, pulling, prefilling). A stream that goes silent instead is stalled.

@@ -26,6 +26,8 @@ class RequestOutput:
     arrival: float | None = None  # time.monotonic() the engine took the request
     # One entry per new token when the request asked for logprobs (SamplingParams.logprobs).
     logprobs: list[TokenLogprobs] | None = None
+    # With finish_reason "error": the request failed on its own inputs (it alone).
+    error: str | None = None
 
 
 def append_tokens(req: Request, tokens: list[int], eos_ids: set[int], max_model_len: int
@@ -80,3 +82,10 @@ def request_output(req: Request, emitted: list[int],
         num_rounds=req.num_rounds, num_cached_tokens=req.num_cached_tokens,
         arrival=req.arrival, logprobs=logprobs,
     )
+
+
+def failed_output(req: Request, error: str) -> RequestOutput:
+    """The last output of a request that failed on its own inputs (finish_reason "error")."""
+    out = request_output(req, [])
+    out.finished, out.finish_reason, out.error = True, "error", error
+    return out

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
+# top_p below this keeps only the most likely token anyway; a smaller value underflows to 0
+# in float32 and would filter out every token (then the last vocabulary id is always drawn).
+MIN_TOP_P = 1e-6
 
 
 @dataclass(frozen=True)
@@ -35,6 +40,9 @@ class SamplingParams:
     user_seed: bool = True
 
     def __post_init__(self) -> None:
+        for name in ("temperature", "top_p"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.temperature < 0:
@@ -49,6 +57,22 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+
+    def for_vocab(self, vocab_size: int) -> SamplingParams:
+        """These settings normalised for a model, so nothing a client sends can raise (or
+        silently misbehave) inside a batched sampling step: a top_k at or above the vocabulary
+        is no filter (0), a vanishing top_p keeps the top token, and min_tokens / the draft
+        cap are clamped to what can take effect. Same sampling distribution as before."""
+        changes: dict = {}
+        if self.top_k >= vocab_size or self.top_k < 0:
+            changes["top_k"] = 0
+        if self.top_p < MIN_TOP_P:
+            changes["top_p"] = MIN_TOP_P
+        if self.min_tokens > self.max_tokens:
+            changes["min_tokens"] = self.max_tokens
+        if self.num_speculative_tokens is not None and self.num_speculative_tokens > 64:
+            changes["num_speculative_tokens"] = 64  # engines cap k far below this
+        return dataclasses.replace(self, **changes) if changes else self
 
     @property
     def greedy(self) -> bool:

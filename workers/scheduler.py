@@ -261,6 +261,14 @@ class Scheduler:
                 scheduled.append(req)
         return scheduled, preempted
 
+    def requeue(self, req: Request) -> None:
+        """Send a prefilling or running request back to the waiting queue to be recomputed
+        (its KV freed), as a preemption does."""
+        if req in self.prefilling:
+            self.prefilling.remove(req)
+            self.running.append(req)  # _preempt takes it from `running`
+        self._preempt(req)
+
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.bm.free(req)

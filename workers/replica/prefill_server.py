@@ -8,8 +8,8 @@ import time
 import torch
 from ray import serve
 
-from mtpserve.workers.engine import Engine
-from mtpserve.workers.messages import GenerateRequest, KVTransferParams
+from mtpserve.workers.engine import Engine, EngineError
+from mtpserve.workers.messages import ERROR_REQUEST, GenerateRequest, KVTransferParams
 from mtpserve.workers.replica.arrivals import PrefillHolds
 from mtpserve.workers.replica.metrics import EMA, attach_replica_metrics
 from mtpserve.workers.replica.replica import EngineReplica, replica_tag
@@ -70,6 +70,8 @@ class PrefillServer(EngineReplica):
             async for chunk in self.engine.generate(req, abort_on_exit=False):
                 first = chunk
                 break
+            if first is not None and first.error_kind == ERROR_REQUEST:
+                raise EngineError(first.error)  # its own inputs: a 400, never retried
             if first is None or first.finish_reason == "error":
                 raise RuntimeError(first.error if first else "prefill produced no token")
             self.latency_ms.update((time.perf_counter() - t0) * 1000)

@@ -66,3 +66,19 @@ def sample_with_uniforms(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     target = (u.to(torch.float64) * cdf[:, -1]).unsqueeze(1)
     ids = torch.searchsorted(cdf, target, right=True).squeeze(1)
     return ids.clamp_(max=probs.shape[-1] - 1)
+
+
+def sampling_fault(params: SamplingParams, vocab_size: int) -> str | None:
+    """Why `params` cannot be sampled with, or None: the request's own sampling path (filter,
+    softmax, inverse CDF) run alone on a uniform row. After a batched step raised, the engine
+    asks this of each request in the batch to find the one whose inputs caused it."""
+    if params.greedy:
+        return None
+    try:
+        probs = processed_probs(torch.zeros(1, vocab_size), [params])
+        if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0:
+            return "sampling settings leave no token with a finite probability"
+        sample_with_uniforms(probs, torch.full((1,), 0.5, dtype=torch.float64))
+    except Exception as e:  # noqa: BLE001 - any failure is this request's
+        return f"invalid sampling settings ({type(e).__name__}: {e})"
+    return None

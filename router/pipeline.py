@@ -1,0 +1,186 @@
+"""The one pipeline behind `/v1/completions` and `/v1/chat/completions`.
+
+Both endpoints check the body, turn it into prompts (token ids), run the choices and answer as a
+stream of SSE chunks or as one JSON response. Only the shapes differ: a `Shape` says how a choice
+is written in a chunk and in the final response, and what opens a stream (chat announces the
+assistant role first). Everything else (caps, window checks, choices, usage, streaming, errors)
+is written once here.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+from pydantic import BaseModel
+
+from mtpserve.router.generation import Choice, ChoiceEvent, ChoiceSet
+from mtpserve.router.ingress_state import (
+    IngressState,
+    build_choices,
+    check_choices,
+    check_max_tokens,
+    check_model,
+    check_token_ids,
+    check_window,
+    max_tokens,
+    total_mtp_stats,
+    usage_of,
+)
+from mtpserve.router.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatStreamChoice,
+    CompletionChoice,
+    CompletionResponse,
+    DeltaMessage,
+    SamplingRequest,
+)
+from mtpserve.router.responses import json_response, run_to_end, sse_event, stream_response
+
+
+@dataclass
+class Call:
+    """One API call on its way: the body, its prompts and the choices running them."""
+
+    state: IngressState
+    body: SamplingRequest
+    prompts: list[list[int]]
+    response_id: str
+    created: int
+    choices: ChoiceSet
+
+    @property
+    def want_ids(self) -> bool:
+        return bool(self.body.return_token_ids)
+
+
+class Shape:
+    """How one endpoint writes choices, chunks and responses."""
+
+    id_prefix: str
+    param: str  # what a prompt error names: "prompt" or "messages"
+
+    def opening(self, call: Call) -> list[BaseModel]:
+        return []
+
+    def stream_choice(self, call: Call, ev: ChoiceEvent) -> BaseModel:
+        raise NotImplementedError
+
+    def chunk(self, call: Call, choices: list[Any], **kw: Any) -> BaseModel:
+        raise NotImplementedError
+
+    def response(self, call: Call) -> BaseModel:
+        raise NotImplementedError
+
+
+class CompletionShape(Shape):
+    id_prefix, param = "cmpl", "prompt"
+
+    def stream_choice(self, call: Call, ev: ChoiceEvent) -> CompletionChoice:
+        return CompletionChoice(
+            index=ev.choice.index, text=ev.text, finish_reason=ev.finish_reason,
+            logprobs=ev.choice.completion_logprobs(ev.logprobs),
+            token_ids=ev.token_ids if call.want_ids else None,
+            mtp_stats=ev.choice.mtp_stats() if ev.finish_reason else None,
+            mtpserve_trace=ev.trace())
+
+    def chunk(self, call: Call, choices: list[Any], **kw: Any) -> CompletionResponse:
+        return CompletionResponse(id=call.response_id, created=call.created,
+                                  model=call.state.model_name, choices=choices, **kw)
+
+    def response(self, call: Call) -> CompletionResponse:
+        return self.chunk(call, [
+            CompletionChoice(index=c.index, text=c.text, finish_reason=c.finish_reason,
+                             logprobs=c.completion_logprobs(c.logprobs),
+                             token_ids=c.token_ids if call.want_ids else None,
+                             mtp_stats=c.mtp_stats()) for c in call.choices.choices],
+            usage=usage_of(call.prompts, call.choices),
+            mtp_stats=total_mtp_stats(call.choices),
+            prompt_token_ids=call.prompts if call.want_ids else None)
+
+
+class ChatShape(Shape):
+    id_prefix, param = "chatcmpl", "messages"
+
+    def opening(self, call: Call) -> list[BaseModel]:
+        # OpenAI opens each choice with the role.
+        return [self.chunk(call, [ChatStreamChoice(
+            index=c.index, delta=DeltaMessage(role="assistant", content=""))])
+            for c in call.choices.choices]
+
+    def stream_choice(self, call: Call, ev: ChoiceEvent) -> ChatStreamChoice:
+        return ChatStreamChoice(
+            index=ev.choice.index, delta=DeltaMessage(content=ev.text or None),
+            finish_reason=ev.finish_reason, logprobs=ev.choice.chat_logprobs(ev.logprobs),
+            token_ids=ev.token_ids if call.want_ids else None,
+            mtp_stats=ev.choice.mtp_stats() if ev.finish_reason else None,
+            mtpserve_trace=ev.trace())
+
+    def chunk(self, call: Call, choices: list[Any], **kw: Any) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=call.response_id, created=call.created,
+                                   model=call.state.model_name, choices=choices, **kw)
+
+    def response(self, call: Call) -> ChatCompletionResponse:
+        def choice(c: Choice) -> ChatChoice:
+            return ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
+                              finish_reason=c.finish_reason,
+                              logprobs=c.chat_logprobs(c.logprobs),
+                              token_ids=c.token_ids if call.want_ids else None,
+                              mtp_stats=c.mtp_stats())
+
+        (ids,) = call.prompts
+        return ChatCompletionResponse(
+            id=call.response_id, created=call.created, model=call.state.model_name,
+            choices=[choice(c) for c in call.choices.choices],
+            usage=usage_of(call.prompts, call.choices),
+            mtp_stats=total_mtp_stats(call.choices),
+            prompt_token_ids=ids if call.want_ids else None)
+
+
+COMPLETION, CHAT = CompletionShape(), ChatShape()
+
+
+def admit(state: IngressState, body: SamplingRequest, num_prompts: int,
+          max_tokens_param: str) -> None:
+    """The checks that need no tokenizer, before any prompt is tokenized."""
+    body.check_supported()
+    check_model(state, body.model)
+    check_max_tokens(state, body.max_output_tokens, max_tokens_param)
+    check_token_ids(state, list(body.stop_token_ids or []), "stop_token_ids")
+    check_choices(state, num_prompts, body.n or 1)
+
+
+async def respond(request: Request, state: IngressState, body: SamplingRequest,
+                  prompts: list[list[int]], shape: Shape, requested: int | None) -> Any:
+    """Run `prompts` (token ids) with `body`'s settings; `requested`: the max_tokens asked for
+    (None: the rest of the window). A stream of SSE chunks, or one JSON response."""
+    for ids in prompts:
+        check_token_ids(state, ids, shape.param)
+        check_window(state, ids, shape.param)
+    rid = f"{shape.id_prefix}-{uuid.uuid4().hex}"
+    choices = ChoiceSet(state.orchestrator, build_choices(
+        state, body, rid, prompts, [max_tokens(state, requested, len(p)) for p in prompts]))
+    call = Call(state, body, prompts, rid, int(time.time()), choices)
+    if body.stream:
+        async def events() -> AsyncIterator[str]:
+            for opening in shape.opening(call):
+                yield sse_event(opening)
+            while (ev := await choices.next_event()) is not None:
+                if ev.text or ev.finish_reason or (
+                        (call.want_ids or ev.choice.wants_logprobs) and ev.token_ids):
+                    yield sse_event(shape.chunk(call, [shape.stream_choice(call, ev)]))
+            if body.include_usage:
+                yield sse_event(shape.chunk(call, [], usage=usage_of(prompts, choices),
+                                            mtp_stats=total_mtp_stats(choices)))
+            yield "data: [DONE]\n\n"
+
+        return await stream_response(request, choices, events)
+    await run_to_end(request, choices)
+    return json_response(shape.response(call))
