@@ -88,8 +88,18 @@ def _read_prompts(path: str) -> list[str]:
 
 def _check(args: argparse.Namespace) -> int:
     from mtpserve.workers.model.checkpoint import inventory
+    from mtpserve.workers.model.config import ModelConfig
 
-    entries = inventory(args.path)
+    # The family inventory first: an unsupported piece (rope type, quantization, MLA, ...)
+    # is refused here by name, before any tensor is read or any replica starts.
+    try:
+        cfg = ModelConfig.from_pretrained(args.path)
+    except ValueError as e:
+        print(f"mtpserve check: {e}", file=sys.stderr)
+        return 1
+    for line in cfg.describe():
+        print(line)
+    entries = inventory(args.path, cfg)
     width = max(len(e.tensor) for e in entries)
     print(f"{'tensor':<{width}}  {'shape':<16} {'dtype':<6} status")
     for e in entries:

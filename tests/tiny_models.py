@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 
 import torch
@@ -74,6 +75,100 @@ def make_tiny_checkpoint(
             tensors[name] = torch.randn(shape, generator=g) * 0.08
         else:
             tensors[name] = torch.rand(shape, generator=g) + 0.5
+    save_file({k: v.contiguous() for k, v in tensors.items()}, path / "model.safetensors",
+              metadata={"format": "pt"})
+    return path
+
+
+# Tiny configs of the families served beyond the dense ones, built with transformers' own
+# classes (so config.json and tensor names are exactly what transformers writes).
+HF_FAMILIES = {
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(num_key_value_heads=2, head_dim=16)),
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(num_key_value_heads=2, head_dim=16)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[0])),
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", dict(
+        num_key_value_heads=2, head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, n_group=2, topk_group=1, first_k_dense_replace=1,
+        n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True, use_qk_norm=True,
+        attention_bias=True, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                              "partial_rotary_factor": 0.5})),
+}
+
+
+def _randomise(model: torch.nn.Module) -> None:
+    """Spread the weights so norms, biases and routing all matter (and routing has no
+    near-ties that float rounding could flip)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+            elif name.endswith(".bias"):
+                p.normal_(0, 0.1)
+            elif name.endswith("mlp.gate.weight"):
+                p.normal_(0, 0.5)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.1)
+
+
+def make_hf_checkpoint(
+    path: Path,
+    family: str,
+    num_mtp: int = 0,
+    seed: int = 0,
+    vocab_size: int = 256,
+    num_layers: int = 2,
+    max_positions: int = 512,
+    **overrides,
+) -> Path:
+    """A random checkpoint saved by transformers' own class; with `num_mtp`, MTP layers
+    under the DeepSeek-V3/GLM names `model.layers.{L + m}.{enorm, hnorm, eh_proj,
+    shared_head.norm, shared_head.head, embed_tokens}` + the decoder block, the block being
+    the real layer type at that index (taken from the same class built with L + m layers)."""
+    import transformers
+    from safetensors.torch import load_file
+
+    cfg_name, model_name, extra = HF_FAMILIES[family]
+    cfg_cls, model_cls = getattr(transformers, cfg_name), getattr(transformers, model_name)
+    kw = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=96,
+              num_hidden_layers=num_layers, num_attention_heads=4, max_position_embeddings=
+              max_positions, tie_word_embeddings=False, rms_norm_eps=1e-6, bos_token_id=1,
+              eos_token_id=2, **extra)
+    kw.update(overrides)
+    torch.manual_seed(seed)
+    model = model_cls(cfg_cls(**kw)).eval()
+    _randomise(model)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    if not num_mtp:
+        return path
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["num_nextn_predict_layers"] = num_mtp
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    tensors = load_file(path / "model.safetensors")
+    torch.manual_seed(seed + 1)
+    longer = model_cls(cfg_cls(**{**kw, "num_hidden_layers": num_layers + num_mtp})).eval()
+    _randomise(longer)
+    with tempfile.TemporaryDirectory() as tmp:  # saved, so the tensors carry hub names
+        longer.save_pretrained(tmp, safe_serialization=True)
+        sd = load_file(Path(tmp) / "model.safetensors")
+    h = kw["hidden_size"]
+    g = torch.Generator().manual_seed(seed + 2)
+    for m in range(num_mtp):
+        i = num_layers + m
+        p = f"model.layers.{i}."
+        for name, t in sd.items():
+            if name.startswith(p):
+                tensors[name] = t.clone()
+        tensors[p + "enorm.weight"] = torch.rand(h, generator=g) + 0.5
+        tensors[p + "hnorm.weight"] = torch.rand(h, generator=g) + 0.5
+        tensors[p + "shared_head.norm.weight"] = torch.rand(h, generator=g) + 0.5
+        tensors[p + "eh_proj.weight"] = torch.randn(h, 2 * h, generator=g) * 0.1
+        # The published checkpoints repeat the main embedding and head per MTP layer.
+        tensors[p + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+        tensors[p + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()
     save_file({k: v.contiguous() for k, v in tensors.items()}, path / "model.safetensors",
               metadata={"format": "pt"})
     return path

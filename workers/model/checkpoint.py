@@ -21,9 +21,10 @@ _IGNORABLE = re.compile(r".*rotary_emb\.inv_freq$")
 
 _BLOCK = [
     "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-    "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
-    "mlp.down_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight",
+    "self_attn.o_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight",
 ]
+_DENSE_MLP = ["mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]
+_PROJ = ("gate_proj", "up_proj", "down_proj")
 _BIAS = ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
 _QK_NORM = ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
 
@@ -39,12 +40,24 @@ _MTP_NAMES = {
 }
 
 
-def block_tensor_names(cfg: ModelConfig, prefix: str) -> list[str]:
+def block_tensor_names(cfg: ModelConfig, prefix: str, layer_idx: int = 0) -> list[str]:
+    """Checkpoint names of decoder layer `layer_idx` (its MLP dense or MoE per the config)."""
     names = list(_BLOCK)
     if cfg.attention_bias:
         names += _BIAS
     if cfg.qk_norm:
         names += _QK_NORM
+    if cfg.layer(layer_idx).mlp == "moe":
+        moe = cfg.moe
+        assert moe is not None
+        names.append("mlp.gate.weight")
+        if moe.correction_bias:
+            names.append("mlp.gate.e_score_correction_bias")
+        names += [f"mlp.experts.{e}.{p}.weight" for e in range(moe.num_experts) for p in _PROJ]
+        if moe.num_shared_experts:
+            names += [f"mlp.shared_experts.{p}.weight" for p in _PROJ]
+    else:
+        names += _DENSE_MLP
     return [prefix + n for n in names]
 
 
@@ -68,7 +81,7 @@ def expected_tensors(cfg: ModelConfig) -> tuple[dict[str, str], dict[str, str]]:
     optional: dict[str, str] = {}
     (optional if cfg.tie_word_embeddings else required)["lm_head.weight"] = "lm_head.weight"
     for i in range(cfg.num_hidden_layers):
-        for name in block_tensor_names(cfg, f"model.layers.{i}."):
+        for name in block_tensor_names(cfg, f"model.layers.{i}.", i):
             required[name] = name
     if cfg.mtp_naming == "qwen3_next" and cfg.num_mtp_modules > 1:
         raise NotImplementedError("Qwen3-Next MTP with more than one layer is not supported")
@@ -80,7 +93,7 @@ def expected_tensors(cfg: ModelConfig) -> tuple[dict[str, str], dict[str, str]]:
         for canon in ("head", "embed_tokens"):
             if names[canon]:
                 optional[f"{own}{names[canon]}.weight"] = f"mtp.{m}.{canon}.weight"
-        for name in block_tensor_names(cfg, block):
+        for name in block_tensor_names(cfg, block, cfg.num_hidden_layers + m):
             required[name] = f"mtp.{m}.block." + name[len(block):]
     return required, optional
 
@@ -133,6 +146,16 @@ def expected_shape(cfg: ModelConfig, internal: str) -> tuple[int, ...]:
     h, d = cfg.hidden_size, cfg.head_dim
     leaf = internal.rsplit(".", 2)[-2:]
     key = ".".join(leaf)
+    inter = cfg.intermediate_size
+    if cfg.moe is not None:
+        if ".experts." in internal:
+            inter = cfg.moe.intermediate_size
+        elif ".shared_experts." in internal:
+            inter = cfg.moe.intermediate_size * cfg.moe.num_shared_experts
+        elif internal.endswith("mlp.gate.weight"):
+            return (cfg.moe.num_experts, h)
+        elif internal.endswith("e_score_correction_bias"):
+            return (cfg.moe.num_experts,)
     table = {
         "q_proj.weight": (cfg.num_attention_heads * d, h),
         "k_proj.weight": (cfg.num_key_value_heads * d, h),
@@ -143,9 +166,9 @@ def expected_shape(cfg: ModelConfig, internal: str) -> tuple[int, ...]:
         "o_proj.weight": (h, cfg.num_attention_heads * d),
         "q_norm.weight": (d,),
         "k_norm.weight": (d,),
-        "gate_proj.weight": (cfg.intermediate_size, h),
-        "up_proj.weight": (cfg.intermediate_size, h),
-        "down_proj.weight": (h, cfg.intermediate_size),
+        "gate_proj.weight": (inter, h),
+        "up_proj.weight": (inter, h),
+        "down_proj.weight": (h, inter),
         "eh_proj.weight": (h, 2 * h),
         "embed_tokens.weight": (cfg.vocab_size, h),
         "lm_head.weight": (cfg.vocab_size, h),

@@ -7,13 +7,17 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from mtpserve.workers.model.families import FAMILIES, LayerSpec, MoEConfig
+from mtpserve.workers.model.rope import RopeConfig, UnsupportedConfig, parse_rope
+
 MTPNaming = Literal["deepseek_v3", "mimo", "qwen3_next"]
 
-_FAMILIES = {
-    "llama": dict(attention_bias=False, qk_norm=False),
-    "qwen2": dict(attention_bias=True, qk_norm=False),
-    "qwen3": dict(attention_bias=False, qk_norm=True),
-    "mimo": dict(attention_bias=True, qk_norm=False),  # MiMo is Qwen2-shaped
+# Families we know of but do not serve yet, with the reason (named by `check` and `up`).
+_NOT_YET = {
+    "deepseek_v3": "MLA attention is not implemented yet",
+    "deepseek_v32": "MLA attention and the DSA indexer are not implemented yet",
+    "glm4_moe_lite": "MLA attention is not implemented yet",
+    "qwen3_next": "gated delta-net (linear attention) layers are not implemented",
 }
 
 
@@ -38,6 +42,10 @@ class ModelConfig:
     num_mtp_modules: int = 0
     mtp_naming: MTPNaming = "deepseek_v3"
     eos_token_ids: tuple[int, ...] = ()
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    # One entry per attention layer: main layers, then one per MTP module (its block).
+    layers: tuple[LayerSpec, ...] = ()
+    moe: MoEConfig | None = None
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -45,17 +53,52 @@ class ModelConfig:
         """Main layers plus one decoder block per MTP module, each with its own KV cache."""
         return self.num_hidden_layers + self.num_mtp_modules
 
+    @property
+    def rotary_dim(self) -> int:
+        return self.rope.rotary_dim(self.head_dim)
+
+    def layer(self, index: int) -> LayerSpec:
+        """Attention layer `index` (main layers, then the MTP modules' blocks)."""
+        return self.layers[index] if self.layers else LayerSpec()
+
+    def describe(self) -> list[str]:
+        """The model's inventory, one line per item (printed by `mtpserve check`)."""
+        lines = [f"family: {self.model_type}"]
+        kinds: dict[str, list[int]] = {}
+        for i in range(self.num_hidden_layers):
+            spec = self.layer(i)
+            kinds.setdefault(f"{spec.attention.upper()} + {spec.mlp}", []).append(i)
+        for kind, idx in kinds.items():
+            lines.append(f"layers {_ranges(idx)}: {kind} ({len(idx)})")
+        lines.append(f"attention: {self.num_attention_heads} heads, "
+                     f"{self.num_key_value_heads} KV heads, head dim {self.head_dim}"
+                     + (", qk-norm" if self.qk_norm else "")
+                     + (", qkv bias" if self.attention_bias else ""))
+        if self.moe is not None:
+            lines.append(f"MoE: {self.moe.describe()}")
+        for m in range(self.num_mtp_modules):
+            spec = self.layer(self.num_hidden_layers + m)
+            lines.append(f"MTP module {m} ({self.mtp_naming} naming): "
+                         f"{spec.attention.upper()} + {spec.mlp} block")
+        if not self.num_mtp_modules:
+            lines.append("MTP modules: none")
+        lines.append(f"rope: {self.rope.describe()}")
+        lines.append("quantization: none")
+        return lines
+
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
         model_type = cfg.get("model_type", "llama")
-        family = _FAMILIES.get(model_type)
+        if model_type in _NOT_YET:
+            raise UnsupportedConfig(f"model_type {model_type!r}: {_NOT_YET[model_type]}")
+        family = FAMILIES.get(model_type)
         if family is None:
-            raise ValueError(
-                f"unsupported model_type {model_type!r}; supported: {sorted(_FAMILIES)}"
+            raise UnsupportedConfig(
+                f"unsupported model_type {model_type!r}; supported: {sorted(FAMILIES)}"
             )
-        scaling = cfg.get("rope_scaling")
-        if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
-            raise NotImplementedError(f"rope_scaling {scaling} is not supported")
+        _refuse_unknown_math(cfg)
+        fields = family(cfg)
+        rope = parse_rope(cfg)
         heads = cfg["num_attention_heads"]
         # MTP module count under each published convention.
         if "mtp_num_hidden_layers" in cfg:
@@ -75,14 +118,17 @@ class ModelConfig:
             num_key_value_heads=cfg.get("num_key_value_heads", heads),
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=cfg.get("rope_theta", 10000.0),
+            rope_theta=rope.theta,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            attention_bias=cfg.get("attention_bias", family["attention_bias"]),
-            qk_norm=family["qk_norm"],
+            attention_bias=fields.attention_bias,
+            qk_norm=fields.qk_norm,
             num_mtp_modules=n_mtp,
             mtp_naming=naming,
             eos_token_ids=eos_ids,
+            rope=rope,
+            layers=fields.layers,
+            moe=fields.moe,
             raw=cfg,
         )
 
@@ -106,3 +152,43 @@ def _eos_ids(eos: Any) -> tuple[int, ...]:
     if eos is None:
         return ()
     return tuple(int(t) for t in eos) if isinstance(eos, list) else (int(eos),)
+
+
+def _ranges(idx: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5'."""
+    out: list[str] = []
+    start = prev = idx[0]
+    for i in idx[1:] + [None]:  # type: ignore[list-item]
+        if i is not None and i == prev + 1:
+            prev = i
+            continue
+        out.append(f"{start}" if start == prev else f"{start}-{prev}")
+        if i is not None:
+            start = prev = i
+    return ", ".join(out)
+
+
+def _refuse_unknown_math(cfg: dict[str, Any]) -> None:
+    """Config keys that change the model's math and that we do not implement: refused by name
+    (serving such a model as if they were absent would be silently wrong)."""
+    quant = cfg.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
+        raise UnsupportedConfig(f"quantization_config (quant_method {method!r}) is not supported")
+    if cfg.get("use_sliding_window"):
+        raise UnsupportedConfig(f"use_sliding_window (sliding_window "
+                                f"{cfg.get('sliding_window')}) is not supported")
+    other = sorted({t for t in cfg.get("layer_types") or [] if t != "full_attention"})
+    if other:
+        raise UnsupportedConfig(f"layer_types {other} are not supported (full_attention only)")
+    for key in ("index_topk", "index_n_heads", "index_head_dim"):
+        if cfg.get(key) is not None:
+            raise UnsupportedConfig(f"{key}: a DSA (sparse attention) indexer is not supported")
+    if cfg.get("kv_lora_rank") is not None:
+        raise UnsupportedConfig("kv_lora_rank: MLA attention is not implemented yet")
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise UnsupportedConfig(f"hidden_act {act!r} is not supported (silu only)")
+    for key in ("mlp_bias", "attn_logit_softcapping", "final_logit_softcapping"):
+        if cfg.get(key):
+            raise UnsupportedConfig(f"{key}={cfg[key]!r} is not supported")

@@ -14,6 +14,7 @@ from mtpserve.workers.model.parallel import (
     _plain_loader,
     get_tp,
 )
+from mtpserve.workers.model.rope import RopeConfig, inv_freq_and_scale
 
 
 class RMSNorm(nn.Module):
@@ -34,24 +35,34 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """Non-interleaved RoPE (rotate_half), as in Llama/Qwen; cos/sin cached up to max positions."""
+    """Non-interleaved RoPE (rotate_half), as in Llama/Qwen/GLM; cos/sin cached up to max
+    positions. The rope config (`rope.py`) gives the frequencies (default / YaRN / llama3) and
+    the cos/sin factor (YaRN's attention scaling); `partial_rotary_factor` < 1 rotates only the
+    first `rotary_dim` dims of each head (GLM-4.5)."""
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float) -> None:
+    def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig | float) -> None:
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        if not isinstance(rope, RopeConfig):  # a bare theta (older callers)
+            rope = RopeConfig(theta=float(rope))
+        inv_freq, scale = inv_freq_and_scale(rope, head_dim)
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
-        emb = torch.cat([freqs, freqs], dim=-1)  # [P, D]
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        emb = torch.cat([freqs, freqs], dim=-1)  # [P, rotary_dim]
+        self.rotary_dim = emb.shape[-1]
+        self.register_buffer("cos", emb.cos() * scale, persistent=False)
+        self.register_buffer("sin", emb.sin() * scale, persistent=False)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """[B, S, 1, D] each; computed once per forward and shared by every layer."""
+        """[B, S, 1, rotary_dim] each; computed once per forward and shared by every layer."""
         return self.cos[positions].unsqueeze(2), self.sin[positions].unsqueeze(2)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, S, H, D] (q and k concatenated along H, so one pass serves both)."""
+    """x [B, S, H, D] (q and k concatenated along H, so one pass serves both); the first
+    `cos.shape[-1]` dims rotate, the rest pass through (partial rotary)."""
+    rot = cos.shape[-1]
+    if rot < x.shape[-1]:
+        return torch.cat([apply_rope(x[..., :rot], cos, sin), x[..., rot:]], dim=-1)
     x32 = x if x.dtype == torch.float32 else x.float()
     x1, x2 = x32.chunk(2, dim=-1)
     out = x32 * cos + torch.cat([-x2, x1], dim=-1) * sin
@@ -59,12 +70,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)); gate/up fused in one column-parallel matmul."""
+    """SwiGLU: down(silu(gate(x)) * up(x)); gate/up fused in one column-parallel matmul.
+    `reduce=False` leaves the TP partial sums to the caller (an MoE layer's shared experts,
+    summed with the routed experts in one all-reduce)."""
 
-    def __init__(self, hidden: int, intermediate: int) -> None:
+    def __init__(self, hidden: int, intermediate: int, reduce: bool = True) -> None:
         super().__init__()
         self.gate_up_proj = ColumnParallelLinear(hidden, [intermediate, intermediate])
-        self.down_proj = RowParallelLinear(intermediate, hidden)
+        self.down_proj = RowParallelLinear(intermediate, hidden, reduce=reduce)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -139,12 +152,22 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """Pre-norm attention + MLP block; the MLP is dense or MoE as the config says for layer
+    `layer_idx` (main layers, then MTP blocks at num_hidden_layers + m)."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp: nn.Module
+        if cfg.layer(layer_idx).mlp == "moe":
+            from mtpserve.workers.model.moe import MoE  # moe.py builds on MLP from here
+
+            assert cfg.moe is not None
+            self.mlp = MoE(cfg.hidden_size, cfg.moe)
+        else:
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(
         self,

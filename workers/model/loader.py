@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
@@ -27,7 +28,17 @@ class CheckpointError(ValueError):
     """The checkpoint does not match its config; the message names each bad tensor."""
 
 
-def _fused_target(internal: str) -> tuple[str, int | None]:
+_EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT_PART = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", None)}
+
+
+def _fused_target(internal: str) -> tuple[str, object]:
+    """(parameter, shard id) a checkpoint tensor loads into: fused projections by part,
+    routed experts into the stacked `experts.w13` / `experts.w2` by (expert, part)."""
+    m = _EXPERT.match(internal)
+    if m:
+        param, part = _EXPERT_PART[m.group(3)]
+        return f"{m.group(1)}.{param}", (int(m.group(2)), part)
     parts = internal.split(".")
     if len(parts) >= 2 and parts[-2] in _FUSED:
         fused, shard = _FUSED[parts[-2]]

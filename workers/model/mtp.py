@@ -7,7 +7,21 @@ post-norm hidden for m = 0) with the embedding of token t+1+m:
     h' = DecoderLayer(h')                        # own KV cache, RoPE position t
     out = shared_head.norm(h')                   # -> shared LM head predicts token t+2+m
 
-`out` is also what the next draft step feeds back as `h` (post-norm, like the main model's).
+The hidden-state contract (the same for every family served: DeepSeek-V3/GLM naming, MiMo,
+Qwen3-Next naming):
+- `hnorm` takes the main model's hidden AFTER its final norm (`model.norm`), as transformers
+  feeds `MtpModel` (`generation/candidate_generator.py`: `model_outputs.hidden_states[-1]`,
+  which is the normed last hidden state) and vLLM feeds `DeepSeekMTP` (the main model's
+  normed output).
+- the next draft step (module m+1, or module 0 reused for k > 1) takes `out`, the output
+  AFTER `shared_head.norm` — transformers' `MtpModel.forward` chains `forward_layer`, which
+  returns `MtpLayer`'s post-norm (`shared_head.norm`) output, into the next layer's
+  `last_hidden_states`. (vLLM's DeepSeekMTP feeds the pre-norm block output instead; greedy
+  equality cannot tell the two apart, draft logits can: tests/test_model_families.py checks
+  ours against `MtpModel.forward_layer`.)
+
+The decoder block is the real layer type at index num_hidden_layers + m (an MoE block for
+GLM-4.5 and DeepSeek-V3, whose layers past `first_k_dense_replace` are all MoE).
 """
 
 from __future__ import annotations
@@ -27,13 +41,14 @@ from mtpserve.workers.model.parallel import (
 
 
 class MTPModule(nn.Module):
-    def __init__(self, cfg: ModelConfig, own_head: bool = False, own_embed: bool = False) -> None:
+    def __init__(self, cfg: ModelConfig, module: int = 0, own_head: bool = False,
+                 own_embed: bool = False) -> None:
         super().__init__()
         self.hidden_first = cfg.mtp_naming == "mimo"
         self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.eh_proj = ReplicatedLinear(2 * cfg.hidden_size, cfg.hidden_size)
-        self.block = DecoderLayer(cfg)
+        self.block = DecoderLayer(cfg, cfg.num_hidden_layers + module)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # DeepSeek-V3 checkpoints repeat the embedding and head per module; when a checkpoint
         # omits them the main model's are shared (the loader attaches them on demand).

@@ -74,6 +74,11 @@ def _on_shm(op: Callable[[torch.Tensor], torch.Tensor],
     return op(x) if torch.compiler.is_compiling() else eager(x)
 
 
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the TP ranks (public name, for layers that sum partials themselves)."""
+    return _all_reduce(x)
+
+
 def _all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum over the TP ranks (may reuse `x`; use the result)."""
     tp = get_tp()
@@ -162,10 +167,14 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """Input features split across ranks; partial outputs are summed with an all-reduce."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 reduce: bool = True) -> None:
         super().__init__()
         tp = get_tp()
         self.tp_rank = tp.rank
+        self.reduce = reduce  # False: the caller sums the partials (one all-reduce per layer)
+        if bias and not reduce:
+            raise ValueError("a bias needs the reduced output")
         self.local_in = _divide(in_features, tp.size, "input size")
         self.weight = nn.Parameter(torch.empty(out_features, self.local_in))
         self.weight.weight_loader = self.weight_loader
@@ -182,7 +191,10 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(loaded.narrow(1, self.tp_rank * self.local_in, self.local_in))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = _all_reduce(F.linear(x, self.weight))
+        y = F.linear(x, self.weight)
+        if not self.reduce:
+            return y
+        y = _all_reduce(y)
         return y if self.bias is None else y + self.bias
 
 

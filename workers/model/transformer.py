@@ -1,4 +1,5 @@
-"""Dense decoder (Llama / Qwen2 / Qwen3 families) with DeepSeek-V3-style MTP module(s)."""
+"""Decoder-only causal LM (dense or MoE layers, per `ModelConfig.layers`) with DeepSeek-V3-style
+MTP module(s). Families: `workers/model/families/`."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ class DecoderBody(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -47,8 +48,8 @@ class CausalLM(nn.Module):
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.mtp = nn.ModuleList(MTPModule(cfg) for _ in range(cfg.num_mtp_modules))
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
+        self.mtp = nn.ModuleList(MTPModule(cfg, m) for m in range(cfg.num_mtp_modules))
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope)
 
     def forward(
         self,

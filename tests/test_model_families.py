@@ -1,0 +1,271 @@
+"""Families beyond the dense ones (Qwen3-MoE, GLM-4.5 with its MoE MTP layer) and configs as
+transformers 5 writes them (`rope_parameters`, YaRN, llama3): our logits, expert choices and
+MTP draft logits == transformers on checkpoints its own classes saved; greedy decoding with
+k = 0..3 drafts == plain decoding == transformers; unsupported pieces refused by name."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from tiny_models import HF_FAMILIES, make_hf_checkpoint
+from tiny_tokenizer import VOCAB_SIZE, make_tokenizer
+
+from mtpserve.workers.model.config import ModelConfig
+from mtpserve.workers.model.loader import load_model
+from mtpserve.workers.model.rope import UnsupportedConfig
+from mtpserve.workers.model_runner import ForwardBatch, ModelRunner
+
+YARN = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
+        "original_max_position_embeddings": 32, "beta_fast": 32, "beta_slow": 1}
+LLAMA3 = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+          "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    made: dict[str, Path] = {}
+
+    def make(name: str, family: str, **kw) -> Path:
+        if name not in made:
+            made[name] = make_hf_checkpoint(tmp_path_factory.mktemp("fam") / name, family, **kw)
+        return made[name]
+
+    return make
+
+
+def _reference(path: Path, family: str, num_mtp: int = 0):
+    cls = getattr(transformers, HF_FAMILIES[family][1])
+    ref = cls.from_pretrained(path).eval()
+    if num_mtp:  # let transformers' MtpModel find the MTP layer of a tiny checkpoint
+        ref._keys_to_ignore_on_load_unexpected = [
+            rf"model\.layers\.{ref.config.num_hidden_layers + m}\..*" for m in range(num_mtp)]
+    return ref
+
+
+def _check_paged_logits(path: Path, ref, n_prompt: int, n_more: int, seed: int = 1) -> None:
+    """Chunked prefill + one-token steps through our paged cache == transformers' full
+    forward over the same tokens, within 1e-4 (fp32)."""
+    runner = ModelRunner(path, num_blocks=64, block_size=8)
+    vocab = ref.config.vocab_size
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (n_prompt + n_more,), generator=g).tolist()
+    with torch.no_grad():
+        full = ref(torch.tensor([tokens])).logits[0]
+    blocks = list(range(63, 63 - (n_prompt + n_more) // 8 - 2, -1))
+    half = n_prompt // 2  # two prefill chunks: the second attends to the first through the cache
+    for start, end in ((0, half), (half, n_prompt)):
+        ours = runner.execute(ForwardBatch("main", [tokens[start:end]], [start], [blocks],
+                                           logit_rows=list(range(end - start))))
+        assert (ours - full[start:end]).abs().max().item() <= 1e-4, f"prefill {start}:{end}"
+    for pos in range(n_prompt, n_prompt + n_more):
+        step = runner.execute(ForwardBatch("main", [[tokens[pos]]], [pos], [blocks], [0]))
+        assert (step[0] - full[pos]).abs().max().item() <= 1e-4, f"decode at {pos}"
+
+
+# -- configs as transformers 5 writes them ------------------------------------------------
+
+
+@pytest.mark.parametrize("name,family,rope,prompt", [
+    ("theta1e6", "qwen3", {"rope_type": "default", "rope_theta": 1e6}, 40),
+    ("yarn", "qwen3", YARN, 150),
+    ("llama3", "llama", LLAMA3, 150),
+])
+def test_rope_parameters_match_transformers(ckpt, name, family, rope, prompt) -> None:
+    path = ckpt(name, family, rope_parameters=dict(rope))
+    saved = json.loads((path / "config.json").read_text())
+    assert "rope_theta" not in saved and saved["rope_parameters"]["rope_theta"] == rope[
+        "rope_theta"]  # the transformers-5 layout this test is about
+    cfg = ModelConfig.from_pretrained(path)
+    assert cfg.rope.theta == rope["rope_theta"] and cfg.rope.rope_type == rope["rope_type"]
+    _check_paged_logits(path, _reference(path, family), prompt, 6)
+
+
+def test_yarn_matters_on_the_long_prompt(ckpt) -> None:
+    """The YaRN prompt is long enough that serving it without YaRN would be wrong (so the
+    parity above is evidence that YaRN is applied)."""
+    yarn = load_model(ckpt("yarn", "qwen3", rope_parameters=dict(YARN)))
+    plain = load_model(ckpt("theta1e6-yarnweights", "qwen3", rope_parameters={
+        "rope_type": "default", "rope_theta": 1e6}))
+    plain.load_state_dict(yarn.state_dict())
+    ids = torch.randint(0, 256, (1, 150), generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(150).unsqueeze(0)
+    with torch.no_grad():
+        gap = (yarn.compute_logits(yarn(ids, pos)) - plain.compute_logits(plain(ids, pos)))
+    assert gap.abs().max().item() > 1e-2
+
+
+def test_legacy_top_level_rope_keys(ckpt, tmp_path) -> None:
+    """Hub configs hold `rope_theta` at the top level and the scaling in `rope_scaling`."""
+    src = ckpt("yarn", "qwen3", rope_parameters=dict(YARN))
+    path = tmp_path / "legacy"
+    shutil.copytree(src, path)
+    cfg = json.loads((path / "config.json").read_text())
+    params = cfg.pop("rope_parameters")
+    cfg["rope_theta"] = params.pop("rope_theta")
+    cfg["rope_scaling"] = {**{k: v for k, v in params.items() if k != "rope_type"},
+                           "type": "yarn"}
+    (path / "config.json").write_text(json.dumps(cfg))
+    assert ModelConfig.from_pretrained(path).rope == ModelConfig.from_pretrained(src).rope
+    _check_paged_logits(path, _reference(path, "qwen3"), 60, 2)
+
+
+@pytest.mark.parametrize("patch,named", [
+    ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}},
+     "dynamic"),
+    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "longrope"),
+    ({"rope_parameters": {**YARN, "extrapolation_factor": 2}}, "extrapolation_factor"),
+    ({"quantization_config": {"quant_method": "fp8", "fmt": "e4m3"}}, "quantization_config"),
+    ({"use_sliding_window": True, "sliding_window": 64}, "use_sliding_window"),
+    ({"layer_types": ["sliding_attention", "full_attention"]}, "sliding_attention"),
+    ({"index_topk": 2048}, "index_topk"),
+    ({"model_type": "deepseek_v3", "kv_lora_rank": 16}, "MLA"),
+    ({"model_type": "glm4_moe_lite"}, "MLA"),
+    ({"hidden_act": "gelu"}, "gelu"),
+])
+def test_unsupported_pieces_refused_by_name(ckpt, patch, named) -> None:
+    cfg = json.loads((ckpt("theta1e6", "qwen3", rope_parameters={
+        "rope_type": "default", "rope_theta": 1e6}) / "config.json").read_text())
+    with pytest.raises(UnsupportedConfig, match=named):
+        ModelConfig.from_dict({**cfg, **patch})
+
+
+def test_check_prints_inventory_and_refuses(ckpt, tmp_path, capsys) -> None:
+    from mtpserve.cluster.cli import main
+
+    glm = ckpt("glm", "glm4_moe", num_mtp=1)
+    assert main(["check", str(glm)]) == 0
+    out = capsys.readouterr().out
+    for line in ("family: glm4_moe", "layers 0: GQA + dense (1)", "layers 1: GQA + moe (1)",
+                 "8 experts, top-2 (sigmoid, 1 of 2 groups", "1 shared",
+                 "MTP module 0 (deepseek_v3 naming): GQA + moe block",
+                 "rope: default, theta 10000, partial rotary 0.5"):
+        assert line in out, line
+    bad = tmp_path / "bad"
+    shutil.copytree(glm, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["rope_parameters"] = {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}
+    (bad / "config.json").write_text(json.dumps(cfg))
+    assert main(["check", str(bad)]) != 0
+    assert "'dynamic'" in capsys.readouterr().err
+
+
+# -- MoE families ---------------------------------------------------------------------------
+
+
+def _routing(model: torch.nn.Module, hf: bool) -> list[torch.Tensor]:
+    """Hooks recording each MoE router's chosen experts (sorted per token)."""
+    seen: list[torch.Tensor] = []
+
+    def hook(_mod, _inp, out) -> None:
+        idx = out[2] if hf else out[1]
+        seen.append(idx.sort(dim=-1).values)
+
+    for name, mod in model.named_modules():
+        if name.endswith("mlp.gate") and not name.startswith("mtp"):
+            mod.register_forward_hook(hook)
+    return seen
+
+
+@pytest.mark.parametrize("family,num_mtp", [("qwen3_moe", 0), ("glm4_moe", 1)])
+def test_moe_logits_and_expert_choices_match_transformers(ckpt, family, num_mtp) -> None:
+    path = ckpt(family, family, num_mtp=num_mtp)
+    ref = _reference(path, family)
+    _check_paged_logits(path, ref, 24, 5)
+    ours = load_model(path)
+    ours_seen, ref_seen = _routing(ours, hf=False), _routing(ref, hf=True)
+    ids = torch.randint(0, 256, (1, 30), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        ours(ids, torch.arange(30).unsqueeze(0))
+        ref(ids)
+    assert len(ours_seen) == len(ref_seen) == 1  # layer 1 is MoE, layer 0 dense in both
+    assert torch.equal(ours_seen[0], ref_seen[0])
+    assert len(ours_seen[0].unique()) > 2  # the tokens do not all pick the same experts
+
+
+def test_moe_gathered_and_grouped_experts_agree(ckpt) -> None:
+    """The two batched expert paths (gathered weights for decode and compiled graphs,
+    grouped by expert for prefill) compute the same thing."""
+    moe = load_model(ckpt("glm", "glm4_moe", num_mtp=1)).model.layers[1].mlp
+    x = torch.randn(40, 64, generator=torch.Generator().manual_seed(0))
+    w, idx = moe.gate(x)
+    a = moe.experts._gathered(x, w, idx)
+    b = moe.experts._grouped(x, w, idx)
+    assert (a - b).abs().max().item() <= 1e-5
+
+
+# -- the MTP layer --------------------------------------------------------------------------
+
+
+def test_glm_mtp_draft_logits_match_transformers_mtp_model(ckpt) -> None:
+    """Draft logits of the MoE MTP layer == transformers' `MtpModel` (the DeepSeek/GLM
+    reference): first step from the main model's post-norm hidden, second step reusing the
+    module on its own post-norm output (the contract in workers/model/mtp.py)."""
+    from transformers.modeling_layers import MtpModel
+
+    path = ckpt("glm", "glm4_moe", num_mtp=1)
+    ref = _reference(path, "glm4_moe", num_mtp=1)
+    mtp_ref = MtpModel.from_pretrained(ref).eval()
+    ours = load_model(path)
+    assert type(ours.mtp[0].block.mlp).__name__ == "MoE"
+    ids = torch.randint(0, 256, (1, 21), generator=torch.Generator().manual_seed(2))
+    n = 19
+    pos = torch.arange(n).unsqueeze(0)
+    with torch.no_grad():
+        h_ref = ref.model(ids[:, :n]).last_hidden_state
+        h = ours(ids[:, :n], pos)
+        assert (h - h_ref).abs().max().item() <= 1e-4
+        out_ref = mtp_ref.forward_layer(0, h_ref, pos, None, input_ids=ids[:, 1:n + 1])
+        out = ours.forward_mtp(0, ids[:, 1:n + 1], h, pos)
+        logits_ref = mtp_ref._project_to_logits(out_ref)
+        logits = ours.compute_mtp_logits(0, out)
+        assert (logits - logits_ref).abs().max().item() <= 1e-4
+        # Step 2 (k = 2, module reused): one more entry, fed the last post-norm output and
+        # the first draft.
+        d1 = logits[:, -1].argmax(-1, keepdim=True)
+        prev_ref = torch.cat([h_ref, out_ref[:, -1:]], dim=1)
+        prev = torch.cat([h, out[:, -1:]], dim=1)
+        toks = torch.cat([ids[:, 1:n + 1], d1], dim=1)
+        pos2 = torch.arange(n + 1).unsqueeze(0)
+        step_ref = mtp_ref._project_to_logits(
+            mtp_ref.forward_layer(0, prev_ref, pos2, None, input_ids=toks))
+        step = ours.compute_mtp_logits(0, ours.forward_mtp(0, toks, prev, pos2))
+        assert (step - step_ref).abs().max().item() <= 1e-4
+
+    # The same draft logits through the paged cache (prefill, then MTP over its rows).
+    runner = ModelRunner(path, num_blocks=16, block_size=8)
+    table = [[1, 2, 3]]
+    runner.execute(ForwardBatch("main", [ids[0, :n].tolist()], [0], table, [n - 1]))
+    paged = runner.execute(ForwardBatch("mtp", [ids[0, 1:n + 1].tolist()], [0], table,
+                                        list(range(n)), hidden_from="main",
+                                        hidden_rows=[list(range(n))]))
+    assert (paged - logits_ref[0]).abs().max().item() <= 1e-4
+
+
+def _hf_greedy(ref, prompt: list[int], n: int) -> list[int]:
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(ref(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+@pytest.mark.parametrize("family,num_mtp", [("glm4_moe", 1), ("qwen3_moe", 0)])
+def test_greedy_with_drafts_equals_plain_and_transformers(ckpt, family, num_mtp) -> None:
+    from mtpserve.workers import LLM, SamplingParams
+
+    path = ckpt(f"{family}-tok", family, num_mtp=num_mtp, vocab_size=VOCAB_SIZE)
+    make_tokenizer(path)
+    ref = _reference(path, family)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, VOCAB_SIZE, (n,), generator=g).tolist() for n in (7, 19)]
+    want = [_hf_greedy(ref, p, 16) for p in prompts]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    for k in range(4 if num_mtp else 1):
+        llm = LLM(str(path), num_speculative_tokens=k, num_kv_blocks=64, block_size=4)
+        got = [r.output_token_ids for r in llm.generate(prompts, params)]
+        assert got == want, f"k={k}"

@@ -1,0 +1,19 @@
+"""Model families, one module each (the way vLLM's `models/` is laid out): each reads its
+`config.json` keys into `FamilyFields` (attention flavour, MoE router, per-layer kinds). The
+layers themselves are shared (`layers.py`, `moe.py`) wherever the math is the same."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from mtpserve.workers.model.families import dense, glm4_moe, qwen3_moe
+from mtpserve.workers.model.families.base import FamilyFields, LayerSpec, MoEConfig
+
+FAMILIES: dict[str, Callable[[dict[str, Any]], FamilyFields]] = {
+    **{t: dense.fields for t in dense.MODEL_TYPES},
+    **{t: qwen3_moe.fields for t in qwen3_moe.MODEL_TYPES},
+    **{t: glm4_moe.fields for t in glm4_moe.MODEL_TYPES},
+}
+
+__all__ = ["FAMILIES", "FamilyFields", "LayerSpec", "MoEConfig"]

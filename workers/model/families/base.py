@@ -1,0 +1,72 @@
+"""What a family contributes to `ModelConfig`: attention flavour, MoE routing, layer kinds.
+
+Pure data (no torch), so `config.py` can read any family without importing the layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+AttentionKind = Literal["gqa", "mla"]
+MLPKind = Literal["dense", "moe"]
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Routed experts of one MoE layer (the same in every MoE layer of a model)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # per expert
+    scoring: Literal["softmax", "sigmoid"]
+    norm_topk_prob: bool
+    n_group: int = 1  # grouped top-k (DeepSeek-V3 / GLM): keep the best `topk_group` groups
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    num_shared_experts: int = 0  # one dense MLP of num_shared * intermediate_size, always on
+    correction_bias: bool = False  # `e_score_correction_bias`: biases the choice, not the weight
+
+    def describe(self) -> str:
+        s = f"{self.num_experts} experts, top-{self.top_k} ({self.scoring}"
+        if self.n_group > 1:
+            s += f", {self.topk_group} of {self.n_group} groups"
+        if self.norm_topk_prob:
+            s += ", normalised"
+        if self.routed_scaling_factor != 1.0:
+            s += f", x{self.routed_scaling_factor:g}"
+        s += f"), expert intermediate {self.intermediate_size}"
+        if self.num_shared_experts:
+            s += f", {self.num_shared_experts} shared"
+        return s
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One decoder layer: which attention and which MLP."""
+
+    attention: AttentionKind = "gqa"
+    mlp: MLPKind = "dense"
+
+
+@dataclass(frozen=True)
+class FamilyFields:
+    """The family-specific part of `ModelConfig`; `layers` covers main + MTP layer indices."""
+
+    attention_bias: bool
+    qk_norm: bool
+    layers: tuple[LayerSpec, ...]
+    moe: MoEConfig | None = None
+
+
+def num_experts(cfg: dict[str, Any]) -> int:
+    """Routed expert count under its three spellings."""
+    for key in ("n_routed_experts", "num_experts", "num_local_experts"):
+        if cfg.get(key):
+            return int(cfg[key])
+    return 0
+
+
+def num_layers_with_mtp(cfg: dict[str, Any]) -> int:
+    n_mtp = cfg.get("mtp_num_hidden_layers", cfg.get("num_nextn_predict_layers", 0)) or 0
+    return int(cfg["num_hidden_layers"]) + int(n_mtp)

@@ -1,0 +1,24 @@
+"""Dense decoders: Llama, Qwen2, Qwen3, MiMo (Qwen2-shaped). GQA + SwiGLU in every layer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mtpserve.workers.model.families.base import FamilyFields, LayerSpec, num_layers_with_mtp
+
+_DEFAULTS = {
+    "llama": dict(attention_bias=False, qk_norm=False),
+    "qwen2": dict(attention_bias=True, qk_norm=False),
+    "qwen3": dict(attention_bias=False, qk_norm=True),
+    "mimo": dict(attention_bias=True, qk_norm=False),
+}
+MODEL_TYPES = tuple(_DEFAULTS)
+
+
+def fields(cfg: dict[str, Any]) -> FamilyFields:
+    d = _DEFAULTS[cfg.get("model_type", "llama")]
+    return FamilyFields(
+        attention_bias=bool(cfg.get("attention_bias", d["attention_bias"])),
+        qk_norm=d["qk_norm"],
+        layers=(LayerSpec(),) * num_layers_with_mtp(cfg),
+    )
