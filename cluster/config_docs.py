@@ -46,6 +46,8 @@ ENV_VARS: dict[str, str] = {
     "MTPSERVE_SHM_COLLECTIVES": "`0` makes CPU TP groups all-reduce over gloo instead of "
     "shared memory (for comparison).",
     "MTPSERVE_KV_HOST": "Address KV senders listen on when `kv_transfer.host` is not set.",
+    "MTPSERVE_KV_POLL_COMPLETION": "`1` makes gloo KV pairs poll their ops against the "
+    "deadline as NCCL pairs do (tests run the NCCL control flow on CPU).",
     "MTPSERVE_HEALTH_DEADLINE_S": "Seconds a replica's health check waits for every TP rank "
     "(default 30).",
     "MTPSERVE_TRACE_HOPS": "`1` stamps every streamed chunk with the hops it passed "
@@ -150,9 +152,13 @@ def env_vars_in_source(root: Path = PACKAGE_ROOT) -> set[str]:
 
 def render() -> str:
     """The whole page, deterministic for a given tree."""
-    undocumented = env_vars_in_source() - set(ENV_VARS)
-    if undocumented:
-        raise SystemExit(f"describe {sorted(undocumented)} in cluster/config_docs.py ENV_VARS")
+    found = env_vars_in_source()
+    if found - set(ENV_VARS):
+        raise SystemExit(f"describe {sorted(found - set(ENV_VARS))} in cluster/config_docs.py "
+                         "ENV_VARS")
+    if set(ENV_VARS) - found:
+        raise SystemExit(f"{sorted(set(ENV_VARS) - found)} are no longer read by the code: "
+                         "remove them from cluster/config_docs.py ENV_VARS")
     out = [
         "# Configuration",
         "",
