@@ -157,3 +157,22 @@ def test_readme_shape() -> None:
     assert not re.search(r"\brun ?\d\b|\bsession \d|\bissue #?\d|#\d{1,3}\b|\d+ tests\b", text)
     # The engine claim the README makes is the folder rule test_layering enforces.
     assert "never imports Ray" not in text
+
+
+def test_readme_headline_numbers_come_from_the_result_it_names() -> None:
+    """Every number in the README's speed table is in the result file the section names."""
+    import json
+
+    text = README.read_text()
+    section = text[text.index("## Measured speed"):]
+    section = section[: section.index("\n## ", 1)]
+    (name,) = set(re.findall(r"benchmarks/results/([\w.-]+\.json)", section))
+    result = json.loads((ROOT / "benchmarks" / "results" / name).read_text())
+    known = {f"{result['transformers']['tokens_per_s']:.1f}"}
+    for row in result["engine"]:
+        known |= {f"{row['tokens_per_s']:.1f}", f"{row['mean_accepted_length']:.2f}"}
+        if row["speedup_vs_k0"] is not None:
+            known.add(f"{row['speedup_vs_k0']:.2f}x")
+    table = "\n".join(line for line in section.splitlines() if line.startswith("|"))
+    numbers = re.findall(r"\d+\.\d+x?", table)
+    assert numbers and set(numbers) <= known
