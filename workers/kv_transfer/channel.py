@@ -10,6 +10,7 @@ import logging
 import os
 import secrets
 import socket
+import threading
 import time
 from datetime import timedelta
 from typing import Any
@@ -35,10 +36,13 @@ NCCL_ASYNC_ERROR_HANDLING = "2"
 # Deadlines of data ops: NCCL's `work.wait(timeout)` does not enforce the timeout (only with
 # blocking wait), so NCCL ops are polled (`is_completed()`) against their deadline and the
 # pair's communicator is aborted past it. gloo honours `wait(timeout)`; this variable makes gloo
-# take the polled path too, so CPU tests run the exact control flow NCCL pairs run.
+# take the polled path too, so CPU tests run the exact control flow NCCL pairs run (on gloo
+# an aborted group's pending op still ends only at the group's own timeout; NCCL's abort
+# ends its kernels; either way the caller has moved on at its deadline).
 POLL_COMPLETION_ENV = "MTPSERVE_KV_POLL_COMPLETION"
 _POLL_MAX_PAUSE_S = 5e-4  # longest sleep between polls: the latency a polled op may add
 _NONCE_BYTES = 32
+_OP_SLACK_S = 1.0  # how long past its deadline an abandoned gloo op may still run
 
 
 class KVTransferError(RuntimeError):
@@ -370,7 +374,18 @@ class PairChannel:
             raise self._error(f"cannot {op} {what}: channel is not connected")
         buf = as_bytes(tensor)  # [nbytes] uint8 view; shares memory with `tensor`
         try:
-            if op == "send":
+            if self.poll_work:
+                # A two-rank broadcast from the sending side: the same bytes as send/recv,
+                # and its work reports completion while pending (gloo's p2p work does not
+                # until waited on), so one polled path serves NCCL and its gloo test.
+                opts = dist.BroadcastOptions()
+                opts.rootRank = self.rank if op == "send" else 1 - self.rank
+                opts.rootTensor = 0
+                # gloo cannot abort a pending op: bound it by itself just past our deadline,
+                # so an abandoned one ends soon after (NCCL's abort ends it at once).
+                opts.timeout = timedelta(seconds=max(timeout_s, 1e-3) + _OP_SLACK_S)
+                work = self._group.broadcast([buf], opts)
+            elif op == "send":
                 work = self._group.send([buf], 1 - self.rank, _TAG)
             else:
                 work = self._group.recv([buf], 1 - self.rank, _TAG)
@@ -397,21 +412,32 @@ class PairChannel:
         group, self._group = self._group, None
         if group is None:
             return
-        # gloo: closes the sockets so the peer's pending op fails now instead of timing out;
-        # NCCL: aborts the communicator (its pending kernels end) instead of hanging on it.
-        # Names differ across torch versions; the first one present is used.
-        names = ("abort", "_abort", "shutdown") if self.backend == "nccl" else (
-            "shutdown", "abort")
-        for name in names:
-            fn = getattr(group, name, None)
-            if fn is None:
-                continue
-            try:
-                fn()
-            except RuntimeError:
-                logger.debug("KV channel %s: %s() of the group raised", self.namespace, name,
-                             exc_info=True)
-            return
+        box = [group]
+        del group  # `box` holds the last reference (see below)
+        _abort(box[0], self.backend, self.namespace)
+        if self.poll_work:
+            # Past a deadline an op may still be pending, and the group's destructor waits
+            # for it (gloo: until the op's own timeout, `_OP_SLACK_S` past the deadline):
+            # drop the last reference on another thread, so this one (a pull lane, a pair
+            # thread) is free now. Not a daemon: exit waits for it rather than tearing the
+            # group down mid-destructor (which aborts the process).
+            threading.Thread(target=box.clear, name="kv-pair-reaper").start()
+
+
+def _abort(group: Any, backend: str, namespace: str) -> None:
+    """gloo: close the sockets so the peer's pending op fails now instead of timing out;
+    NCCL: abort the communicator (its pending kernels end) instead of hanging on it. Names
+    differ across torch versions; the first one present is used."""
+    for name in ("abort", "_abort", "shutdown") if backend == "nccl" else ("shutdown", "abort"):
+        fn = getattr(group, name, None)
+        if fn is None:
+            continue
+        try:
+            fn()
+        except RuntimeError:
+            logger.debug("KV channel %s: %s() of the group raised", namespace, name,
+                         exc_info=True)
+        return
 
 
 def _make_group(
