@@ -225,9 +225,14 @@ class DisaggOrchestrator:
     # Prefill ---------------------------------------------------------------------------------
     async def _prefill(self, request: GenerateRequest, deadline: float
                        ) -> KVTransferParams | None:
-        """KV params from a prefill replica, retried once; None: recompute on decode."""
+        """KV params from a prefill replica, retried once; None: recompute on decode. Each
+        attempt has its own request id (`#p{n}` after the first), so a retry that lands on
+        the replica still cleaning up the first attempt is neither refused as a duplicate nor
+        able to free that attempt's hold."""
         for attempt in range(2):
-            response = self.prefill.prefill.remote(request)
+            attempt_request = request if attempt == 0 else dataclasses.replace(
+                request, request_id=f"{request.request_id}#p{attempt}")
+            response = self.prefill.prefill.remote(attempt_request)
             try:
                 return await self._within(_await(response), deadline,
                                           self.config.stall_timeout_s)

@@ -91,11 +91,13 @@ class Prefill:
         self.fail = fail  # calls that fail like a dead replica
         self.held: set[str] = set()
         self.calls = 0
+        self.ids: list[str] = []  # request ids of the prefill calls, in order
         self.renewals = 0
         self.renewable = True  # False: a hold whose lease cannot be extended (lost)
 
     async def prefill(self, req: GenerateRequest) -> KVTransferParams:
         self.calls += 1
+        self.ids.append(req.request_id)
         if self.fail:
             self.fail -= 1
             raise ActorDiedError("The actor died unexpectedly before finishing this task.")
@@ -310,6 +312,9 @@ def test_prefill_retried_then_recomputed_on_decode(engine, prompts, offline) -> 
     orch, prefill, _ = build(engine, prefill_fail=1)
     assert run(collect(orch, request(0, prompts[0]))) == offline[0]
     assert prefill.calls == 2 and orch.num_prefill_retries == 1
+    # The retry has its own id: it cannot collide with (or release) the first attempt's hold.
+    assert len(set(prefill.ids)) == 2 and prefill.ids[1] == prefill.ids[0] + "#p1"
+    assert prefill.held == set()  # the retry's hold was released after its pull
     orch, prefill, _ = build(engine, prefill_fail=2)  # both tries fail: decode recomputes
     assert run(collect(orch, request(1, prompts[1]))) == offline[1]
 

@@ -232,3 +232,22 @@ def test_chat_with_a_lone_surrogate_is_400(served) -> None:
     r = httpx.post(srv.url + "/v1/chat/completions", content=json.dumps(body),
                    headers={"Content-Type": "application/json"}, timeout=60)
     assert r.status_code == 400 and "Unicode" in r.json()["error"]["message"], r.text[:300]
+
+
+def test_held_requests_count_as_duplicates(default_model) -> None:
+    """A prefill-only engine holding a request's KV for transfer refuses the same id again
+    (a retry must come under its own id), and the retry's id is admitted and freed alone."""
+    from mtpserve.workers.engine import EngineError
+
+    eng = make_engine(default_model, 2, role="prefill")
+    eng.add_request("a", PROMPTS[0], greedy(8))
+    drain(eng)
+    assert "a" in eng.prefilled
+    held = eng.block_manager.num_used_blocks
+    with pytest.raises(EngineError, match="duplicate"):
+        eng.add_request("a", PROMPTS[0], greedy(8))
+    eng.add_request("a#p1", PROMPTS[0], greedy(8))
+    drain(eng)
+    assert eng.release_prefilled("a#p1")
+    assert eng.block_manager.num_used_blocks == held and "a" in eng.prefilled
+    assert eng.release_prefilled("a") and eng.block_manager.num_used_blocks == 0

@@ -166,7 +166,7 @@ class KVPuller:
         local0 = head_range(job.num_kv_heads, self.tp_size, self.rank)[0]
         extras: dict[str, torch.Tensor] = {}
         steps = pull_slices(
-            self.receiver, job.sender_addresses, job.request_id, job.num_kv_heads,
+            self.receiver, job.sender_addresses, job.hold_id or job.request_id, job.num_kv_heads,
             self.tp_size, self.rank, timeout_s, buffer=lambda: lane.buffer,
             skip_blocks=job.skip_blocks,
         )

@@ -72,6 +72,7 @@ class KVArrivals(_RankPoller):
         spec = driver.core.spec
         self._renew_every_s = spec.kv_hold_ttl_s / RENEWALS_PER_TTL
         self._leases: dict[str, tuple[tuple[str, ...], float]] = {}  # rid -> (senders, due)
+        self._hold_ids: dict[str, str] = {}  # rid -> the prefill's id for its held KV
         self._renewer = _Renewer(spec.kv_secret, min(self.timeout_s, self._renew_every_s))
 
     def park(self, engine: Engine, req: Request, params: KVTransferParams,
@@ -84,6 +85,8 @@ class KVArrivals(_RankPoller):
         self._params[req.request_id] = params
         self._leases[req.request_id] = (tuple(params.sender_addresses),
                                         time.monotonic() + self._renew_every_s)
+        # The prefill holds the KV under its attempt's id (a retried prefill has its own).
+        self._hold_ids[req.request_id] = params.request_id
 
     def next_poll_in(self) -> float | None:
         sched = self.engine.scheduler
@@ -105,8 +108,9 @@ class KVArrivals(_RankPoller):
         for rid, (senders, at) in list(self._leases.items()):
             if rid not in waiting or rid in sched.cancelled:
                 del self._leases[rid]  # pulled, failed or aborted: its hold is not ours
+                self._hold_ids.pop(rid, None)
             elif at <= now:
-                due.setdefault(senders, []).append(rid)
+                due.setdefault(senders, []).append(self._hold_ids.get(rid, rid))
                 self._leases[rid] = (senders, now + self._renew_every_s)
         for senders, rids in due.items():
             self._renewer.submit(senders, rids)
@@ -145,7 +149,8 @@ class KVArrivals(_RankPoller):
         p = self._params.pop(req.request_id)  # only needed to start the pull
         cached = req.num_registered_blocks  # this replica's prefix cache holds them
         return PullKV(req.request_id, list(p.sender_addresses), list(req.block_ids[cached:]),
-                      p.num_kv_heads, self.timeout_s, skip_blocks=cached)
+                      p.num_kv_heads, self.timeout_s, skip_blocks=cached,
+                      hold_id=p.request_id)
 
 
 class _Renewer:

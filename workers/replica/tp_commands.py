@@ -44,6 +44,7 @@ class PullKV:
     num_kv_heads: int
     timeout_s: float
     skip_blocks: int = 0
+    hold_id: str | None = None  # the prefill's name for the held KV (None: request_id)
 
 
 @dataclass
