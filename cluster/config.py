@@ -428,6 +428,11 @@ class ClusterConfig(_Strict):
         cfg_file = Path(self.model) / "config.json"
         if cfg_file.is_file():
             hf = json.loads(cfg_file.read_text())
+            from mtpserve.workers.model.config import ModelConfig
+
+            # Refuses an unsupported family, rope type or math-changing key by name, here,
+            # before any replica starts (a replica would only fail while loading).
+            ModelConfig.from_dict(hf)
             heads = hf.get("num_attention_heads")
             kv_heads = hf.get("num_key_value_heads", heads)
             for role, tp in (("prefill", self.prefill.tp_size), ("decode", self.decode.tp_size)):

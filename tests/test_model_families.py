@@ -269,3 +269,62 @@ def test_greedy_with_drafts_equals_plain_and_transformers(ckpt, family, num_mtp)
         llm = LLM(str(path), num_speculative_tokens=k, num_kv_blocks=64, block_size=4)
         got = [r.output_token_ids for r in llm.generate(prompts, params)]
         assert got == want, f"k={k}"
+
+
+def test_glm_tp2_equals_tp1(ckpt) -> None:
+    """TP=2 (gloo, two processes): each rank holds half of every expert's intermediate dim
+    and of the shared expert's, routing runs replicated; main and MoE-MTP logits == TP=1."""
+    import torch.multiprocessing as mp
+    from serve_cluster import free_port
+    from test_tensor_parallel import _rank, batches
+
+    path = ckpt("glm", "glm4_moe", num_mtp=1)
+    single = ModelRunner(path, num_blocks=8, block_size=4)
+    want = [single.execute(b) for b in batches()]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank, args=(r, port, str(path), out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = out.get(timeout=120)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert got[-1] == 1  # each rank holds 1 of the 2 KV heads
+    for g, w in zip(got[:-1], want, strict=True):
+        assert (torch.tensor(g) - w).abs().max().item() <= 1e-4
+
+
+@pytest.mark.slow
+def test_compiled_decode_graphs_cover_moe_layers(ckpt) -> None:
+    """Fixed-shape compiled graphs run the MoE layers (gathered experts, static shapes) and
+    the MoE MTP block: same logits as eager, no eager fallback."""
+    path = ckpt("glm", "glm4_moe", num_mtp=1)
+    runners = [ModelRunner(path, num_blocks=32, block_size=4, decode_graphs=g)
+               for g in (False, True)]
+    tables = [[1, 2, 3, 4], [5, 6, 7, 8]]
+    outs: list[list[torch.Tensor]] = [[], []]
+    for runner, out in zip(runners, outs, strict=True):
+        runner.execute(ForwardBatch("main", [[5, 6, 7, 8, 9], [10, 11]], [0, 0], tables, [4, 6]))
+        out.append(runner.execute(ForwardBatch("main", [[7], [8]], [5, 2], tables, [0, 1])))
+        out.append(runner.execute(ForwardBatch("mtp", [[7], [8]], [5, 2], tables, [0, 1],
+                                               hidden_from="main", hidden_rows=[[0], [1]])))
+    assert runners[1].graphs is not None and len(runners[1].graphs.compiled) >= 2
+    for a, b in zip(*outs, strict=True):
+        assert (a - b).abs().max().item() <= 1e-5
+
+
+def test_cluster_config_refuses_unsupported_model(ckpt, tmp_path) -> None:
+    """`mtpserve up` validates the ClusterConfig before starting Ray: the unsupported piece
+    is named there."""
+    from mtpserve.cluster.config import ClusterConfig
+
+    bad = tmp_path / "bad"
+    shutil.copytree(ckpt("glm", "glm4_moe", num_mtp=1), bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "awq"}
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="awq"):
+        ClusterConfig(model=str(bad))
+    ClusterConfig(model=str(ckpt("glm", "glm4_moe", num_mtp=1)))  # the family itself is fine
