@@ -30,9 +30,10 @@ from mtpserve.workers.engine_config import (
     resolve_dtype,
 )
 from mtpserve.workers.model_runner import ForwardBatch, ModelRunner
-from mtpserve.workers.outputs import RequestOutput, append_tokens, failed_output
+from mtpserve.workers.outputs import RequestOutput, failed_output
 from mtpserve.workers.prefix_cache import cache_salt
 from mtpserve.workers.request import Request, RequestStatus
+from mtpserve.workers.round_limits import RoundLimits
 from mtpserve.workers.round_outcomes import RoundOutcomes
 from mtpserve.workers.sampling_params import SamplingParams
 from mtpserve.workers.scheduler import PrefillChunk, Scheduler
@@ -45,7 +46,7 @@ __all__ = ["DTYPES", "Engine", "EngineConfig", "EngineError", "RequestOutput"]
 logger = logging.getLogger(__name__)
 
 
-class Engine(RoundOutcomes):
+class Engine:
     """Scheduler + model runner + MTP proposer + rejection sampler (module docstring)."""
 
     def __init__(self, config: EngineConfig, runner: ModelRunner | None = None) -> None:
@@ -72,19 +73,23 @@ class Engine(RoundOutcomes):
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
             config.mixed_prefill_tokens if config.mixed_batches else 0)
-        self.proposer = MTPProposer(self.runner.execute, mcfg.num_mtp_modules, self._banned)
         self.sampler = RejectionSampler()
         # Always present: it observes every round (windows, metrics hook into it); it only
         # changes k when adaptive_k is on.
         self.adaptive = AdaptiveK(config.num_speculative_tokens, enabled=config.adaptive_k)
+        self.eos_ids = set(mcfg.eos_token_ids)  # config.json + generation_config.json
+        self.limits = RoundLimits(self.adaptive, self.scheduler, self.eos_ids,
+                                  self.max_model_len)
+        self.proposer = MTPProposer(self.runner.execute, mcfg.num_mtp_modules,
+                                    self.limits.banned)
+        self.outcomes = RoundOutcomes(self.runner, self.block_manager, self.sampler,
+                                      self.adaptive, self.limits, mcfg.num_mtp_modules)
         self.requests: dict[str, Request] = {}
         # A serving engine compiles before its replica reports ready; an offline one compiles
         # only what `LLM.generate` asks for. Either way a bucket never compiled runs eagerly:
         # nothing compiles inside a step.
         self.warmup(budget_s=None if config.role != "both" else 0.0)
         self.prefilled: dict[str, Request] = {}  # role "prefill": KV held for transfer
-        self.eos_ids = set(mcfg.eos_token_ids)  # config.json + generation_config.json
-        self.totals = {"rounds": 0, "drafted": 0, "accepted": 0, "emitted": 0}
         self.num_steps = 0  # engine steps that ran a forward (pulls per step: gpu_check)
 
     def warmup(self, max_batch: int | None = None, max_context: int | None = None,
@@ -272,15 +277,18 @@ class Engine(RoundOutcomes):
         wrote in the same forward), so a chunk riding along a decode round pads the verify
         rows only to W, not to the chunk's length."""
         for r in reqs:  # drafting is capped the same way; this only guards transferred drafts
-            room = max(self._room(r), 0)
+            room = max(self.limits.room(r), 0)
             if len(r.draft_token_ids) > room:
                 r.draft_token_ids = r.draft_token_ids[:room]
                 if r.draft_probs is not None:
                     r.draft_probs = r.draft_probs[:room]
         if not chunks and reqs:
-            fused = self._greedy_round(reqs)
+            fused = self.outcomes.greedy_round(reqs)
             if fused is not None:
-                return fused
+                outputs, finished = fused
+                for r in finished:
+                    self._finish(r)
+                return outputs
         S = max((len(r.draft_token_ids) for r in reqs), default=-1) + 1  # verify row length
         lens = [c.end - c.start for c in chunks]
         if not reqs:
@@ -314,9 +322,10 @@ class Engine(RoundOutcomes):
         n_verify = len(logit_rows)
         outputs, extends, done = [], [], []
         if reqs:
-            outputs, extends, done = self._verify(reqs, raw[:n_verify], S, W)
+            outputs, extends, done = self.outcomes.verify(reqs, raw[:n_verify], S, W)
         if chunks:
-            p_out, p_ext = self._prefilled_chunks(chunks, raw[n_verify:], last, chunk_rows, W)
+            p_out, p_ext = self.outcomes.prefilled_chunks(chunks, raw[n_verify:], last,
+                                                          chunk_rows, W)
             outputs += p_out
             extends += p_ext
         for r in done:
@@ -339,37 +348,18 @@ class Engine(RoundOutcomes):
             self.scheduler.finish_prefill(req)
 
     # Helpers -----------------------------------------------------------------------------
-    def _k(self, req: Request) -> int:
-        k = req.num_speculative_tokens
-        return self.adaptive.k_for(req, len(self.scheduler.running)) if k else k
-
-    def _room(self, req: Request) -> int:
-        """Drafts the next round may verify: the round writes main KV up to position n + k
-        and emits up to k + 1 tokens, within the window and the token budget. Drafting
-        writes MTP entries up to n + k - 2, so the same cap keeps it inside the window."""
-        return min(self.max_model_len - 2 - req.num_computed_tokens,
-                   req.params.max_tokens - req.num_output_tokens - 1)
-
-    def _num_drafts(self, req: Request) -> int:
-        return max(0, min(self._k(req), self._room(req)))
-
-    def _banned(self, req: Request, position: int) -> list[int]:
-        """Token ids the token at `position` may not be: EOS / stop ids before min_tokens."""
-        p = req.params
-        if position - len(req.prompt_token_ids) >= p.min_tokens:
-            return []
-        return list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(self.eos_ids))
-
-    def _append(self, req: Request, tokens: list[int]) -> list[int]:
-        return append_tokens(req, tokens, self.eos_ids, self.max_model_len)
-
     def _finish(self, req: Request) -> None:
         req.finish_time = time.monotonic()
         self.scheduler.remove(req)
         self.requests.pop(req.request_id, None)
 
+    @property
+    def totals(self) -> dict[str, int]:
+        """Rounds, drafted, accepted and emitted tokens since start (metrics read these)."""
+        return self.outcomes.totals
+
     def stats(self) -> dict:
-        t = self.totals
+        t = self.outcomes.totals
         return {
             **self.block_manager.stats(),
             "num_waiting": len(self.scheduler.waiting),

@@ -1,22 +1,29 @@
 """What a forward's logits decide: the verify / sampling half of `Engine.step`.
 
-`RoundOutcomes` is the part of the engine that turns logits into tokens and request state:
-rejection-sampling a speculative round (`_verify`), the whole greedy round as one compiled
-graph when it applies (`_greedy_round`), first tokens of finished prompts and the MTP extends
-they need (`_prefilled_chunks`, `_sample`), and the per-position acceptance counters. It reads
-the engine's state (runner, scheduler, block manager, sampler, adaptive k) and its helpers
-(`_k`, `_room`, `_num_drafts`, `_banned`, `_append`, `_finish`), defined on `Engine`.
+`RoundOutcomes` turns logits into tokens and request state: rejection-sampling a speculative
+round (`verify`), the whole greedy round as one compiled graph when it applies
+(`greedy_round`), first tokens of finished prompts and the MTP extends they need
+(`prefilled_chunks`, `sample`), and the per-position acceptance counters (`totals`). Its inputs
+are explicit: the runner (forwards), the block manager (rollback, prefix-cache naming), the
+rejection sampler, adaptive k and the round limits. It never removes a request: each call
+returns the requests that finished and the engine retires them.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
+from mtpserve.workers.adaptive_k import AdaptiveK
+from mtpserve.workers.block_manager import BlockManager
 from mtpserve.workers.outputs import RequestOutput, request_output, token_logprobs
 from mtpserve.workers.request import Request
+from mtpserve.workers.round_limits import RoundLimits
 from mtpserve.workers.scheduler import PrefillChunk, draft_slots
 from mtpserve.workers.spec_decode.keyed_random import SLOT_FINAL, uniforms_for
 from mtpserve.workers.spec_decode.mtp_proposer import MTPExtend
+from mtpserve.workers.spec_decode.rejection_sampler import RejectionSampler
 from mtpserve.workers.spec_decode.sampling import (
     processed_probs,
     sample_with_uniforms,
@@ -25,22 +32,33 @@ from mtpserve.workers.spec_decode.sampling import (
 
 
 class RoundOutcomes:
-    """Mixin of `Engine`: logits -> emitted tokens, rollback, drafts to extend."""
+    """Logits -> emitted tokens, rollback, drafts to extend (module docstring)."""
 
-    def _greedy_round(self, reqs: list[Request]) -> list[RequestOutput] | None:
+    def __init__(self, runner: Any, block_manager: BlockManager, sampler: RejectionSampler,
+                 adaptive: AdaptiveK, limits: RoundLimits, num_mtp_modules: int) -> None:
+        self.runner = runner  # a workers.model_runner.Runner
+        self.block_manager = block_manager
+        self.sampler = sampler
+        self.adaptive = adaptive
+        self.limits = limits
+        self.num_mtp_modules = num_mtp_modules
+        self.totals = {"rounds": 0, "drafted": 0, "accepted": 0, "emitted": 0}
+
+    def greedy_round(self, reqs: list[Request]
+                     ) -> tuple[list[RequestOutput], list[Request]] | None:
         """The round as one compiled graph (ModelRunner.greedy_round) when every row is greedy
         with the same k and nothing per-token applies (logprobs, a min_tokens mask, adaptive
         k); None otherwise, or when no graph fits. Same tokens and drafts as step by step."""
         K = len(reqs[0].draft_token_ids)
         if (not getattr(self.runner, "fuses_greedy_rounds", False) or K == 0
                 or self.adaptive.enabled
-                or self.model_config.num_mtp_modules != 1
-                or any(len(r.draft_token_ids) != K or self._k(r) != K or not r.params.greedy
+                or self.num_mtp_modules != 1
+                or any(len(r.draft_token_ids) != K or self.limits.k(r) != K or not r.params.greedy
                        or r.params.logprobs is not None
                        or r.num_output_tokens < r.params.min_tokens for r in reqs)):
             return None
         # Drafts the next round may make if this one accepts nothing (it emits one token).
-        room = [self._room(r) - 1 for r in reqs]
+        room = [self.limits.room(r) - 1 for r in reqs]
         res = self.runner.greedy_round(
             [[r.output_token_ids[-1]] + r.draft_token_ids for r in reqs],
             [r.num_computed_tokens for r in reqs], [r.block_ids for r in reqs], room)
@@ -49,22 +67,19 @@ class RoundOutcomes:
         outputs = []
         for r, acc, bonus, drafts in zip(reqs, *res, strict=True):
             n = r.num_computed_tokens
-            emitted = self._append(r, r.draft_token_ids[:acc] + [bonus])
-            self._count_round(r, K, min(acc, len(emitted)), emitted)
+            emitted = self.limits.append(r, r.draft_token_ids[:acc] + [bonus])
+            self.count_round(r, K, min(acc, len(emitted)), emitted)
             r.draft_token_ids, r.draft_probs = [], None
             if not r.finished:
                 r.num_computed_tokens = n + acc + 1
                 self.block_manager.truncate(r, draft_slots(r))
-                r.draft_token_ids = drafts[: self._num_drafts(r)]
+                r.draft_token_ids = drafts[: self.limits.num_drafts(r)]
             # The graph wrote the MTP entries of the accepted tokens only if it went on.
             self.block_manager.register(r, n if r.finished else r.num_computed_tokens)
             outputs.append(request_output(r, emitted))
-        for r in reqs:
-            if r.finished:
-                self._finish(r)
-        return outputs
+        return outputs, [r for r in reqs if r.finished]
 
-    def _count_round(self, r: Request, k_used: int, a: int, emitted: list[int]) -> None:
+    def count_round(self, r: Request, k_used: int, a: int, emitted: list[int]) -> None:
         """Per-position and engine counters of one verified round (a: accepted drafts that
         were emitted; drafts cut off by a stop condition never were)."""
         for i in range(k_used):
@@ -77,7 +92,7 @@ class RoundOutcomes:
         self.totals["emitted"] += len(emitted)
         self.adaptive.observe(k_used, a)
 
-    def _prefilled_chunks(self, chunks: list[PrefillChunk], logits: torch.Tensor,
+    def prefilled_chunks(self, chunks: list[PrefillChunk], logits: torch.Tensor,
                           last: list[int], chunk_rows: list[list[int]], W: int
                           ) -> tuple[list[RequestOutput], list[MTPExtend]]:
         """Bookkeeping after the forward that computed `chunks` (logits [len(last), V]: the
@@ -85,7 +100,7 @@ class RoundOutcomes:
         # A recompute (preempted / resumed request) stops one token short of the end and
         # samples nothing: its last emitted token is verified next round with fresh drafts.
         fresh = [i for i, j in enumerate(last) if not chunks[j].request.output_token_ids]
-        first = dict(zip(fresh, self._sample(logits[fresh], [chunks[last[i]].request
+        first = dict(zip(fresh, self.sample(logits[fresh], [chunks[last[i]].request
                                                              for i in fresh]), strict=True))
         for c in chunks:
             c.request.num_computed_tokens = c.end
@@ -95,7 +110,7 @@ class RoundOutcomes:
             req = c.request
             if c.is_last and last.index(j) in fresh:
                 i = last.index(j)
-                emitted = self._append(req, [first[i]])
+                emitted = self.limits.append(req, [first[i]])
                 self.totals["emitted"] += len(emitted)
                 lp = token_logprobs(logits[i : i + 1], emitted, req.params.logprobs)
                 outputs.append(request_output(req, emitted, lp))
@@ -108,18 +123,18 @@ class RoundOutcomes:
             # One MTP entry row per main row (same split), drafts from the last one.
             for p in range(0, len(tokens), W):
                 q = min(p + W, len(tokens))
-                drafts = self._num_drafts(req) if c.is_last and q == len(tokens) else 0
+                drafts = self.limits.num_drafts(req) if c.is_last and q == len(tokens) else 0
                 extends.append(MTPExtend(req, c.start + p, tokens[p:q], chunk_rows[j][p:q],
                                          drafts))
         return outputs, extends
 
-    def _verify(self, reqs: list[Request], raw: torch.Tensor, S: int, W: int
+    def verify(self, reqs: list[Request], raw: torch.Tensor, S: int, W: int
                 ) -> tuple[list[RequestOutput], list[MTPExtend], list[Request]]:
         """Rejection-sample a round (raw [R * S, V]: row b * S + s; main rows b * W + s) and
         update the requests. Returns outputs, MTP extends and the requests that finished."""
         # Row (b, s) decides the token at position n_b + 1 + s; min_tokens masks it like q.
         first_pos = [r.num_computed_tokens + 1 for r in reqs]
-        logits = suppress_tokens(raw, [self._banned(r, first_pos[b] + s)
+        logits = suppress_tokens(raw, [self.limits.banned(r, first_pos[b] + s)
                                        for b, r in enumerate(reqs) for s in range(S)])
         result = self.sampler(logits.view(len(reqs), S, -1), [r.draft_token_ids for r in reqs],
                               [r.draft_probs for r in reqs], [r.params for r in reqs],
@@ -129,11 +144,11 @@ class RoundOutcomes:
         for b, r in enumerate(reqs):
             k_used = len(r.draft_token_ids)
             n = r.num_computed_tokens
-            emitted = self._append(r, result.output_token_ids[b])
+            emitted = self.limits.append(r, result.output_token_ids[b])
             emitted_rows.append(emitted)
             # Drafts cut off by EOS / a stop token / the length limit were never emitted.
             a = min(result.num_accepted[b], len(emitted))
-            self._count_round(r, k_used, a, emitted)
+            self.count_round(r, k_used, a, emitted)
             r.draft_token_ids, r.draft_probs = [], None
             if r.finished:
                 self.block_manager.register(r, n)
@@ -144,7 +159,7 @@ class RoundOutcomes:
             self.block_manager.register(r, r.num_computed_tokens)
             if r.num_speculative_tokens:
                 extends.append(MTPExtend(r, n, emitted, [b * W + i for i in range(a + 1)],
-                                         self._num_drafts(r)))
+                                         self.limits.num_drafts(r)))
         for b, r in enumerate(reqs):
             # Row (b, s) of the verify forward is the plain forward's row for emitted token s.
             lp = token_logprobs(raw[b * S : b * S + len(emitted_rows[b])], emitted_rows[b],
@@ -152,12 +167,12 @@ class RoundOutcomes:
             outputs.append(request_output(r, emitted_rows[b], lp))
         return outputs, extends, [r for r in reqs if r.finished]
 
-    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> list[int]:
+    def sample(self, logits: torch.Tensor, reqs: list[Request]) -> list[int]:
         """The first token of each request (logits [R, V]), keyed at its position."""
         if not reqs:
             return []
         pos = [r.num_tokens for r in reqs]
-        logits = suppress_tokens(logits, [self._banned(r, p) for r, p in zip(reqs, pos,
+        logits = suppress_tokens(logits, [self.limits.banned(r, p) for r, p in zip(reqs, pos,
                                                                              strict=True)])
         tokens = logits.argmax(dim=-1)
         rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
