@@ -44,6 +44,9 @@ def _reference(path: Path, family: str, num_mtp: int = 0):
     if num_mtp:  # let transformers' MtpModel find the MTP layer of a tiny checkpoint
         ref._keys_to_ignore_on_load_unexpected = [
             rf"model\.layers\.{ref.config.num_hidden_layers + m}\..*" for m in range(num_mtp)]
+        if family == "glm4_moe_lite":  # its config class does not declare the MTP layer yet
+            ref.config.num_mtp_layers = num_mtp
+            ref.config.mtp_mlp_layer_types = ["sparse"] * num_mtp
     return ref
 
 
@@ -123,8 +126,9 @@ def test_legacy_top_level_rope_keys(ckpt, tmp_path) -> None:
     ({"use_sliding_window": True, "sliding_window": 64}, "use_sliding_window"),
     ({"layer_types": ["sliding_attention", "full_attention"]}, "sliding_attention"),
     ({"index_topk": 2048}, "index_topk"),
-    ({"model_type": "deepseek_v3", "kv_lora_rank": 16}, "MLA"),
-    ({"model_type": "glm4_moe_lite"}, "MLA"),
+    ({"kv_lora_rank": 16}, "kv_lora_rank"),
+    ({"model_type": "deepseek_v32"}, "DSA"),
+    ({"model_type": "qwen3_next"}, "qwen3_next"),
     ({"hidden_act": "gelu"}, "gelu"),
 ])
 def test_unsupported_pieces_refused_by_name(ckpt, patch, named) -> None:
@@ -137,7 +141,7 @@ def test_unsupported_pieces_refused_by_name(ckpt, patch, named) -> None:
 def test_check_prints_inventory_and_refuses(ckpt, tmp_path, capsys) -> None:
     from mtpserve.cluster.cli import main
 
-    glm = ckpt("glm", "glm4_moe", num_mtp=1)
+    glm = ckpt("glm4_moe", "glm4_moe", num_mtp=1)
     assert main(["check", str(glm)]) == 0
     out = capsys.readouterr().out
     for line in ("family: glm4_moe", "layers 0: GQA + dense (1)", "layers 1: GQA + moe (1)",
@@ -171,7 +175,11 @@ def _routing(model: torch.nn.Module, hf: bool) -> list[torch.Tensor]:
     return seen
 
 
-@pytest.mark.parametrize("family,num_mtp", [("qwen3_moe", 0), ("glm4_moe", 1)])
+MOE_FAMILIES = [("qwen3_moe", 0), ("glm4_moe", 1), ("deepseek_v3", 1), ("glm4_moe_lite", 1)]
+MTP_FAMILIES = ["glm4_moe", "deepseek_v3", "glm4_moe_lite"]
+
+
+@pytest.mark.parametrize("family,num_mtp", MOE_FAMILIES)
 def test_moe_logits_and_expert_choices_match_transformers(ckpt, family, num_mtp) -> None:
     path = ckpt(family, family, num_mtp=num_mtp)
     ref = _reference(path, family)
@@ -190,7 +198,7 @@ def test_moe_logits_and_expert_choices_match_transformers(ckpt, family, num_mtp)
 def test_moe_gathered_and_grouped_experts_agree(ckpt) -> None:
     """The two batched expert paths (gathered weights for decode and compiled graphs,
     grouped by expert for prefill) compute the same thing."""
-    moe = load_model(ckpt("glm", "glm4_moe", num_mtp=1)).model.layers[1].mlp
+    moe = load_model(ckpt("glm4_moe", "glm4_moe", num_mtp=1)).model.layers[1].mlp
     x = torch.randn(40, 64, generator=torch.Generator().manual_seed(0))
     w, idx = moe.gate(x)
     a = moe.experts._gathered(x, w, idx)
@@ -201,14 +209,15 @@ def test_moe_gathered_and_grouped_experts_agree(ckpt) -> None:
 # -- the MTP layer --------------------------------------------------------------------------
 
 
-def test_glm_mtp_draft_logits_match_transformers_mtp_model(ckpt) -> None:
+@pytest.mark.parametrize("family", MTP_FAMILIES)
+def test_mtp_draft_logits_match_transformers_mtp_model(ckpt, family) -> None:
     """Draft logits of the MoE MTP layer == transformers' `MtpModel` (the DeepSeek/GLM
     reference): first step from the main model's post-norm hidden, second step reusing the
     module on its own post-norm output (the contract in workers/model/mtp.py)."""
     from transformers.modeling_layers import MtpModel
 
-    path = ckpt("glm", "glm4_moe", num_mtp=1)
-    ref = _reference(path, "glm4_moe", num_mtp=1)
+    path = ckpt(family, family, num_mtp=1)
+    ref = _reference(path, family, num_mtp=1)
     mtp_ref = MtpModel.from_pretrained(ref).eval()
     ours = load_model(path)
     assert type(ours.mtp[0].block.mlp).__name__ == "MoE"
@@ -254,7 +263,8 @@ def _hf_greedy(ref, prompt: list[int], n: int) -> list[int]:
     return ids[len(prompt):]
 
 
-@pytest.mark.parametrize("family,num_mtp", [("glm4_moe", 1), ("qwen3_moe", 0)])
+@pytest.mark.parametrize("family,num_mtp", [("glm4_moe", 1), ("qwen3_moe", 0),
+                                             ("deepseek_v3", 1)])
 def test_greedy_with_drafts_equals_plain_and_transformers(ckpt, family, num_mtp) -> None:
     from mtpserve.workers import LLM, SamplingParams
 
@@ -271,14 +281,16 @@ def test_greedy_with_drafts_equals_plain_and_transformers(ckpt, family, num_mtp)
         assert got == want, f"k={k}"
 
 
-def test_glm_tp2_equals_tp1(ckpt) -> None:
+@pytest.mark.parametrize("family", ["glm4_moe", "deepseek_v3"])
+def test_tp2_equals_tp1(ckpt, family) -> None:
     """TP=2 (gloo, two processes): each rank holds half of every expert's intermediate dim
-    and of the shared expert's, routing runs replicated; main and MoE-MTP logits == TP=1."""
+    and of the shared expert's, routing runs replicated; main and MoE-MTP logits == TP=1.
+    MLA: heads split, the latent cache replicated (one 'head' per rank)."""
     import torch.multiprocessing as mp
     from serve_cluster import free_port
     from test_tensor_parallel import _rank, batches
 
-    path = ckpt("glm", "glm4_moe", num_mtp=1)
+    path = ckpt(family, family, num_mtp=1)
     single = ModelRunner(path, num_blocks=8, block_size=4)
     want = [single.execute(b) for b in batches()]
     ctx = mp.get_context("spawn")
@@ -291,7 +303,7 @@ def test_glm_tp2_equals_tp1(ckpt) -> None:
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0
-    assert got[-1] == 1  # each rank holds 1 of the 2 KV heads
+    assert got[-1] == 1  # GQA: 1 of the 2 KV heads per rank; MLA: the whole latent
     for g, w in zip(got[:-1], want, strict=True):
         assert (torch.tensor(g) - w).abs().max().item() <= 1e-4
 
@@ -300,7 +312,7 @@ def test_glm_tp2_equals_tp1(ckpt) -> None:
 def test_compiled_decode_graphs_cover_moe_layers(ckpt) -> None:
     """Fixed-shape compiled graphs run the MoE layers (gathered experts, static shapes) and
     the MoE MTP block: same logits as eager, no eager fallback."""
-    path = ckpt("glm", "glm4_moe", num_mtp=1)
+    path = ckpt("glm4_moe", "glm4_moe", num_mtp=1)
     runners = [ModelRunner(path, num_blocks=32, block_size=4, decode_graphs=g)
                for g in (False, True)]
     tables = [[1, 2, 3, 4], [5, 6, 7, 8]]
@@ -321,10 +333,33 @@ def test_cluster_config_refuses_unsupported_model(ckpt, tmp_path) -> None:
     from mtpserve.cluster.config import ClusterConfig
 
     bad = tmp_path / "bad"
-    shutil.copytree(ckpt("glm", "glm4_moe", num_mtp=1), bad)
+    shutil.copytree(ckpt("glm4_moe", "glm4_moe", num_mtp=1), bad)
     cfg = json.loads((bad / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": "awq"}
     (bad / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="awq"):
         ClusterConfig(model=str(bad))
-    ClusterConfig(model=str(ckpt("glm", "glm4_moe", num_mtp=1)))  # the family itself is fine
+    ClusterConfig(model=str(ckpt("glm4_moe", "glm4_moe", num_mtp=1)))  # the family itself is fine
+
+
+DS_YARN = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+           "original_max_position_embeddings": 32, "mscale": 0.707, "mscale_all_dim": 1.0,
+           "beta_fast": 32, "beta_slow": 1}
+
+
+def test_mla_yarn_with_attention_scale_correction(ckpt) -> None:
+    """DeepSeek's YaRN: cos/sin factor mscale/mscale_all_dim and the softmax scale times
+    mscale(factor, mscale_all_dim)^2, over a prompt long enough that both matter."""
+    path = ckpt("ds-yarn", "deepseek_v3", num_mtp=1, rope_parameters=dict(DS_YARN))
+    cfg = ModelConfig.from_pretrained(path)
+    assert cfg.rope.mscale_all_dim == 1.0 and cfg.mla is not None
+    _check_paged_logits(path, _reference(path, "deepseek_v3"), 120, 4)
+
+
+def test_mla_cache_holds_only_the_latent(ckpt) -> None:
+    """Per token and layer the paged cache holds kv_lora_rank + qk_rope_head_dim values
+    (no head axis): 40 for the tiny DeepSeek, against 2 * heads * head_dim for GQA."""
+    runner = ModelRunner(ckpt("deepseek_v3", "deepseek_v3", num_mtp=1), num_blocks=8,
+                         block_size=4)
+    layer = runner.kv_cache.layers[0]
+    assert layer.shape == (2, 8, 4, 1, 20) and len(runner.kv_cache.layers) == 3

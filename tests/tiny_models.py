@@ -94,6 +94,16 @@ HF_FAMILIES = {
         n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True, use_qk_norm=True,
         attention_bias=True, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                               "partial_rotary_factor": 0.5})),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, n_group=2, topk_group=1, first_k_dense_replace=1,
+        n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True)),
+    "glm4_moe_lite": ("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM", dict(
+        num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=24, n_routed_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, n_group=1, topk_group=1, first_k_dense_replace=1,
+        n_shared_experts=1, routed_scaling_factor=1.8, norm_topk_prob=True)),
 }
 
 

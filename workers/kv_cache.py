@@ -26,8 +26,8 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        kv_heads = cfg.num_key_value_heads // get_tp().size
-        shape = (2, num_blocks + 1, block_size, kv_heads, cfg.head_dim)
+        kv_heads, head_dim = cfg.kv_cache_layout(get_tp().size)  # GQA heads or MLA latent
+        shape = (2, num_blocks + 1, block_size, kv_heads, head_dim)
         self.buffers = [
             torch.zeros(shape, dtype=dtype, device=device)
             for _ in range(cfg.num_attention_layers)

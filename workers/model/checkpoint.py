@@ -43,6 +43,13 @@ _MTP_NAMES = {
 def block_tensor_names(cfg: ModelConfig, prefix: str, layer_idx: int = 0) -> list[str]:
     """Checkpoint names of decoder layer `layer_idx` (its MLP dense or MoE per the config)."""
     names = list(_BLOCK)
+    if cfg.layer(layer_idx).attention == "mla":
+        assert cfg.mla is not None
+        names = [n for n in names if not n.startswith("self_attn.")] + [
+            f"self_attn.{n}.weight" for n in (
+                ("q_proj",) if cfg.mla.q_lora_rank is None
+                else ("q_a_proj", "q_a_layernorm", "q_b_proj"))
+            + ("kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")]
     if cfg.attention_bias:
         names += _BIAS
     if cfg.qk_norm:
@@ -147,6 +154,19 @@ def expected_shape(cfg: ModelConfig, internal: str) -> tuple[int, ...]:
     leaf = internal.rsplit(".", 2)[-2:]
     key = ".".join(leaf)
     inter = cfg.intermediate_size
+    mla = cfg.mla
+    if mla is not None and ".self_attn." in internal:
+        H = cfg.num_attention_heads
+        return {
+            "q_proj.weight": (H * mla.qk_head_dim, h),
+            "q_a_proj.weight": (mla.q_lora_rank or 0, h),
+            "q_a_layernorm.weight": (mla.q_lora_rank or 0,),
+            "q_b_proj.weight": (H * mla.qk_head_dim, mla.q_lora_rank or 0),
+            "kv_a_proj_with_mqa.weight": (mla.latent_dim, h),
+            "kv_a_layernorm.weight": (mla.kv_lora_rank,),
+            "kv_b_proj.weight": (H * (mla.qk_nope_head_dim + mla.v_head_dim), mla.kv_lora_rank),
+            "o_proj.weight": (h, H * mla.v_head_dim),
+        }[key]
     if cfg.moe is not None:
         if ".experts." in internal:
             inter = cfg.moe.intermediate_size

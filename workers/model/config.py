@@ -7,16 +7,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from mtpserve.workers.model.families import FAMILIES, LayerSpec, MoEConfig
+from mtpserve.workers.model.families import FAMILIES, LayerSpec, MLAConfig, MoEConfig
 from mtpserve.workers.model.rope import RopeConfig, UnsupportedConfig, parse_rope
 
 MTPNaming = Literal["deepseek_v3", "mimo", "qwen3_next"]
 
 # Families we know of but do not serve yet, with the reason (named by `check` and `up`).
 _NOT_YET = {
-    "deepseek_v3": "MLA attention is not implemented yet",
-    "deepseek_v32": "MLA attention and the DSA indexer are not implemented yet",
-    "glm4_moe_lite": "MLA attention is not implemented yet",
+    "deepseek_v32": "the DSA (sparse attention) indexer is not implemented",
     "qwen3_next": "gated delta-net (linear attention) layers are not implemented",
 }
 
@@ -46,6 +44,7 @@ class ModelConfig:
     # One entry per attention layer: main layers, then one per MTP module (its block).
     layers: tuple[LayerSpec, ...] = ()
     moe: MoEConfig | None = None
+    mla: MLAConfig | None = None  # set: every layer is MLA (head_dim is then the rope dim)
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -56,6 +55,20 @@ class ModelConfig:
     @property
     def rotary_dim(self) -> int:
         return self.rope.rotary_dim(self.head_dim)
+
+    def kv_cache_layout(self, tp_size: int) -> tuple[int, int]:
+        """(heads, dim) of one rank's paged cache, shaped [2, blocks, block_size, heads, dim].
+
+        GQA: the rank's KV heads, K in plane 0 and V in plane 1. MLA: one replicated "head"
+        holding the per-token latent (normed c_kv + rotated shared rope key, `latent_dim`
+        values) split in two halves over the two planes, so the cache keeps one shape for
+        every family (KV bytes per token are exactly the latent's) and every TP rank holds
+        the whole latent (its heads all read it)."""
+        if self.mla is not None:
+            if self.mla.latent_dim % 2:
+                raise UnsupportedConfig(f"MLA latent of odd size {self.mla.latent_dim}")
+            return 1, self.mla.latent_dim // 2
+        return self.num_key_value_heads // tp_size, self.head_dim
 
     def layer(self, index: int) -> LayerSpec:
         """Attention layer `index` (main layers, then the MTP modules' blocks)."""
@@ -70,10 +83,13 @@ class ModelConfig:
             kinds.setdefault(f"{spec.attention.upper()} + {spec.mlp}", []).append(i)
         for kind, idx in kinds.items():
             lines.append(f"layers {_ranges(idx)}: {kind} ({len(idx)})")
-        lines.append(f"attention: {self.num_attention_heads} heads, "
-                     f"{self.num_key_value_heads} KV heads, head dim {self.head_dim}"
-                     + (", qk-norm" if self.qk_norm else "")
-                     + (", qkv bias" if self.attention_bias else ""))
+        if self.mla is not None:
+            lines.append(f"attention: {self.num_attention_heads} heads, {self.mla.describe()}")
+        else:
+            lines.append(f"attention: {self.num_attention_heads} heads, "
+                         f"{self.num_key_value_heads} KV heads, head dim {self.head_dim}"
+                         + (", qk-norm" if self.qk_norm else "")
+                         + (", qkv bias" if self.attention_bias else ""))
         if self.moe is not None:
             lines.append(f"MoE: {self.moe.describe()}")
         for m in range(self.num_mtp_modules):
@@ -96,8 +112,8 @@ class ModelConfig:
             raise UnsupportedConfig(
                 f"unsupported model_type {model_type!r}; supported: {sorted(FAMILIES)}"
             )
-        _refuse_unknown_math(cfg)
         fields = family(cfg)
+        _refuse_unknown_math(cfg, mla=fields.mla is not None)
         rope = parse_rope(cfg)
         heads = cfg["num_attention_heads"]
         # MTP module count under each published convention.
@@ -116,7 +132,9 @@ class ModelConfig:
             num_hidden_layers=cfg["num_hidden_layers"],
             num_attention_heads=heads,
             num_key_value_heads=cfg.get("num_key_value_heads", heads),
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            # MLA: the rotary dim (transformers' DeepseekV3Config sets head_dim to it).
+            head_dim=(fields.mla.qk_rope_head_dim if fields.mla else
+                      cfg.get("head_dim") or cfg["hidden_size"] // heads),
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=rope.theta,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
@@ -129,6 +147,7 @@ class ModelConfig:
             rope=rope,
             layers=fields.layers,
             moe=fields.moe,
+            mla=fields.mla,
             raw=cfg,
         )
 
@@ -168,7 +187,7 @@ def _ranges(idx: list[int]) -> str:
     return ", ".join(out)
 
 
-def _refuse_unknown_math(cfg: dict[str, Any]) -> None:
+def _refuse_unknown_math(cfg: dict[str, Any], mla: bool = False) -> None:
     """Config keys that change the model's math and that we do not implement: refused by name
     (serving such a model as if they were absent would be silently wrong)."""
     quant = cfg.get("quantization_config")
@@ -184,8 +203,9 @@ def _refuse_unknown_math(cfg: dict[str, Any]) -> None:
     for key in ("index_topk", "index_n_heads", "index_head_dim"):
         if cfg.get(key) is not None:
             raise UnsupportedConfig(f"{key}: a DSA (sparse attention) indexer is not supported")
-    if cfg.get("kv_lora_rank") is not None:
-        raise UnsupportedConfig("kv_lora_rank: MLA attention is not implemented yet")
+    if cfg.get("kv_lora_rank") is not None and not mla:
+        raise UnsupportedConfig(f"kv_lora_rank: MLA attention in a {cfg.get('model_type')!r} "
+                                "model is not supported")
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         raise UnsupportedConfig(f"hidden_act {act!r} is not supported (silu only)")

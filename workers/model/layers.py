@@ -158,7 +158,13 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn: nn.Module
+        if cfg.layer(layer_idx).attention == "mla":
+            from mtpserve.workers.model.mla import MLAttention  # builds on apply_rope here
+
+            self.self_attn = MLAttention(cfg)
+        else:
+            self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp: nn.Module
         if cfg.layer(layer_idx).mlp == "moe":

@@ -94,6 +94,8 @@ def load_model(
                 for name in names:
                     internal = required.get(name) or optional[name]
                     target, shard = _fused_target(internal)
+                    if target not in params:  # an unfused projection (MLA's q_proj)
+                        target, shard = internal, None
                     param = params[target]
                     try:
                         param.weight_loader(param, sf.get_tensor(name), shard)

@@ -42,6 +42,33 @@ class MoEConfig:
 
 
 @dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3, GLM-4.7-Flash)."""
+
+    q_lora_rank: int | None  # None: one q_proj
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool = True  # rotary pairs (x0, x1), (x2, x3), ... as DeepSeek lays out
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """Values cached per token and layer: the normed latent + the rotated shared key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    def describe(self) -> str:
+        return (f"MLA: q_lora_rank {self.q_lora_rank}, kv_lora_rank {self.kv_lora_rank}, "
+                f"qk nope {self.qk_nope_head_dim} + rope {self.qk_rope_head_dim}, "
+                f"v {self.v_head_dim}; cache {self.latent_dim} values/token/layer"
+                + (", interleaved rope" if self.rope_interleave else ""))
+
+
+@dataclass(frozen=True)
 class LayerSpec:
     """One decoder layer: which attention and which MLP."""
 
@@ -57,6 +84,7 @@ class FamilyFields:
     qk_norm: bool
     layers: tuple[LayerSpec, ...]
     moe: MoEConfig | None = None
+    mla: MLAConfig | None = None
 
 
 def num_experts(cfg: dict[str, Any]) -> int:

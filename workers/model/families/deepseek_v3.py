@@ -1,0 +1,52 @@
+"""DeepSeek-V3 / V3.1 / R1 (`deepseek_v3`) and GLM-4.7-Flash (`glm4_moe_lite`): MLA attention in
+every layer, the sigmoid grouped-top-k MoE of `glm4_moe` past the first dense layers.
+
+Layer kinds as transformers builds them: `DeepseekV3DecoderLayer` is MoE from
+`first_k_dense_replace` on; `Glm4MoeLiteDecoderLayer` reads `mlp_layer_types` ("dense" /
+"sparse") when the config lists them. MTP layers are MoE (transformers' `get_mtp_config`
+sets `first_k_dense_replace = 0`; `mtp_mlp_layer_types` when listed).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mtpserve.workers.model.families.base import (
+    FamilyFields,
+    LayerSpec,
+    MLAConfig,
+    num_layers_with_mtp,
+)
+from mtpserve.workers.model.families.glm4_moe import sigmoid_moe
+
+MODEL_TYPES = ("deepseek_v3", "glm4_moe_lite")
+
+
+def mla_config(cfg: dict[str, Any]) -> MLAConfig:
+    q_lora = cfg.get("q_lora_rank")
+    return MLAConfig(
+        q_lora_rank=int(q_lora) if q_lora else None, kv_lora_rank=int(cfg["kv_lora_rank"]),
+        qk_nope_head_dim=int(cfg["qk_nope_head_dim"]),
+        qk_rope_head_dim=int(cfg["qk_rope_head_dim"]), v_head_dim=int(cfg["v_head_dim"]),
+        rope_interleave=bool(cfg.get("rope_interleave", True)),
+    )
+
+
+def fields(cfg: dict[str, Any]) -> FamilyFields:
+    if cfg.get("attention_bias"):
+        raise ValueError("attention_bias with MLA is not supported")
+    n_main = int(cfg["num_hidden_layers"])
+    first_dense = int(cfg.get("first_k_dense_replace", 0) or 0)
+    main_types = cfg.get("mlp_layer_types")
+    mtp_types = cfg.get("mtp_mlp_layer_types") or []
+    kinds: list[str] = []
+    for i in range(num_layers_with_mtp(cfg)):
+        if i < n_main:
+            sparse = main_types[i] == "sparse" if main_types else i >= first_dense
+        else:
+            m = i - n_main
+            sparse = mtp_types[m] == "sparse" if m < len(mtp_types) else True
+        kinds.append("moe" if sparse else "dense")
+    layers = tuple(LayerSpec(attention="mla", mlp=k) for k in kinds)  # type: ignore[arg-type]
+    return FamilyFields(attention_bias=False, qk_norm=False, layers=layers,
+                        moe=sigmoid_moe(cfg), mla=mla_config(cfg))
