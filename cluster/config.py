@@ -432,7 +432,14 @@ class ClusterConfig(_Strict):
 
             # Refuses an unsupported family, rope type or math-changing key by name, here,
             # before any replica starts (a replica would only fail while loading).
-            ModelConfig.from_dict(hf)
+            mcfg = ModelConfig.from_dict(hf)
+            if mcfg.mla is not None and max(self.prefill.tp_size, self.decode.tp_size) > 1:
+                # KV transfer splits the cache by heads; MLA's latent has none (every rank
+                # holds it whole), which the transfer cannot express yet.
+                raise ValueError(
+                    f"{mcfg.model_type} (MLA) with prefill.tp_size={self.prefill.tp_size}, "
+                    f"decode.tp_size={self.decode.tp_size}: MLA is served with TP 1 only "
+                    "(the KV transfer of its replicated latent is not built)")
             heads = hf.get("num_attention_heads")
             kv_heads = hf.get("num_key_value_heads", heads)
             for role, tp in (("prefill", self.prefill.tp_size), ("decode", self.decode.tp_size)):

@@ -363,3 +363,34 @@ def test_mla_cache_holds_only_the_latent(ckpt) -> None:
                          block_size=4)
     layer = runner.kv_cache.layers[0]
     assert layer.shape == (2, 8, 4, 1, 20) and len(runner.kv_cache.layers) == 3
+
+
+@pytest.mark.parametrize("family", ["glm4_moe", "deepseek_v3"])
+def test_disaggregated_equals_offline(ckpt, family) -> None:
+    """Prefill -> decode through the real servers (TP 1 -> 1, KV over gloo): the MoE/GQA
+    cache and MLA's latent cache travel and decode == the offline engine."""
+    import asyncio
+
+    from test_disagg_datapath import greq, make_servers, offline, prompts, run_one, shutdown
+
+    path = ckpt(family, family, num_mtp=1)
+    p, d = make_servers(path)
+    try:
+        ps = prompts(2, length=13)
+        want = offline(path, ps, 10)
+
+        async def main():
+            return await asyncio.gather(*(run_one(p, d, greq(f"r{i}", x, 10))
+                                          for i, x in enumerate(ps)))
+
+        assert asyncio.run(main()) == want
+    finally:
+        shutdown(p, d)
+
+
+def test_mla_refused_with_tp_in_cluster_config(ckpt) -> None:
+    from mtpserve.cluster.config import ClusterConfig
+
+    with pytest.raises(ValueError, match="MLA is served with TP 1 only"):
+        ClusterConfig(model=str(ckpt("deepseek_v3", "deepseek_v3", num_mtp=1)),
+                      decode={"tp_size": 2})

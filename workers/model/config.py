@@ -70,6 +70,12 @@ class ModelConfig:
             return 1, self.mla.latent_dim // 2
         return self.num_key_value_heads // tp_size, self.head_dim
 
+    @property
+    def num_cache_heads(self) -> int:
+        """Heads of the whole paged cache (what KV transfer splits across TP ranks): the KV
+        heads for GQA, 1 for MLA's latent (which every rank holds whole)."""
+        return self.kv_cache_layout(1)[0]
+
     def layer(self, index: int) -> LayerSpec:
         """Attention layer `index` (main layers, then the MTP modules' blocks)."""
         return self.layers[index] if self.layers else LayerSpec()

@@ -104,7 +104,7 @@ class PrefillServer(EngineReplica):
         return KVTransferParams(
             request_id=rid, sender_addresses=self.kv_addresses,
             prefill_tp_size=self.driver.tp_size,
-            num_kv_heads=engine.model_config.num_key_value_heads, num_tokens=slots,
+            num_kv_heads=engine.model_config.num_cache_heads, num_tokens=slots,
             num_computed_tokens=r.num_computed_tokens, first_token_id=first_token,
             num_drafts=len(r.draft_token_ids), prefill_replica=self.replica_id,
             num_cached_tokens=r.num_cached_tokens,

@@ -65,6 +65,8 @@ IDLE_TIMEOUT = timedelta(hours=24)
 # larger ones (long prefill chunks, bandwidth-bound anyway) go over the data group. Small, since
 # a container's /dev/shm is often 64 MiB: the segment is 2 x tp_size x this.
 SHM_SLOT_BYTES = 1 << 20
+# How long a rank waits in the rendezvous for the others (model loading included).
+RENDEZVOUS_TIMEOUT_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -99,12 +101,28 @@ class RankSpec:
     kv_secret: Secret | None = None
 
 
+def rendezvous_store(init_method: str | None, rank: int) -> dist.TCPStore:
+    """The TP group's rendezvous store from `tcp://host:port`: rank 0 hosts it on `host`
+    only (`init_process_group(init_method=...)` would have it listen on every interface),
+    the other ranks connect to it. Every rank passes the store itself to
+    init_process_group, so all of them name their keys alike."""
+    from mtpserve.workers.kv_transfer.channel import listen_store
+
+    if not init_method or not init_method.startswith("tcp://"):
+        raise ValueError(f"TP rendezvous must be tcp://host:port, got {init_method!r}")
+    host, _, port = init_method.removeprefix("tcp://").rpartition(":")
+    timeout = timedelta(seconds=RENDEZVOUS_TIMEOUT_S)
+    if rank == 0:
+        return listen_store(host, int(port), timeout)
+    return dist.TCPStore(host, int(port), None, False, timeout)
+
+
 class RankCore:
     """Model shard + KV cache + this rank's KV sender (prefill) or transfer thread (decode)."""
 
     def __init__(self, spec: RankSpec, rank: int, store: dist.Store | None = None) -> None:
-        """`store`: a client of the group's rendezvous store (tp_workers.Rendezvous) instead
-        of `spec.init_method`, whose rank 0 would host a store on every interface."""
+        """`store`: a client of the group's rendezvous store (tp_workers.Rendezvous, which
+        closes it once the group is formed); else `rendezvous_store(spec.init_method)`."""
         from mtpserve.workers.engine import DTYPES
         from mtpserve.workers.engine_config import resolve_attention_backend, resolve_dtype
 
@@ -129,10 +147,10 @@ class RankCore:
             # The TP group never leaves its node (STRICT_PACK): loopback serves the control
             # group. KV pairs get their interface explicitly (spec.kv_interface).
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-            rendezvous = {"store": store} if store is not None else {
-                "init_method": spec.init_method}
-            dist.init_process_group("gloo", rank=rank, world_size=spec.tp_size,
-                                    timeout=IDLE_TIMEOUT, **rendezvous)
+            if store is None:
+                store = rendezvous_store(spec.init_method, rank)
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=spec.tp_size,
+                                    timeout=IDLE_TIMEOUT)
             self.control = ControlPlane(dist.group.WORLD, rank)
             self.data_group = dist.new_group(
                 backend="nccl" if spec.device == "cuda" else "gloo",
@@ -161,7 +179,7 @@ class RankCore:
                                   attention_backend=resolve_attention_backend(
                                       spec.attention_backend, spec.device))
         cfg = self.runner.config
-        self.head_start = rank * cfg.num_key_value_heads // spec.tp_size
+        self.head_start = rank * cfg.num_cache_heads // spec.tp_size
         self._lock = threading.Lock()
         self.sender = self.receiver = self.puller = None
         # Pending work, in the same order on every rank (appended by broadcast commands).
@@ -364,6 +382,11 @@ class TPDriver:
         if self.tp_size > 1:
             self._send(lambda: self.core.control.send_object(cmd))
         return self.core.handle_object(cmd)
+
+    @property
+    def accepts_device_ids(self) -> bool:
+        """`ForwardBatch.device_ids` only in one process (other ranks get the batch as data)."""
+        return self.tp_size == 1
 
     def execute(self, batch: ForwardBatch) -> torch.Tensor:
         if self.tp_size == 1:
