@@ -394,3 +394,35 @@ def test_mla_refused_with_tp_in_cluster_config(ckpt) -> None:
     with pytest.raises(ValueError, match="MLA is served with TP 1 only"):
         ClusterConfig(model=str(ckpt("deepseek_v3", "deepseek_v3", num_mtp=1)),
                       decode={"tp_size": 2})
+
+
+@pytest.mark.parametrize("family", ["glm4_moe", "deepseek_v3"])
+def test_prefix_cache_and_seeded_sampling(ckpt, family) -> None:
+    """Prefix caching on == off (a shared 16-token prefix reused from the cache, MoE and MLA
+    latent blocks alike), and seeded sampling gives each request the same tokens alone or in
+    a batch."""
+    from helpers import make_engine, run_to_completion
+
+    from mtpserve.workers.sampling_params import SamplingParams
+
+    path = ckpt(family, family, num_mtp=1)
+    g = torch.Generator().manual_seed(6)
+    shared = torch.randint(3, 256, (16,), generator=g).tolist()
+    ps = [shared + torch.randint(3, 256, (n,), generator=g).tolist() for n in (3, 7, 5)]
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    outs = []
+    for on in (False, True):
+        eng = make_engine(path, 2, block_size=4, num_kv_blocks=128, prefix_caching=on)
+        first = run_to_completion(eng, ps[:1], greedy, prefix="a")
+        outs.append(first + run_to_completion(eng, ps[1:], greedy, prefix="b"))
+        # Both later requests found the shared prefix's blocks but its last (whose MTP
+        # entries read the token after the prefix, which differs): 3 blocks of 4 each.
+        assert eng.block_manager.cache_hits == (2 * 12 if on else 0)
+    assert outs[0] == outs[1]
+    sampled = [SamplingParams(max_tokens=8, temperature=0.9, seed=10 + i, ignore_eos=True)
+               for i in range(3)]
+    eng = make_engine(path, 2, block_size=4, num_kv_blocks=128, prefix_caching=False)
+    batch = run_to_completion(eng, ps, sampled, prefix="s")
+    alone = [run_to_completion(eng, [p], [sp], prefix=f"x{i}")[0]
+             for i, (p, sp) in enumerate(zip(ps, sampled, strict=True))]
+    assert batch == alone
