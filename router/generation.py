@@ -70,7 +70,7 @@ class Choice:
 
     @property
     def wants_logprobs(self) -> bool:
-        return self.request.logprobs is not None
+        return self.request.params.logprobs is not None
 
     def _token_text(self, token_id: int) -> str:
         return self.detokenizer.tokenizer.decode([token_id])

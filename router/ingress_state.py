@@ -23,6 +23,7 @@ from mtpserve.router.protocol import (
 )
 from mtpserve.router.types import Orchestrator
 from mtpserve.workers.messages import GenerateRequest
+from mtpserve.workers.sampling_params import SamplingParams
 
 _REDACTED_KEYS = ("addr", "host", "port", "peer", "store")
 # Requests with more text than this are tokenized (and chat-templated) on a worker thread, so
@@ -156,17 +157,20 @@ def build_choices(state: IngressState, body: SamplingRequest, response_id: str,
     for p, ids in enumerate(prompts):
         for i in range(n):
             index = p * n + i
-            request = GenerateRequest(
-                request_id=f"{response_id}-{index}", prompt_token_ids=ids,
-                max_tokens=max_tokens[p],
-                temperature=1.0 if body.temperature is None else body.temperature,
-                top_p=1.0 if body.top_p is None else body.top_p,
-                top_k=body.top_k or 0,
-                seed=None if body.seed is None else body.seed + index,
-                ignore_eos=bool(body.ignore_eos),
-                num_speculative_tokens=body.mtp.cap if body.mtp else None,
-                **body.generate_options(),  # stop_token_ids, min_tokens, logprobs
-            )
+            try:
+                params = SamplingParams(
+                    max_tokens=max_tokens[p],
+                    temperature=1.0 if body.temperature is None else body.temperature,
+                    top_p=1.0 if body.top_p is None else body.top_p,
+                    top_k=body.top_k or 0,
+                    seed=None if body.seed is None else body.seed + index,
+                    ignore_eos=bool(body.ignore_eos),
+                    num_speculative_tokens=body.mtp.cap if body.mtp else None,
+                    **body.generate_options(),  # stop_token_ids, min_tokens, logprobs
+                )
+            except ValueError as e:  # the protocol's bounds should have caught it first
+                raise APIError(str(e), 400) from None
+            request = GenerateRequest(f"{response_id}-{index}", ids, params)
             choices.append(Choice(index, request, state.tokenizer, body.stop_strings))
     return choices
 

@@ -127,13 +127,13 @@ def resumed(request: GenerateRequest, sent: list[int], attempt: int) -> Generate
     """`request` continued after the tokens the client already has. A decode replica computes
     prompt + sent and generates the rest; limits count what is left. A fresh request id per
     attempt, so a replica that still knows the failed attempt cannot refuse it as a duplicate."""
-    changes: dict[str, Any] = {
-        "request_id": f"{request.request_id}#m{attempt}",
-        "resume_token_ids": list(request.resume_token_ids) + list(sent),
-        "max_tokens": request.max_tokens - len(sent),
-        "min_tokens": max(0, request.min_tokens - len(sent)),  # counted from the resume point
-    }
-    return dataclasses.replace(request, **changes)
+    p = request.params
+    return dataclasses.replace(
+        request, request_id=f"{request.request_id}#m{attempt}",
+        resume_token_ids=list(request.resume_token_ids) + list(sent),
+        params=dataclasses.replace(p, max_tokens=p.max_tokens - len(sent),
+                                   # counted from the resume point
+                                   min_tokens=max(0, p.min_tokens - len(sent))))
 
 
 def _is_kv_failure(e: BaseException, names: set[str]) -> bool:

@@ -133,8 +133,8 @@ class SamplingRequest(_Request):
         return None
 
     def generate_options(self) -> dict[str, Any]:
-        """`GenerateRequest` fields taken from this body as they are (besides sampling)."""
-        return {"stop_token_ids": list(self.stop_token_ids or []),
+        """`SamplingParams` fields taken from this body as they are."""
+        return {"stop_token_ids": tuple(self.stop_token_ids or ()),
                 "min_tokens": self.min_tokens or 0, "logprobs": self.num_logprobs}
 
     def check_supported(self) -> None:

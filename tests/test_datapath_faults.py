@@ -247,7 +247,8 @@ def test_a_hold_outlives_its_ttl_while_the_request_waits_in_the_decode_queue(tin
     prompts = [[(7 * i + 3 * j) % 240 + 3 for j in range(20)] for i in range(2)]
     try:
         async def one(i: int) -> list[int]:
-            req = GenerateRequest(f"q{i}", prompts[i], 8, temperature=0.0, ignore_eos=True)
+            req = GenerateRequest(f"q{i}", prompts[i], SamplingParams(
+                max_tokens=8, temperature=0.0, ignore_eos=True))
             params = await p.prefill(req)
             tokens = [params.first_token_id]
             async for chunk in d.generate(req, params):

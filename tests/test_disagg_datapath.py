@@ -13,6 +13,7 @@ import asyncio
 import time
 
 import pytest
+from helpers import COMPILED_DECODE, make_engine, run_to_completion
 
 from mtpserve.cluster.config import ClusterConfig
 from mtpserve.workers.engine import Engine, EngineConfig
@@ -81,8 +82,10 @@ def offline(model, ps, max_tokens: int, k: int = 2) -> list[list[int]]:
     return [out[f"o{i}"] for i in range(len(ps))]
 
 
-def greq(rid: str, prompt: list[int], max_tokens: int, **kw) -> GenerateRequest:
-    return GenerateRequest(rid, prompt, max_tokens, temperature=0.0, ignore_eos=True, **kw)
+def greq(rid: str, prompt: list[int], max_tokens: int, temperature: float = 0.0,
+         **kw) -> GenerateRequest:
+    return GenerateRequest(rid, prompt, SamplingParams(
+        max_tokens=max_tokens, temperature=temperature, ignore_eos=True, **kw))
 
 
 def test_disaggregated_greedy_equals_offline_and_frees_everything(tiny_qwen3) -> None:
@@ -104,6 +107,49 @@ def test_disaggregated_greedy_equals_offline_and_frees_everything(tiny_qwen3) ->
             time.sleep(0.01)
         assert ps_["used_blocks"] == 0 and ds_["used_blocks"] == 0
         assert p.driver.core.holds == [] and d.driver.core.inflight == []
+    finally:
+        shutdown(p, d)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "seeded"])
+def test_compiled_decode_equals_the_eager_engine(tiny_qwen3, compiled_decode,
+                                                 compile_as_configured, temperature) -> None:
+    """What a server runs: the decode replica's engine on compiled graphs (`compile: on`, as
+    `auto` on CPU), prefill eager. Greedy and seeded P/D streams equal the eager offline
+    engine token for token, and the graphs really ran. The decode side has the settings of
+    conftest's `compiled_decode` and loads its graphs (compiling none: seconds, not minutes)."""
+    kw = dict(num_speculative_tokens=1, num_kv_blocks=48, block_size=4, max_num_seqs=1)
+    assert kw == COMPILED_DECODE
+    p, d = make_servers(tiny_qwen3, decode_max_num_seqs=1, decode_blocks=48, k=1,
+                        block_size=4,
+                        engine={"compile": "on", "warmup_budget_s": 600,
+                                "compile_cache_dir": str(compiled_decode.cache_dir)})
+    try:
+        runner = d.driver.runner
+        assert runner.graphs is not None and p.driver.runner.graphs is None
+        stats = runner.graphs.compile_stats()
+        assert stats["compiled"] == 0
+        assert stats["loaded"] == compiled_decode.cold_stats["compiled"]
+        replays = []
+
+        def counted(*a, _inner=runner._run_graph):
+            replays.append(1)
+            return _inner(*a)
+
+        runner._run_graph = counted
+        ps = prompts(2, length=13, seed=5)
+        params = [SamplingParams(max_tokens=16, temperature=temperature, top_p=0.9,
+                                 seed=40 + i, ignore_eos=True) for i in range(len(ps))]
+        want = run_to_completion(make_engine(tiny_qwen3, 1, num_kv_blocks=256), ps, params)
+
+        async def main():
+            return await asyncio.gather(*(
+                run_one(p, d, greq(f"c{i}", x, 16, temperature=temperature, top_p=0.9,
+                                   seed=40 + i)) for i, x in enumerate(ps)))
+
+        assert asyncio.run(main()) == want
+        assert len(replays) >= 10  # decode rounds ran as graphs, not eagerly
+        assert runner.graphs.compile_stats()["compiled"] == 0  # nothing compiled in a request
     finally:
         shutdown(p, d)
 
@@ -203,7 +249,8 @@ def test_prefill_admits_by_prompt_when_the_window_exceeds_its_cache(tiny_qwen3) 
     try:
         prompt = prompts(1, length=40, seed=3)[0]
         window_rest = 512 - len(prompt)  # what the API sends for chat without max_tokens
-        req = GenerateRequest("w", prompt, window_rest, temperature=0.0, ignore_eos=False)
+        req = GenerateRequest("w", prompt, SamplingParams(max_tokens=window_rest,
+                                                          temperature=0.0))
 
         async def main():
             params = await p.prefill(req)

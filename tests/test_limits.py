@@ -37,10 +37,10 @@ class HeldOrchestrator:
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
         self.started += 1
-        for i in range(request.max_tokens):
+        for i in range(request.params.max_tokens):
             while self.hold.is_set():
                 await asyncio.sleep(0.01)
-            last = i == request.max_tokens - 1
+            last = i == request.params.max_tokens - 1
             yield TokenChunk([65], finished=last, finish_reason="length" if last else None,
                              num_output_tokens=i + 1)
 

@@ -209,8 +209,8 @@ def build(engine, num_decode=2, prefill_fail=0, **cfg):
 
 
 def request(i: int, ids: list[int], **kw) -> GenerateRequest:
-    return GenerateRequest(f"r{i}", ids, **({"max_tokens": MAX_TOKENS, "temperature": 0.0,
-                                             "ignore_eos": True} | kw))
+    return GenerateRequest(f"r{i}", ids, SamplingParams(**(
+        {"max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True} | kw)))
 
 
 async def collect(orch, req: GenerateRequest) -> list[int]:
@@ -303,9 +303,10 @@ def test_error_kind_not_wording_marks_a_kv_failure(engine, prompts, offline) -> 
 
 
 def test_resumed_counts_min_tokens_from_the_resume_point() -> None:
-    req = GenerateRequest("r", [1, 2], max_tokens=10, min_tokens=4)
-    assert (resumed(req, [7, 8, 9], 1).min_tokens, resumed(req, [7] * 6, 2).min_tokens) == (1, 0)
-    assert resumed(req, [7, 8, 9], 1).max_tokens == 7
+    req = GenerateRequest("r", [1, 2], SamplingParams(max_tokens=10, min_tokens=4))
+    assert (resumed(req, [7, 8, 9], 1).params.min_tokens,
+            resumed(req, [7] * 6, 2).params.min_tokens) == (1, 0)
+    assert resumed(req, [7, 8, 9], 1).params.max_tokens == 7
 
 
 def test_prefill_retried_then_recomputed_on_decode(engine, prompts, offline) -> None:

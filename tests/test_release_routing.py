@@ -55,6 +55,7 @@ def test_release_after_a_first_token_stop_reaches_the_holding_replica(app, defau
                                                                        ) -> None:
     from mtpserve.router.orchestrator import DisaggOrchestrator, OrchestratorConfig
     from mtpserve.workers.messages import GenerateRequest
+    from mtpserve.workers.sampling_params import SamplingParams
     from mtpserve.workers.tokenizer import load_tokenizer
     from mtpserve.workers.training.prompts import held_out_prompts
 
@@ -72,8 +73,8 @@ def test_release_after_a_first_token_stop_reaches_the_holding_replica(app, defau
         assert chunk.token_ids and not chunk.finished
 
     async def main() -> tuple[dict, float]:
-        gens = [orch.generate(GenerateRequest(f"rel-{i}", p, max_tokens=32, temperature=0.0,
-                                              ignore_eos=True))
+        gens = [orch.generate(GenerateRequest(f"rel-{i}", p, SamplingParams(
+                    max_tokens=32, temperature=0.0, ignore_eos=True)))
                 for i, p in enumerate(prompts)]
         await asyncio.gather(*(first_token(g) for g in gens))
         # Every request's KV is held now, on both replicas (concurrent prefills spread).

@@ -9,6 +9,7 @@ from tiny_tokenizer import make_tokenizer
 from mtpserve.router.errors import APIError
 from mtpserve.router.generation import Choice, ChoiceSet
 from mtpserve.workers.messages import GenerateRequest, TokenChunk
+from mtpserve.workers.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +37,8 @@ class ScriptedOrchestrator:
 
 
 def choices(tokenizer, n: int, stop: list[str] = ()) -> list[Choice]:
-    return [Choice(i, GenerateRequest(f"r-{i}", tokenizer.encode("def"), 50), tokenizer,
+    return [Choice(i, GenerateRequest(f"r-{i}", tokenizer.encode("def"),
+                                      SamplingParams(max_tokens=50)), tokenizer,
                    list(stop)) for i in range(n)]
 
 
@@ -116,7 +118,7 @@ def test_logprobs_render_per_chunk_in_both_formats(tokenizer):
     ids = tokenizer.encode(" hello world café")
     lps = [TokenLogprobs(t, -0.5 * (i + 1), [(t, -0.5 * (i + 1)), (ids[0], -9.0)])
            for i, t in enumerate(ids)]
-    req = GenerateRequest("r", tokenizer.encode("def"), 50, logprobs=1)
+    req = GenerateRequest("r", tokenizer.encode("def"), SamplingParams(max_tokens=50, logprobs=1))
     c = Choice(0, req, tokenizer, [])
     c.feed(TokenChunk(ids[:2], logprobs=lps[:2]))
     c.feed(TokenChunk(ids[2:], finished=True, finish_reason="length", logprobs=lps[2:]))
@@ -132,5 +134,5 @@ def test_logprobs_render_per_chunk_in_both_formats(tokenizer):
     assert all(e.bytes == list(e.token.encode()) and len(e.top_logprobs) == 2
                for e in chat.content)
     # Not requested: nothing rendered.
-    plain = Choice(0, GenerateRequest("p", [1], 5), tokenizer, [])
+    plain = Choice(0, GenerateRequest("p", [1], SamplingParams(max_tokens=5)), tokenizer, [])
     assert plain.completion_logprobs(lps) is None and plain.chat_logprobs(lps) is None

@@ -166,8 +166,9 @@ def test_prompts_routed_since_the_last_stats_count_until_they_expire() -> None:
 def test_request_tokens_reads_the_generate_request() -> None:
     from mtpserve.router.routing import request_tokens
     from mtpserve.workers.messages import GenerateRequest
+    from mtpserve.workers.sampling_params import SamplingParams
 
-    req = GenerateRequest("r", [1, 2, 3], 4, resume_token_ids=[9])
+    req = GenerateRequest("r", [1, 2, 3], SamplingParams(max_tokens=4), resume_token_ids=[9])
     assert request_tokens(SimpleNamespace(args=[req, None], kwargs={})) == [1, 2, 3, 9]
     assert request_tokens(SimpleNamespace(args=["rid"], kwargs={})) is None
     assert request_tokens(None) is None

@@ -13,6 +13,7 @@ from dataclasses import replace
 
 import torch
 import torch.multiprocessing as mp
+from helpers import drain, make_engine
 
 from mtpserve.workers.engine import Engine, EngineConfig, RequestOutput
 from mtpserve.workers.request import Request
@@ -25,9 +26,8 @@ PARAMS = SamplingParams(max_tokens=28, temperature=1.0, top_p=0.95, seed=1234,
 
 
 def engine(path, **kw) -> Engine:
-    cfg = dict(model=str(path), num_speculative_tokens=4, num_kv_blocks=256, block_size=4,
-               max_num_batched_tokens=64)
-    return Engine(EngineConfig(**{**cfg, **kw}))
+    cfg = dict(num_kv_blocks=256, block_size=4, max_num_batched_tokens=64)
+    return make_engine(path, 4, **{**cfg, **kw})
 
 
 def run_alone(path, params: SamplingParams = PARAMS) -> tuple[list[int], list[int]]:
@@ -80,9 +80,7 @@ def test_resume_after_migration_equals_alone(tiny_qwen3) -> None:
         # The orchestrator's convention: limits count what is left after the sent tokens.
         left = replace(PARAMS, max_tokens=PARAMS.max_tokens - cut)
         req = eng.add_resumed("x", PROMPT, left, want[:cut])
-        emitted: list[int] = []
-        while eng.has_unfinished():
-            emitted += [t for o in eng.step() for t in o.new_token_ids]
+        emitted = [t for o in drain(eng) for t in o.new_token_ids]
         assert req.output_token_ids == want, cut
         assert emitted == want[cut:]  # nothing repeated, nothing lost
 
@@ -112,17 +110,14 @@ def test_prefill_then_decode_equals_alone(tiny_qwen3) -> None:
     pre = engine(tiny_qwen3, role="prefill")
     dec = engine(tiny_qwen3, role="decode")
     pre.add_request("x", PROMPT, PARAMS)
-    outs = []
-    while pre.has_unfinished():
-        outs += pre.step()
+    outs = drain(pre)
     assert [o.new_token_ids for o in outs] == [want[:1]]
     # Another request already decoding on the decode side, with a different k.
     dec.add_request("other", [9, 8, 7, 6, 5], SamplingParams(max_tokens=20, seed=3,
                                                              num_speculative_tokens=1))
     dec.step()
     req = transfer(pre, dec, "x", PARAMS, outs[0])
-    while dec.has_unfinished():
-        dec.step()
+    drain(dec)
     assert req.output_token_ids == want
     assert pre.block_manager.num_free_blocks == 256
 
@@ -145,8 +140,7 @@ def _tp_rank(rank: int, port: int, path: str, out) -> None:
     eng = Engine(EngineConfig(model=path, num_speculative_tokens=4, num_kv_blocks=256,
                               block_size=4, max_num_batched_tokens=64), runner=driver)
     req = eng.add_request("x", PROMPT, PARAMS)
-    while eng.has_unfinished():
-        eng.step()
+    drain(eng)
     out.put(req.output_token_ids)
     out.close()
     out.join_thread()  # the result is in the pipe before this process may leave
@@ -175,15 +169,14 @@ def test_tp2_equals_tp1(tiny_qwen3) -> None:
 
 
 def test_unseeded_requests_get_a_seed_that_travels() -> None:
-    from mtpserve.workers.async_engine import sampling_params
     from mtpserve.workers.messages import GenerateRequest
 
-    a = GenerateRequest("a", [1, 2], max_tokens=4)
-    b = GenerateRequest("b", [1, 2], max_tokens=4, seed=7)
-    assert a.seed is not None and not a.user_seed
-    assert b.seed == 7 and b.user_seed
-    pa, pb = sampling_params(a), sampling_params(b)
-    assert pa.seed == a.seed and not pa.reproducible  # adaptive k may still tune it
+    a = GenerateRequest("a", [1, 2], SamplingParams(max_tokens=4))
+    b = GenerateRequest("b", [1, 2], SamplingParams(max_tokens=4, seed=7))
+    pa, pb = a.params, b.params
+    assert pa.seed is not None and not pa.user_seed
+    assert pb.seed == 7 and pb.user_seed
+    assert not pa.reproducible  # adaptive k may still tune it
     assert pb.reproducible
     r = Request("r", [1], SamplingParams())
     assert r.seed is not None and not r.reproducible

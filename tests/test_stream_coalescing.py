@@ -8,6 +8,7 @@ import asyncio
 from mtpserve.workers.async_engine import AsyncEngine
 from mtpserve.workers.engine import Engine, EngineConfig
 from mtpserve.workers.messages import GenerateRequest, TokenChunk, TokenLogprobs, merge_chunks
+from mtpserve.workers.sampling_params import SamplingParams
 
 
 def test_merge_keeps_tokens_logprobs_and_the_last_counters() -> None:
@@ -28,8 +29,8 @@ def test_a_slow_consumer_gets_the_backlog_as_one_chunk(tiny_qwen3) -> None:
                                           num_kv_blocks=64)))
 
     async def run(slow: bool) -> list[TokenChunk]:
-        req = GenerateRequest("r-slow" if slow else "r-fast", [5, 6, 7, 8], 40,
-                              temperature=0.0, ignore_eos=True)
+        req = GenerateRequest("r-slow" if slow else "r-fast", [5, 6, 7, 8], SamplingParams(
+            max_tokens=40, temperature=0.0, ignore_eos=True))
         chunks = []
         async for c in eng.generate(req):
             chunks.append(c)
@@ -61,7 +62,8 @@ def test_hop_stamps_only_when_traced_and_merges_keep_the_oldest(tiny_qwen3, monk
                                           num_kv_blocks=64)))
 
     async def run(rid: str) -> list[TokenChunk]:
-        req = GenerateRequest(rid, [5, 6, 7, 8], 12, temperature=0.0, ignore_eos=True)
+        req = GenerateRequest(rid, [5, 6, 7, 8], SamplingParams(max_tokens=12, temperature=0.0,
+                                                                  ignore_eos=True))
         return [c async for c in eng.generate(req)]
 
     try:

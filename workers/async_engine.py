@@ -27,19 +27,8 @@ from mtpserve.workers.messages import (
     merge_chunks,
 )
 from mtpserve.workers.request import Request
-from mtpserve.workers.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-def sampling_params(req: GenerateRequest) -> SamplingParams:
-    return SamplingParams(
-        max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
-        top_k=req.top_k, seed=req.seed, stop_token_ids=tuple(req.stop_token_ids),
-        ignore_eos=req.ignore_eos, num_speculative_tokens=req.num_speculative_tokens,
-        min_tokens=req.min_tokens, logprobs=req.logprobs,
-        user_seed=req.user_seed is not False,
-    )
 
 
 def to_chunk(out: RequestOutput) -> TokenChunk:
@@ -143,7 +132,7 @@ class AsyncEngine:
         rid = req.request_id
 
         def default_add(engine: Engine) -> Request:
-            return engine.add_resumed(rid, req.prompt_token_ids, sampling_params(req),
+            return engine.add_resumed(rid, req.prompt_token_ids, req.params,
                                       list(req.resume_token_ids))
 
         def register_and_add(engine: Engine) -> Request:
@@ -257,4 +246,4 @@ def _noop() -> None:
     pass
 
 
-__all__ = ["AsyncEngine", "EngineError", "sampling_params", "to_chunk"]
+__all__ = ["AsyncEngine", "EngineError", "to_chunk"]

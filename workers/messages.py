@@ -12,41 +12,32 @@ import dataclasses
 import secrets
 from dataclasses import dataclass, field
 
+from mtpserve.workers.sampling_params import SamplingParams
+
 
 @dataclass
 class GenerateRequest:
-    """One sequence to generate (an OpenAI request with n > 1 becomes n of these).
+    """One sequence to generate (an OpenAI request with n > 1 becomes n of these): its prompt
+    and the engine's own `SamplingParams`, carried as they are.
 
     `resume_token_ids` holds tokens already emitted to the client: a request can be resumed on
     another decode replica from `prompt_token_ids + resume_token_ids` alone (recompute), which
     is what failover needs; no KV or engine state is required.
 
-    `seed` keys all of the request's randomness. A request without one gets a random seed here,
-    at admission, so prefill, decode and any replica it is resumed on use the same numbers;
-    `user_seed` remembers whether the user chose it (a reproducible request: adaptive
-    speculation keeps its k). `logprobs`: None, or N >= 0 alternatives per token (<= 20).
+    A request without a seed gets a random one here, at admission, so prefill, decode and any
+    replica it is resumed on use the same numbers; `params.user_seed` then says the user did
+    not choose it (adaptive speculation may change such a request's k).
     """
 
     request_id: str
     prompt_token_ids: list[int]
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    num_speculative_tokens: int | None = None  # per-request cap; 0 disables speculation
+    params: SamplingParams
     resume_token_ids: list[int] = field(default_factory=list)
-    min_tokens: int = 0  # EOS / stop tokens are impossible before this many output tokens
-    logprobs: int | None = None
-    user_seed: bool | None = None  # None: decided here from whether `seed` was given
 
     def __post_init__(self) -> None:
-        if self.user_seed is None:
-            self.user_seed = self.seed is not None
-        if self.seed is None:
-            self.seed = secrets.randbits(63)
+        if self.params.seed is None:
+            self.params = dataclasses.replace(self.params, seed=secrets.randbits(63),
+                                              user_seed=False)
 
 
 @dataclass

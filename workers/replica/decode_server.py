@@ -9,7 +9,6 @@ from collections.abc import AsyncIterator
 from ray import serve
 
 from mtpserve.workers import hop_trace
-from mtpserve.workers.async_engine import sampling_params
 from mtpserve.workers.block_manager import blocks_for
 from mtpserve.workers.engine import Engine, EngineError
 from mtpserve.workers.hop_trace import stamp
@@ -59,7 +58,7 @@ class DecodeServer(EngineReplica):
         """Engine thread: validate and park the request as waiting-for-KV; its pull starts
         when the scheduler admits it (a sequence slot and blocks are free)."""
         r = engine.make_request(req.request_id, req.prompt_token_ids + req.resume_token_ids,
-                                sampling_params(req))
+                                req.params)
         r.output_token_ids.append(params.first_token_id)
         r.num_computed_tokens = params.num_computed_tokens
         r.num_cached_tokens = params.num_cached_tokens  # reported in usage
@@ -89,7 +88,7 @@ class DecodeServer(EngineReplica):
         # Routing load in expected tokens: what requests typically generate here, capped by
         # max_tokens (a chat request without max_tokens carries the whole window).
         typical = self.output_len.value or DEFAULT_EXPECTED_TOKENS
-        load = self.expected[req.request_id] = [min(req.max_tokens, int(typical)), 0]
+        load = self.expected[req.request_id] = [min(req.params.max_tokens, int(typical)), 0]
         last = None
         try:
             async for chunk in _with_heartbeats(self.engine.generate(req, add=add),
