@@ -122,7 +122,8 @@ def test_legacy_top_level_rope_keys(ckpt, tmp_path) -> None:
      "dynamic"),
     ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "longrope"),
     ({"rope_parameters": {**YARN, "extrapolation_factor": 2}}, "extrapolation_factor"),
-    ({"quantization_config": {"quant_method": "fp8", "fmt": "e4m3"}}, "quantization_config"),
+    ({"quantization_config": {"quant_method": "fp8", "fmt": "e4m3"}}, "weight_block_size"),
+    ({"quantization_config": {"quant_method": "awq", "bits": 4}}, "awq"),
     ({"use_sliding_window": True, "sliding_window": 64}, "use_sliding_window"),
     ({"layer_types": ["sliding_attention", "full_attention"]}, "sliding_attention"),
     ({"index_topk": 2048}, "index_topk"),
@@ -426,3 +427,46 @@ def test_prefix_cache_and_seeded_sampling(ckpt, family) -> None:
     alone = [run_to_completion(eng, [p], [sp], prefix=f"x{i}")[0]
              for i, (p, sp) in enumerate(zip(ps, sampled, strict=True))]
     assert batch == alone
+
+
+def test_fp8_block_checkpoint_equals_its_dequantized_twin(ckpt, tmp_path) -> None:
+    """A DeepSeek checkpoint with its projections quantized to FP8 e4m3 in 16x16 blocks
+    (`weight_scale_inv`, partial edge blocks included) serves exactly what its dequantized
+    twin serves, and the twin == transformers."""
+    from safetensors.torch import load_file, save_file
+
+    from mtpserve.workers.model.quantization import dequantize, quantize
+
+    src = ckpt("deepseek_v3", "deepseek_v3", num_mtp=1)
+    block = (16, 16)
+    tensors = load_file(src / "model.safetensors")
+    fp8, twin = dict(tensors), dict(tensors)
+    n = 0
+    for name, t in tensors.items():
+        if name.endswith(("proj.weight", "proj_with_mqa.weight")) and t.dim() == 2:
+            q, s = quantize(t, block)
+            fp8[name], fp8[name + "_scale_inv"] = q, s
+            twin[name] = dequantize(q, s, block)
+            n += 1
+    assert n > 20 and not torch.equal(twin["model.layers.1.self_attn.kv_a_proj_with_mqa.weight"],
+                                      tensors["model.layers.1.self_attn.kv_a_proj_with_mqa.weight"])
+    paths = {}
+    for kind, sd in (("fp8", fp8), ("twin", twin)):
+        paths[kind] = tmp_path / kind
+        shutil.copytree(src, paths[kind])
+        save_file(sd, paths[kind] / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((paths["fp8"] / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
+                                  "activation_scheme": "dynamic", "weight_block_size": [16, 16]}
+    (paths["fp8"] / "config.json").write_text(json.dumps(cfg))
+    assert ModelConfig.from_pretrained(paths["fp8"]).quant is not None
+    ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(8))
+    pos = torch.arange(24).unsqueeze(0)
+    models = {k: load_model(p) for k, p in paths.items()}
+    with torch.no_grad():
+        out = {k: m(ids, pos) for k, m in models.items()}
+        assert torch.equal(out["fp8"], out["twin"])
+        assert torch.equal(models["fp8"].forward_mtp(0, ids, out["fp8"], pos),
+                           models["twin"].forward_mtp(0, ids, out["twin"], pos))
+        ref = _reference(paths["twin"], "deepseek_v3")(ids).logits
+    assert (models["twin"].compute_logits(out["twin"]) - ref).abs().max().item() <= 1e-4

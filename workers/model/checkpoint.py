@@ -15,6 +15,7 @@ from pathlib import Path
 from safetensors import safe_open
 
 from mtpserve.workers.model.config import ModelConfig
+from mtpserve.workers.model.quantization import SCALE_SUFFIX
 
 # Tensors some exporters write that carry no weights.
 _IGNORABLE = re.compile(r".*rotary_emb\.inv_freq$")
@@ -212,8 +213,16 @@ def inventory(path: str | Path, cfg: ModelConfig | None = None) -> list[Inventor
         shape, dtype = meta[name]
         fname = files[name].name
         internal = required.get(name) or optional.get(name)
-        if internal is None:
+        base = name[: -len(SCALE_SUFFIX)] if name.endswith(SCALE_SUFFIX) else None
+        if internal is None and base is not None and cfg.quant is not None and (
+                base in required or base in optional):
+            # The block scales of an FP8 weight (workers/model/quantization.py).
+            want = cfg.quant.scale_shape(meta[base][0] if base in meta else (0, 0))
+            status = "ok" if shape == want else f"shape mismatch: expected {want}"
+        elif internal is None:
             status = "ok" if _IGNORABLE.match(name) else "unused"
+        elif dtype == "F8_E4M3" and (cfg.quant is None or name + SCALE_SUFFIX not in meta):
+            status = "fp8 weight without its weight_scale_inv / quantization_config"
         else:
             # Match the checkpoint name's leaf (q_proj, not the fused qkv_proj).
             want = expected_shape(cfg, name.replace("shared_head.head", "head"))

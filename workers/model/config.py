@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from mtpserve.workers.model.families import FAMILIES, LayerSpec, MLAConfig, MoEConfig
+from mtpserve.workers.model.quantization import FP8BlockConfig, parse_quantization
 from mtpserve.workers.model.rope import RopeConfig, UnsupportedConfig, parse_rope
 
 MTPNaming = Literal["deepseek_v3", "mimo", "qwen3_next"]
@@ -45,6 +46,7 @@ class ModelConfig:
     layers: tuple[LayerSpec, ...] = ()
     moe: MoEConfig | None = None
     mla: MLAConfig | None = None  # set: every layer is MLA (head_dim is then the rope dim)
+    quant: FP8BlockConfig | None = None
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -105,7 +107,7 @@ class ModelConfig:
         if not self.num_mtp_modules:
             lines.append("MTP modules: none")
         lines.append(f"rope: {self.rope.describe()}")
-        lines.append("quantization: none")
+        lines.append(f"quantization: {self.quant.describe() if self.quant else 'none'}")
         return lines
 
     @classmethod
@@ -121,6 +123,7 @@ class ModelConfig:
         fields = family(cfg)
         _refuse_unknown_math(cfg, mla=fields.mla is not None)
         rope = parse_rope(cfg)
+        quant = parse_quantization(cfg)
         heads = cfg["num_attention_heads"]
         # MTP module count under each published convention.
         if "mtp_num_hidden_layers" in cfg:
@@ -154,6 +157,7 @@ class ModelConfig:
             layers=fields.layers,
             moe=fields.moe,
             mla=fields.mla,
+            quant=quant,
             raw=cfg,
         )
 
@@ -196,10 +200,6 @@ def _ranges(idx: list[int]) -> str:
 def _refuse_unknown_math(cfg: dict[str, Any], mla: bool = False) -> None:
     """Config keys that change the model's math and that we do not implement: refused by name
     (serving such a model as if they were absent would be silently wrong)."""
-    quant = cfg.get("quantization_config")
-    if quant:
-        method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
-        raise UnsupportedConfig(f"quantization_config (quant_method {method!r}) is not supported")
     if cfg.get("use_sliding_window"):
         raise UnsupportedConfig(f"use_sliding_window (sliding_window "
                                 f"{cfg.get('sliding_window')}) is not supported")

@@ -15,6 +15,7 @@ from mtpserve.workers.model.checkpoint import (
     weight_files,
 )
 from mtpserve.workers.model.config import ModelConfig
+from mtpserve.workers.model.quantization import SCALE_SUFFIX, dequantize
 from mtpserve.workers.model.transformer import CausalLM
 
 # Checkpoint projection name -> (fused parameter, shard index).
@@ -97,8 +98,13 @@ def load_model(
                     if target not in params:  # an unfused projection (MLA's q_proj)
                         target, shard = internal, None
                     param = params[target]
+                    tensor = sf.get_tensor(name)
+                    scale = name + SCALE_SUFFIX
+                    if cfg.quant is not None and scale in files:
+                        with safe_open(files[scale], framework="pt") as sc:
+                            tensor = dequantize(tensor, sc.get_tensor(scale), cfg.quant.block)
                     try:
-                        param.weight_loader(param, sf.get_tensor(name), shard)
+                        param.weight_loader(param, tensor, shard)
                     except ValueError as e:
                         raise CheckpointError(f"{name}: {e}") from e
     return model.eval()
