@@ -64,45 +64,40 @@ class AutoscalingSettings(_Strict):
         return self
 
 
-class PrefillSettings(_Strict):
+class RoleSettings(_Strict):
+    """What the prefill and decode deployments share: replicas of one TP group each, the
+    resources every rank's bundle reserves, and autoscaling bounds."""
+
+    replicas: int = Field(1, ge=1, description="Initial number of replicas.")
+    tp_size: int = Field(1, ge=1, description="Tensor-parallel ranks (worker processes) per "
+                         "replica.")
+    num_kv_blocks: int = Field(1024, ge=8, description="KV blocks per rank.")
+    cpus_per_rank: float = Field(1.0, ge=0, description="CPUs reserved per rank (bundle).")
+    gpus_per_rank: float = Field(0.0, ge=0, description="GPUs reserved per rank (bundle).")
+    resources: dict[str, float] = Field(
+        default_factory=dict, description="Custom Ray resources each rank's bundle asks for, "
+        "e.g. {\"mtpserve-decode\": 1} to pin this role to nodes started with that resource "
+        "(role pinning: a prefill bundle cannot take a decode node's GPU).")
+    autoscaling: AutoscalingSettings | None = Field(
+        None, description="Autoscaling bounds; None keeps `replicas` fixed."
+    )
+
+
+class PrefillSettings(RoleSettings):
     """Prefill deployment: chunked prefill through the main model and the MTP module(s)."""
 
-    replicas: int = Field(1, ge=1, description="Initial number of prefill replicas.")
-    tp_size: int = Field(1, ge=1, description="Tensor-parallel ranks per prefill replica.")
-    max_num_batched_tokens: int = Field(
-        512, ge=16, description="Token budget of one chunked-prefill step."
-    )
     num_kv_blocks: int = Field(
         512, ge=8, description="KV blocks per prefill rank (held until decode acknowledges)."
     )
-    cpus_per_rank: float = Field(1.0, ge=0, description="CPUs reserved per rank (bundle).")
-    gpus_per_rank: float = Field(0.0, ge=0, description="GPUs reserved per rank (bundle).")
-    resources: dict[str, float] = Field(
-        default_factory=dict, description="Custom Ray resources each rank's bundle asks for, "
-        "e.g. {\"mtpserve-decode\": 1} to pin this role to nodes started with that resource "
-        "(role pinning: a prefill bundle cannot take a decode node's GPU).")
-    autoscaling: AutoscalingSettings | None = Field(
-        None, description="Autoscaling bounds; None keeps `replicas` fixed."
+    max_num_batched_tokens: int = Field(
+        512, ge=16, description="Token budget of one chunked-prefill step."
     )
 
 
-class DecodeSettings(_Strict):
+class DecodeSettings(RoleSettings):
     """Decode deployment: one replica is one TP group running speculative rounds."""
 
-    replicas: int = Field(1, ge=1, description="Initial number of decode replicas.")
-    tp_size: int = Field(1, ge=1, description="Tensor-parallel ranks (worker processes) per "
-                         "decode replica.")
     max_num_seqs: int = Field(32, ge=1, description="Most requests batched in one decode round.")
-    num_kv_blocks: int = Field(1024, ge=8, description="KV blocks per decode rank.")
-    cpus_per_rank: float = Field(1.0, ge=0, description="CPUs reserved per rank (bundle).")
-    gpus_per_rank: float = Field(0.0, ge=0, description="GPUs reserved per rank (bundle).")
-    resources: dict[str, float] = Field(
-        default_factory=dict, description="Custom Ray resources each rank's bundle asks for, "
-        "e.g. {\"mtpserve-decode\": 1} to pin this role to nodes started with that resource "
-        "(role pinning: a prefill bundle cannot take a decode node's GPU).")
-    autoscaling: AutoscalingSettings | None = Field(
-        None, description="Autoscaling bounds; None keeps `replicas` fixed."
-    )
 
 
 class IngressAutoscaling(_Strict):
