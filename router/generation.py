@@ -17,7 +17,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from mtpserve.router.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from mtpserve.router.errors import APIError, from_exception
 from mtpserve.router.protocol import (
     ChatLogprobs,
@@ -27,6 +26,7 @@ from mtpserve.router.protocol import (
     TopLogprob,
 )
 from mtpserve.router.types import Orchestrator
+from mtpserve.workers.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from mtpserve.workers.messages import ERROR_REQUEST, GenerateRequest, TokenChunk, TokenLogprobs
 
 logger = logging.getLogger(__name__)

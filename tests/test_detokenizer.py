@@ -5,7 +5,7 @@ import random
 import pytest
 from tiny_tokenizer import make_tokenizer
 
-from mtpserve.router.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from mtpserve.workers.detokenizer import IncrementalDetokenizer, StopStringMatcher
 
 
 @pytest.fixture(scope="module")

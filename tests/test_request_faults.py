@@ -178,7 +178,7 @@ def test_stop_matcher_holds_exactly_the_longest_partial_stop() -> None:
     """The fast partial-match search agrees with the brute-force definition."""
     import random
 
-    from mtpserve.router.detokenizer import StopStringMatcher
+    from mtpserve.workers.detokenizer import StopStringMatcher
 
     rng = random.Random(0)
     for _ in range(3000):

@@ -6,6 +6,7 @@ import math
 import time
 from dataclasses import asdict, dataclass, field
 
+from mtpserve.workers.detokenizer import IncrementalDetokenizer
 from mtpserve.workers.engine import Engine, EngineConfig
 from mtpserve.workers.engine_config import compile_mode
 from mtpserve.workers.messages import TokenLogprobs
@@ -58,7 +59,11 @@ class LLM:
         self,
         prompts: list[str] | list[list[int]] | str,
         params: SamplingParams | None = None,
+        skip_special_tokens: bool = True,
     ) -> list[GenerationResult]:
+        """Generate for every prompt. `text` reads as the server streams it: detokenized
+        with the prompt's last tokens as context, special tokens (EOS) dropped unless
+        `skip_special_tokens` is False."""
         params = params or SamplingParams()
         if isinstance(prompts, str):
             prompts = [prompts]
@@ -90,7 +95,8 @@ class LLM:
             first = r.first_token_time or end
             results.append(GenerationResult(
                 prompt=text_prompt, prompt_token_ids=r.prompt_token_ids,
-                text=self.tokenizer.decode(r.output_token_ids),
+                text=detokenize(self.tokenizer, r.prompt_token_ids, r.output_token_ids,
+                                skip_special_tokens),
                 output_token_ids=list(r.output_token_ids),
                 finish_reason=r.status.value, num_rounds=r.num_rounds,
                 drafted_per_position=list(r.drafted_per_position),
@@ -100,3 +106,10 @@ class LLM:
                 else None,
             ))
         return results
+
+
+def detokenize(tokenizer, prompt_token_ids: list[int], output_token_ids: list[int],
+               skip_special_tokens: bool = True) -> str:
+    """The output's text exactly as the server's incremental detokenizer streams it."""
+    d = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
+    return d.add(output_token_ids) + d.flush()
