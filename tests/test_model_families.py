@@ -201,6 +201,7 @@ def test_moe_gathered_and_grouped_experts_agree(ckpt) -> None:
     grouped by expert for prefill) compute the same thing."""
     moe = load_model(ckpt("glm4_moe", "glm4_moe", num_mtp=1)).model.layers[1].mlp
     x = torch.randn(40, 64, generator=torch.Generator().manual_seed(0))
+    assert moe.experts(x, *moe.gate(x)).shape == (40, 64)
     w, idx = moe.gate(x)
     a = moe.experts._gathered(x, w, idx)
     b = moe.experts._grouped(x, w, idx)
@@ -310,10 +311,11 @@ def test_tp2_equals_tp1(ckpt, family) -> None:
 
 
 @pytest.mark.slow
-def test_compiled_decode_graphs_cover_moe_layers(ckpt) -> None:
-    """Fixed-shape compiled graphs run the MoE layers (gathered experts, static shapes) and
-    the MoE MTP block: same logits as eager, no eager fallback."""
-    path = ckpt("glm4_moe", "glm4_moe", num_mtp=1)
+@pytest.mark.parametrize("family", ["glm4_moe", "deepseek_v3"])
+def test_compiled_decode_graphs_cover_moe_and_mla_layers(ckpt, family) -> None:
+    """Fixed-shape compiled graphs run the MoE layers (gathered experts, static shapes), MLA
+    over the latent cache and the MoE MTP block: same logits as eager, no eager fallback."""
+    path = ckpt(family, family, num_mtp=1)
     runners = [ModelRunner(path, num_blocks=32, block_size=4, decode_graphs=g)
                for g in (False, True)]
     tables = [[1, 2, 3, 4], [5, 6, 7, 8]]
@@ -470,3 +472,22 @@ def test_fp8_block_checkpoint_equals_its_dequantized_twin(ckpt, tmp_path) -> Non
                            models["twin"].forward_mtp(0, ids, out["twin"], pos))
         ref = _reference(paths["twin"], "deepseek_v3")(ids).logits
     assert (models["twin"].compute_logits(out["twin"]) - ref).abs().max().item() <= 1e-4
+
+
+def test_mla_absorbed_decode_equals_expanded(ckpt, monkeypatch) -> None:
+    """The absorbed (latent-space) attention used for short queries computes what the
+    expanded form does: prefill + decode logits with each form forced."""
+    import mtpserve.workers.model.mla as mla
+
+    path = ckpt("deepseek_v3", "deepseek_v3", num_mtp=1)
+    tokens = torch.randint(0, 256, (30,), generator=torch.Generator().manual_seed(9)).tolist()
+    outs = []
+    for limit in (0, 1 << 20):  # never / always absorbed
+        monkeypatch.setattr(mla, "_ABSORB_MAX_QUERY", limit)
+        runner = ModelRunner(path, num_blocks=16, block_size=8)
+        pre = runner.execute(ForwardBatch("main", [tokens[:26]], [0], [[1, 2, 3, 4]],
+                                          list(range(26))))
+        steps = [runner.execute(ForwardBatch("main", [[t]], [26 + i], [[1, 2, 3, 4]], [0]))
+                 for i, t in enumerate(tokens[26:])]
+        outs.append(torch.cat([pre, *steps]))
+    assert (outs[0] - outs[1]).abs().max().item() <= 1e-5

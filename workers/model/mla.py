@@ -2,10 +2,16 @@
 
 Per token and layer the cache holds only the latent: `kv_a_layernorm(c_kv)` (kv_lora_rank
 values) and the rotated shared rope key (qk_rope_head_dim), no head axis
-(`ModelConfig.kv_cache_layout`: the vector's two halves sit in the cache's two planes). Every
-forward expands the context's latents through `kv_b_proj` into per-head keys/values (the
-"naive" form, exactly transformers' `DeepseekV3Attention.expand_kv`); the absorbed
-(latent-space) decode form is not built yet.
+(`ModelConfig.kv_cache_layout`: the vector's two halves sit in the cache's two planes).
+
+Two forms of the same attention:
+- expanded (prefill, training): the context's latents go through `kv_b_proj` into per-head
+  keys/values, as transformers' `DeepseekV3Attention.expand_kv` does;
+- absorbed (decode, query length <= _ABSORB_MAX_QUERY): `kv_b_proj`'s key half is folded into
+  the query (q_nope @ W_UK, per head) and its value half applied after attention, so attention
+  runs in latent space against the cached [c_kv | k_rope] directly (one shared "KV head") and
+  nothing is expanded per context token. Per step it saves L * kv_lora * heads * (nope + v)
+  multiply-adds for L context tokens; it is chosen for short queries, where that dominates.
 
 Softmax scale: qk_head_dim^-0.5, times mscale(factor, mscale_all_dim)^2 under YaRN
 (transformers' `yarn_apply_mscale`). Rope on the rope part only, interleaved pairs when
@@ -36,6 +42,9 @@ from mtpserve.workers.model.rope import yarn_get_mscale
 # transformers builds q_a_layernorm / kv_a_layernorm with the RMSNorm default eps, not
 # config.rms_norm_eps.
 _LATENT_NORM_EPS = 1e-6
+# Query lengths up to this use the absorbed form (decode rounds are k + 1 <= 8 tokens; for
+# DeepSeek-V3's ranks the absorbed form costs less per query token below ~170 tokens).
+_ABSORB_MAX_QUERY = 16
 
 
 def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -114,6 +123,8 @@ class MLAttention(nn.Module):
                 2, B, -1, half)[:, :, : attn.max_context_len].to(q.dtype)
             latent = torch.cat([ctx[0], ctx[1]], dim=-1)  # [B, L, Dl]
             mask, causal = attn.mask, False
+        if attn is not None and S <= _ABSORB_MAX_QUERY:
+            return self._absorbed(q_nope, pe[:, :, :Hl], latent, mask)
         c, k_rot = latent.split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
         L = latent.shape[1]
         kv = self.kv_b_proj(c).view(B, L, Hl, m.qk_nope_head_dim + m.v_head_dim)
@@ -124,3 +135,20 @@ class MLAttention(nn.Module):
             attn_mask=mask, is_causal=causal and S > 1, scale=self.scale,
         )
         return self.o_proj(out.transpose(1, 2).reshape(B, S, Hl * m.v_head_dim))
+
+    def _absorbed(self, q_nope: torch.Tensor, q_rot: torch.Tensor, latent: torch.Tensor,
+                  mask: torch.Tensor | None) -> torch.Tensor:
+        """Attention in latent space: q_nope [B, S, Hl, nope], q_rot [B, S, Hl, rope],
+        latent [B, L, kv_lora + rope] (the cache's rows), mask [B, 1, S, L]."""
+        m, Hl = self.mla, self.num_heads
+        B, S = q_nope.shape[:2]
+        w = self.kv_b_proj.weight.unflatten(0, (Hl, m.qk_nope_head_dim + m.v_head_dim))
+        w_uk, w_uv = w.split([m.qk_nope_head_dim, m.v_head_dim], dim=1)  # [Hl, *, kv_lora]
+        q_lat = torch.einsum("bshn,hnr->bhsr", q_nope, w_uk)
+        q = torch.cat([q_lat, q_rot.transpose(1, 2)], dim=-1)  # [B, Hl, S, kv_lora + rope]
+        kv = latent.unsqueeze(1)  # [B, 1, L, kv_lora + rope]: one latent "head" for all
+        out = F.scaled_dot_product_attention(
+            q, kv, kv[..., : m.kv_lora_rank], attn_mask=mask, scale=self.scale,
+            enable_gqa=True)  # [B, Hl, S, kv_lora]
+        out = torch.einsum("bhsr,hvr->bshv", out, w_uv)
+        return self.o_proj(out.reshape(B, S, Hl * m.v_head_dim))

@@ -34,6 +34,8 @@ from mtpserve.workers.model.families.base import MoEConfig
 from mtpserve.workers.model.layers import MLP
 from mtpserve.workers.model.parallel import _divide, _plain_loader, all_reduce, get_tp
 
+_GATHER_BYTES = 64 << 20
+
 
 class Router(nn.Module):
     def __init__(self, hidden: int, cfg: MoEConfig) -> None:
@@ -113,7 +115,12 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """x [T, hidden], weights/idx [T, K] -> this rank's partial sum [T, hidden]."""
         T, K = idx.shape
-        if torch.compiler.is_compiling() or T * K <= self.num_experts:
+        # Gathering costs T*K experts' weights of traffic; grouping reads each hit expert once
+        # but loops over experts with a host sync. Gather while it reads no more than all the
+        # experts would, or no more than _GATHER_BYTES (small models: always at decode sizes).
+        pair_bytes = self.w13[0].nbytes + self.w2[0].nbytes
+        if (torch.compiler.is_compiling() or T * K <= self.num_experts
+                or T * K * pair_bytes <= _GATHER_BYTES):
             return self._gathered(x, weights, idx)
         return self._grouped(x, weights, idx)
 
