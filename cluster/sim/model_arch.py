@@ -169,7 +169,8 @@ def arch_from_config(cfg: dict, name: str = "model") -> ModelArch:
     heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
     quant = (cfg.get("quantization_config") or {}).get("quant_method", "")
-    experts = int(cfg.get("n_routed_experts") or cfg.get("num_experts") or 0)
+    experts = int(cfg.get("n_routed_experts") or cfg.get("num_experts")
+                  or cfg.get("num_local_experts") or 0)  # transformers 5 writes the last
     inter = int(cfg.get("intermediate_size") or 0)
     return ModelArch(
         name=name, hidden=hidden, layers=int(cfg["num_hidden_layers"]), heads=heads,
