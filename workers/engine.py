@@ -40,6 +40,8 @@ from mtpserve.workers.scheduler import PrefillChunk, Scheduler
 from mtpserve.workers.spec_decode.mtp_proposer import MTPProposer
 from mtpserve.workers.spec_decode.rejection_sampler import RejectionSampler
 from mtpserve.workers.spec_decode.sampling import sampling_fault
+from mtpserve.workers.structured.grammars import GrammarError
+from mtpserve.workers.structured.guide import StructuredGuide
 
 __all__ = ["DTYPES", "Engine", "EngineConfig", "EngineError", "RequestOutput"]
 
@@ -82,8 +84,13 @@ class Engine:
                                   self.max_model_len)
         self.proposer = MTPProposer(self.runner.execute, mcfg.num_mtp_modules,
                                     self.limits.banned)
+        # Structured outputs: matchers built at admission from the request's tokens (so a
+        # resumed request and the decode side of P/D rebuild them), dropped when it ends.
+        self.guide = StructuredGuide(config.model, mcfg.vocab_size, sorted(self.eos_ids))
+        self.proposer.guide = self.guide
         self.outcomes = RoundOutcomes(self.runner, self.block_manager, self.sampler,
-                                      self.adaptive, self.limits, mcfg.num_mtp_modules)
+                                      self.adaptive, self.limits, mcfg.num_mtp_modules,
+                                      self.guide)
         self.requests: dict[str, Request] = {}
         # A serving engine compiles before its replica reports ready; an offline one compiles
         # only what `LLM.generate` asks for. Either way a bucket never compiled runs eagerly:
@@ -157,8 +164,14 @@ class Engine:
                 f"request needs up to {blocks_for(worst, self.config.block_size)} KV blocks; "
                 f"the cache has {self.config.num_kv_blocks}"
             )
-        return Request(request_id, list(prompt_token_ids), params, arrival=time.monotonic(),
-                       num_speculative_tokens=k, output_token_ids=resume)
+        req = Request(request_id, list(prompt_token_ids), params, arrival=time.monotonic(),
+                      num_speculative_tokens=k, output_token_ids=resume)
+        if params.structured is not None:
+            try:
+                self.guide.admit(req)
+            except GrammarError as e:
+                raise EngineError(str(e)) from None
+        return req
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams, resume_token_ids: list[int] | None = None
@@ -214,6 +227,7 @@ class Engine:
             return False
         self.block_manager.free(req)
         req.status = RequestStatus.FINISHED_STOPPED
+        self.guide.release(req)
         return True
 
     def abort(self, request_id: str) -> bool:
@@ -223,6 +237,7 @@ class Engine:
             return False
         self.scheduler.remove(req)
         req.status = RequestStatus.FINISHED_ABORTED
+        self.guide.release(req)
         return True
 
     def reset_prefix_cache(self) -> int:
@@ -352,6 +367,7 @@ class Engine:
         req.finish_time = time.monotonic()
         self.scheduler.remove(req)
         self.requests.pop(req.request_id, None)
+        self.guide.release(req)
 
     @property
     def totals(self) -> dict[str, int]:

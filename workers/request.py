@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import secrets
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -61,6 +62,9 @@ class Request:
     prefill_target: int = 0
     first_token_time: float | None = None
     finish_time: float | None = None
+    # Structured outputs: the matcher of `params.structured` (workers.structured.guide keeps it
+    # in step with output_token_ids); None when unconstrained.
+    constraint: Any = None
 
     def __post_init__(self) -> None:
         if self.seed is None:

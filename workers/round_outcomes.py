@@ -7,6 +7,11 @@ round (`verify`), the whole greedy round as one compiled graph when it applies
 are explicit: the runner (forwards), the block manager (rollback, prefix-cache naming), the
 rejection sampler, adaptive k and the round limits. It never removes a request: each call
 returns the requests that finished and the engine retires them.
+
+Structured outputs: every row that decides a constrained request's token is masked by its
+matcher (`StructuredGuide`: the first token, each of the k + 1 verify rows, advanced along the
+drafts), so greedy rows take the masked argmax and sampled rows the masked p; the fused greedy
+graph, which cannot mask, is skipped for rounds with a constrained request.
 """
 
 from __future__ import annotations
@@ -29,20 +34,25 @@ from mtpserve.workers.spec_decode.sampling import (
     sample_with_uniforms,
     suppress_tokens,
 )
+from mtpserve.workers.structured.guide import StructuredGuide
 
 
 class RoundOutcomes:
     """Logits -> emitted tokens, rollback, drafts to extend (module docstring)."""
 
     def __init__(self, runner: Any, block_manager: BlockManager, sampler: RejectionSampler,
-                 adaptive: AdaptiveK, limits: RoundLimits, num_mtp_modules: int) -> None:
+                 adaptive: AdaptiveK, limits: RoundLimits, num_mtp_modules: int,
+                 guide: StructuredGuide | None = None) -> None:
         self.runner = runner  # a workers.model_runner.Runner
         self.block_manager = block_manager
         self.sampler = sampler
         self.adaptive = adaptive
         self.limits = limits
         self.num_mtp_modules = num_mtp_modules
-        self.totals = {"rounds": 0, "drafted": 0, "accepted": 0, "emitted": 0}
+        self.guide = guide
+        # constrained_*: the drafts of requests under a grammar (their acceptance, apart).
+        self.totals = {"rounds": 0, "drafted": 0, "accepted": 0, "emitted": 0,
+                       "constrained_drafted": 0, "constrained_accepted": 0}
 
     def greedy_round(self, reqs: list[Request]
                      ) -> tuple[list[RequestOutput], list[Request]] | None:
@@ -54,7 +64,7 @@ class RoundOutcomes:
                 or self.adaptive.enabled
                 or self.num_mtp_modules != 1
                 or any(len(r.draft_token_ids) != K or self.limits.k(r) != K or not r.params.greedy
-                       or r.params.logprobs is not None
+                       or r.params.logprobs is not None or r.constraint is not None
                        or r.num_output_tokens < r.params.min_tokens for r in reqs)):
             return None
         # Drafts the next round may make if this one accepts nothing (it emits one token).
@@ -90,6 +100,9 @@ class RoundOutcomes:
         self.totals["drafted"] += k_used
         self.totals["accepted"] += a
         self.totals["emitted"] += len(emitted)
+        if r.params.structured is not None:
+            self.totals["constrained_drafted"] += k_used
+            self.totals["constrained_accepted"] += a
         self.adaptive.observe(k_used, a)
 
     def prefilled_chunks(self, chunks: list[PrefillChunk], logits: torch.Tensor,
@@ -136,6 +149,8 @@ class RoundOutcomes:
         first_pos = [r.num_computed_tokens + 1 for r in reqs]
         logits = suppress_tokens(raw, [self.limits.banned(r, first_pos[b] + s)
                                        for b, r in enumerate(reqs) for s in range(S)])
+        if self.guide is not None:
+            logits = self.guide.mask_verify(logits, reqs, S)
         result = self.sampler(logits.view(len(reqs), S, -1), [r.draft_token_ids for r in reqs],
                               [r.draft_probs for r in reqs], [r.params for r in reqs],
                               [r.seed for r in reqs], first_pos)
@@ -174,6 +189,8 @@ class RoundOutcomes:
         pos = [r.num_tokens for r in reqs]
         logits = suppress_tokens(logits, [self.limits.banned(r, p) for r, p in zip(reqs, pos,
                                                                              strict=True)])
+        if self.guide is not None:
+            logits = self.guide.mask_rows(logits, reqs)
         tokens = logits.argmax(dim=-1)
         rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
         if rows:

@@ -6,6 +6,8 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from mtpserve.workers.structured.spec import StructuredSpec
+
 _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
 # top_p below this keeps only the most likely token anyway; a smaller value underflows to 0
@@ -24,7 +26,9 @@ class SamplingParams:
     speculation must not change) or drawn for the user upstream (the router does that so the
     seed travels with the request). `min_tokens`: EOS and stop tokens cannot be generated
     before this many output tokens. `logprobs`: None for none; N >= 0 returns the log
-    probability of each emitted token plus the N most likely alternatives.
+    probability of each emitted token plus the N most likely alternatives. `structured`: the
+    output must match this grammar / schema / choice / tool-call format, or begin with a
+    healed prompt tail (token healing); every token, drafts included, is masked by it.
     """
 
     max_tokens: int = 16
@@ -38,6 +42,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     user_seed: bool = True
+    structured: StructuredSpec | None = None
 
     def __post_init__(self) -> None:
         for name in ("temperature", "top_p"):

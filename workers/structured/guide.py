@@ -1,0 +1,193 @@
+"""The engine's side of structured outputs: matchers per request, masks on the logits.
+
+Every place where logits become tokens asks the guide for a mask (`mask_rows` for first
+tokens, `mask_verify` for the k + 1 rows of a speculative round, `mask_drafts` for each MTP
+draft step), so the target distribution p and the draft distribution q are masked alike and
+rejection sampling keeps the masked target exactly (as `suppress_tokens` does for min_tokens).
+
+Matcher state is derived from the request's tokens: `sync` makes the matcher have accepted
+exactly `output_token_ids` (catching up tokens emitted elsewhere, or rebuilding after a roll
+back), so a resumed or migrated request, the decode side of P/D (the prefill's first token) and
+a request restored after a failed step all continue from the right state, with nothing shipped.
+Verification advances the matcher along the drafts to mask each position and rolls it back
+afterwards; drafting does the same along the draft chain.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+import torch
+import xgrammar as xgr
+
+from mtpserve.workers.structured.constraint import (
+    Constraint,
+    GrammarConstraint,
+    PrefixConstraint,
+)
+from mtpserve.workers.structured.grammars import GrammarCache
+from mtpserve.workers.structured.spec import StructuredSpec
+
+logger = logging.getLogger(__name__)
+
+
+class StructuredGuide:
+    """Matchers of one engine's constrained requests (`req.constraint`), built on demand: an
+    engine that never sees a constrained request never loads the tokenizer."""
+
+    def __init__(self, tokenizer_path: str, vocab_size: int, eos_ids: list[int]) -> None:
+        self.tokenizer_path = tokenizer_path
+        self.vocab_size = vocab_size
+        self.eos_ids = sorted(eos_ids)
+        self._cache: GrammarCache | None = None
+        self._prefix_masks: dict[bytes, np.ndarray] = {}
+
+    @property
+    def cache(self) -> GrammarCache:
+        if self._cache is None:
+            from mtpserve.workers.tokenizer import load_tokenizer
+
+            self._cache = GrammarCache(load_tokenizer(self.tokenizer_path), self.vocab_size,
+                                       self.eos_ids)
+        return self._cache
+
+    def new_constraint(self, spec: StructuredSpec) -> Constraint:
+        """A fresh matcher; raises `GrammarError` when the spec does not compile."""
+        if spec.kind == "prefix":
+            return PrefixConstraint(spec.prefix_bytes, self.cache.token_bytes,
+                                    self._prefix_masks)
+        return GrammarConstraint(self.cache.compile(spec), self.eos_ids)
+
+    # Lifecycle ---------------------------------------------------------------------------
+    def admit(self, req: Any) -> None:
+        """At admission: the request's matcher, advanced over the tokens it already has."""
+        spec = req.params.structured
+        req.constraint = None if spec is None else self.new_constraint(spec)
+        if req.constraint is not None:
+            self.sync(req)
+
+    @staticmethod
+    def release(req: Any) -> None:
+        req.constraint = None
+
+    def sync(self, req: Any) -> Constraint | None:
+        """The request's matcher, having accepted exactly its output tokens."""
+        c = req.constraint
+        if c is None:
+            return None
+        out = req.output_token_ids
+        if c.num_tokens > len(out):  # tokens were taken back (a failed step): rebuild
+            c = req.constraint = self.new_constraint(req.params.structured)
+        for t in out[c.num_tokens:]:
+            if not c.accept(t):
+                # Only tokens the mask allowed are emitted; this is a resumed request whose
+                # earlier tokens were not made under this constraint. Leave it unconstrained.
+                logger.warning("request %s: token %d breaks its constraint; constraint "
+                               "dropped", req.request_id, t)
+                req.constraint = None
+                return None
+            c.num_tokens += 1
+        c.draft_len, c.draft_cut = 0, None
+        return c
+
+    # Masks -------------------------------------------------------------------------------
+    def _bitmask(self, n: int) -> torch.Tensor:
+        return xgr.allocate_token_bitmask(n, self.vocab_size)  # all allowed (-1)
+
+    @staticmethod
+    def _apply(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """A copy of logits with the bitmask's rows applied (-inf where a bit is 0); on the
+        logits' device (xgrammar's CPU kernel on the host, its CUDA / Triton one on GPU)."""
+        if not rows:
+            return logits
+        out = logits.float().clone() if logits.dtype != torch.float32 else logits.clone()
+        xgr.apply_token_bitmask_inplace(out, bitmask.to(out.device, non_blocking=True),
+                                        vocab_size=out.shape[-1], indices=rows)
+        return out
+
+    def mask_rows(self, logits: torch.Tensor, reqs: list[Any]) -> torch.Tensor:
+        """logits [len(reqs), V], row i deciding request i's next token."""
+        if not any(r.constraint is not None for r in reqs):
+            return logits
+        bm = self._bitmask(len(reqs))
+        rows = [i for i, r in enumerate(reqs)
+                if (c := self.sync(r)) is not None and c.fill(bm, i)]
+        return self._apply(logits, bm, rows)
+
+    def mask_verify(self, logits: torch.Tensor, reqs: list[Any], S: int) -> torch.Tensor:
+        """logits [R * S, V] of a speculative round: row b * S + s decides the token after
+        request b's last token and its first s drafts. Each row gets the mask of the state
+        after those drafts; the matcher is rolled back afterwards. Rows after a draft the
+        grammar rejects need no mask: that draft is rejected (its row masks it out)."""
+        if not any(r.constraint is not None for r in reqs):
+            return logits
+        bm = self._bitmask(len(reqs) * S)
+        rows: list[int] = []
+        for b, r in enumerate(reqs):
+            c = self.sync(r)
+            if c is None or not c.fill(bm, b * S):
+                continue
+            rows.append(b * S)
+            advanced = 0
+            for s, d in enumerate(r.draft_token_ids, start=1):
+                if not c.accept(d):
+                    break
+                advanced += 1
+                if not c.fill(bm, b * S + s):
+                    break
+                rows.append(b * S + s)
+            c.rollback(advanced)
+        return self._apply(logits, bm, rows)
+
+    # Drafting ----------------------------------------------------------------------------
+    def mask_drafts(self, reqs: list[Any], logits: torch.Tensor, depth: int) -> torch.Tensor:
+        """Draft logits [len(reqs), V] at `depth` (1 = first draft): each constrained row
+        masked by its matcher advanced along this chain's earlier drafts."""
+        if not any(r.constraint is not None for r in reqs):
+            return logits
+        bm = self._bitmask(len(reqs))
+        rows = []
+        for i, r in enumerate(reqs):
+            c = self.sync(r) if depth == 1 else r.constraint
+            if c is None or c.draft_cut is not None:
+                continue
+            if c.fill(bm, i):
+                rows.append(i)
+        return self._apply(logits, bm, rows)
+
+    def advance_drafts(self, reqs: list[Any], tokens: torch.Tensor, logits: torch.Tensor,
+                       depth: int) -> None:
+        """Advance each constrained request's matcher by its draft at `depth` (tokens [n] on
+        the device: one host copy, only when a row is constrained). A draft the matcher
+        refuses (the draft head had no allowed token: a draft vocabulary) cuts the chain."""
+        idx = [i for i, r in enumerate(reqs)
+               if r.constraint is not None and r.constraint.draft_cut is None]
+        if not idx:
+            return
+        sel = torch.tensor(idx, device=tokens.device)
+        host = torch.stack([tokens[sel].to(torch.float64),
+                            logits[sel].amax(dim=-1).to(torch.float64)], dim=1).tolist()
+        for i, (tok, top) in zip(idx, host, strict=True):
+            c = reqs[i].constraint
+            if top == float("-inf") or not c.accept(int(tok)):
+                c.draft_cut = depth - 1
+                continue
+            c.draft_len += 1
+            if c.terminated:  # a stop token: nothing after it can be emitted
+                c.draft_cut = depth
+
+    @staticmethod
+    def end_drafts(reqs: list[Any]) -> None:
+        """After the chain: matchers back at the request's tokens, invalid drafts dropped."""
+        for r in reqs:
+            c = r.constraint
+            if c is None:
+                continue
+            c.rollback(c.draft_len)
+            if c.draft_cut is not None:
+                del r.draft_token_ids[c.draft_cut:]
+                if r.draft_probs is not None:
+                    r.draft_probs = r.draft_probs[: c.draft_cut] if c.draft_cut else None
+            c.draft_len, c.draft_cut = 0, None

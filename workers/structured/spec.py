@@ -1,0 +1,56 @@
+"""What a request's output must match: plain, picklable data carried in `SamplingParams`.
+
+The spec names the constraint, never a compiled object: it crosses Ray handles with the
+request, and every engine that runs the request (prefill, decode, a replica it migrates to)
+compiles it against its own tokenizer (cached), then rebuilds the matcher from the tokens
+already generated. No xgrammar import here: the router and the sampling params import this.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+# json: a JSON schema (its JSON text; "{}" or an object schema for json_object);
+# regex: a regular expression; choice: a JSON list of strings, the output is one of them;
+# grammar: an EBNF (GBNF) grammar, root rule `root`; prefix: the output must begin with
+# these bytes (hex), then anything (token healing); tool_calls: one
+# `<tool_call>{"name": ..., "arguments": ...}</tool_call>` block of the listed functions (JSON:
+# {"schemas": [one call's schema per function]}).
+KINDS = ("json", "regex", "choice", "grammar", "prefix", "tool_calls")
+MAX_SPEC_CHARS = 64 * 1024  # a schema / grammar larger than this is refused before compiling
+
+
+@dataclass(frozen=True)
+class StructuredSpec:
+    kind: str
+    value: str
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown structured output kind {self.kind!r}; one of {KINDS}")
+        if len(self.value) > MAX_SPEC_CHARS:
+            raise ValueError(f"the {self.kind} constraint has {len(self.value)} characters; "
+                             f"at most {MAX_SPEC_CHARS}")
+
+    @classmethod
+    def json_schema(cls, schema: dict | bool | str) -> StructuredSpec:
+        # Key order kept: xgrammar emits properties in the order the schema lists them.
+        text = schema if isinstance(schema, str) else json.dumps(schema)
+        return cls("json", text)
+
+    @classmethod
+    def json_object(cls) -> StructuredSpec:
+        return cls("json", '{"type": "object"}')
+
+    @classmethod
+    def choice(cls, options: list[str]) -> StructuredSpec:
+        return cls("choice", json.dumps(list(options)))
+
+    @classmethod
+    def prefix(cls, data: bytes) -> StructuredSpec:
+        return cls("prefix", data.hex())
+
+    @property
+    def prefix_bytes(self) -> bytes:
+        return bytes.fromhex(self.value)
