@@ -131,6 +131,8 @@ def test_legacy_top_level_rope_keys(ckpt, tmp_path) -> None:
     ({"model_type": "deepseek_v32"}, "DSA"),
     ({"model_type": "qwen3_next"}, "qwen3_next"),
     ({"hidden_act": "gelu"}, "gelu"),
+    ({"model_type": "glm4_moe", "n_routed_experts": 8, "num_experts_per_tok": 2,
+      "moe_intermediate_size": 32, "topk_method": "greedy"}, "topk_method"),
 ])
 def test_unsupported_pieces_refused_by_name(ckpt, patch, named) -> None:
     cfg = json.loads((ckpt("theta1e6", "qwen3", rope_parameters={

@@ -18,6 +18,7 @@ from mtpserve.workers.model.families.base import (
     num_layers_with_mtp,
 )
 from mtpserve.workers.model.families.glm4_moe import sigmoid_moe
+from mtpserve.workers.model.rope import UnsupportedConfig
 
 MODEL_TYPES = ("deepseek_v3", "glm4_moe_lite")
 
@@ -34,7 +35,7 @@ def mla_config(cfg: dict[str, Any]) -> MLAConfig:
 
 def fields(cfg: dict[str, Any]) -> FamilyFields:
     if cfg.get("attention_bias"):
-        raise ValueError("attention_bias with MLA is not supported")
+        raise UnsupportedConfig("attention_bias with MLA is not supported")
     n_main = int(cfg["num_hidden_layers"])
     first_dense = int(cfg.get("first_k_dense_replace", 0) or 0)
     main_types = cfg.get("mlp_layer_types")

@@ -16,6 +16,7 @@ from mtpserve.workers.model.families.base import (
     num_experts,
     num_layers_with_mtp,
 )
+from mtpserve.workers.model.rope import UnsupportedConfig
 
 MODEL_TYPES = ("glm4_moe",)
 
@@ -23,9 +24,13 @@ MODEL_TYPES = ("glm4_moe",)
 def sigmoid_moe(cfg: dict[str, Any]) -> MoEConfig:
     """The DeepSeek-V3 / GLM router settings (shared with the DeepSeek family)."""
     if cfg.get("topk_method", "noaux_tc") != "noaux_tc":
-        raise ValueError(f"topk_method {cfg['topk_method']!r} is not supported (noaux_tc only)")
+        raise UnsupportedConfig(
+            f"topk_method {cfg['topk_method']!r} is not supported (noaux_tc only)")
+    if (cfg.get("moe_layer_freq") or 1) != 1:
+        raise UnsupportedConfig(f"moe_layer_freq {cfg['moe_layer_freq']} is not supported (1 only)")
     if cfg.get("scoring_func", "sigmoid") != "sigmoid":
-        raise ValueError(f"scoring_func {cfg['scoring_func']!r} is not supported (sigmoid only)")
+        raise UnsupportedConfig(
+            f"scoring_func {cfg['scoring_func']!r} is not supported (sigmoid only)")
     return MoEConfig(
         num_experts=num_experts(cfg), top_k=int(cfg["num_experts_per_tok"]),
         intermediate_size=int(cfg["moe_intermediate_size"]), scoring="sigmoid",
