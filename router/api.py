@@ -23,12 +23,17 @@ same way. Behaviour clients can rely on:
 - Errors are OpenAI-style JSON (router.errors); a stream that fails after it started sends one
   `data: {"error": ...}` event and closes without `[DONE]`.
 - Extensions (`mtp`, `ignore_eos`, `return_token_ids`; `mtp_stats` in responses): router.protocol.
+- Structured outputs (`response_format`, `structured_outputs`), tools (`tools`, `tool_choice`)
+  and token healing: router.structured and router.tools; a constraint that does not compile
+  (or not in time) is a 400 naming the problem. `POST /tokenize` and `POST /detokenize` take
+  and return vLLM's shapes.
 
 Routes read `app.state.ingress` per request, so the state may also be set after the app is built.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -39,6 +44,8 @@ from mtpserve.router.auth import APIKeyMiddleware
 from mtpserve.router.errors import APIError, install_error_handlers
 from mtpserve.router.ingress_state import (
     IngressState,
+    check_model,
+    check_token_ids,
     encode_prompts,
     ingress_state,
     is_admin,
@@ -56,11 +63,22 @@ from mtpserve.router.pipeline import CHAT, COMPLETION, admit, respond
 from mtpserve.router.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
     KVProbeRequest,
     ModelCard,
     ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
 )
 from mtpserve.router.responses import json_response
+from mtpserve.router.structured import (
+    healing_default,
+    one_spec,
+    response_format_spec,
+    structured_outputs_spec,
+)
+from mtpserve.router.tools import check_tools, history_message, render_with_tools
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -128,17 +146,70 @@ def create_app(state: IngressState | None = None) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request) -> Any:
         s = ingress_state(request)
         admit(s, body, len(body.prompts), "max_tokens")
+        spec = structured_outputs_spec(body.structured_outputs)
         prompts = await encode_prompts(s, body.prompts)
+        heal = healing_default(s) if body.token_healing is None else body.token_healing
         return await respond(request, s, body, prompts, COMPLETION,
-                             body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS)
+                             body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS,
+                             spec=None if spec is None else ("structured_outputs", spec),
+                             healing=[heal and isinstance(p, str) for p in body.prompts])
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         s = ingress_state(request)
         admit(s, body, 1, "max_completion_tokens" if body.max_completion_tokens
               else "max_tokens")
-        ids = await render_chat(s, [{"role": m.role, "content": m.text}
-                                    for m in body.messages])
-        return await respond(request, s, body, [ids], CHAT, body.max_output_tokens)
+        tools = check_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
+        named = [("response_format", response_format_spec(body.response_format)),
+                 ("structured_outputs", structured_outputs_spec(body.structured_outputs)),
+                 ("tool_choice", tools.spec() if tools is not None else None)]
+        spec = one_spec(*named)
+        param = next((n for n, x in named if x is not None), "")
+        if tools is not None or any(m.tool_calls for m in body.messages):
+            ids = await _render_tools(s, body, tools)
+        else:
+            ids = await render_chat(s, [{"role": m.role, "content": m.text}
+                                        for m in body.messages])
+        return await respond(request, s, body, [ids], CHAT, body.max_output_tokens,
+                             spec=None if spec is None else (param, spec), tools=tools)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
+        s = ingress_state(request)
+        check_model(s, body.model)
+        tok = s.tokenizer
+        if body.messages is not None:
+            msgs = [history_message(m) for m in body.messages]
+            if body.add_generation_prompt and not any(m.tool_calls for m in body.messages):
+                ids = await render_chat(s, [{"role": m["role"], "content": m["content"]}
+                                            for m in msgs])
+            else:
+                ids = await asyncio.to_thread(render_with_tools, tok, msgs, None)
+        else:
+            ids = await asyncio.to_thread(
+                lambda: list(tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)))
+        strs = tok.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        return json_response(TokenizeResponse(count=len(ids), max_model_len=s.max_model_len,
+                                              tokens=ids, token_strs=strs))
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest, request: Request) -> JSONResponse:
+        s = ingress_state(request)
+        check_model(s, body.model)
+        check_token_ids(s, list(body.tokens), "tokens")
+        text = await asyncio.to_thread(s.tokenizer.decode, list(body.tokens))
+        return json_response(DetokenizeResponse(prompt=text))
 
     return app
+
+
+async def _render_tools(s: IngressState, body: ChatCompletionRequest, tools: Any) -> list[int]:
+    """Prompt ids of a conversation with tools or tool calls (router.tools), on a thread."""
+    msgs = [history_message(m) for m in body.messages]
+    try:
+        return await asyncio.to_thread(render_with_tools, s.tokenizer, msgs, tools)
+    except APIError:
+        raise
+    except Exception as e:  # a template may reject a conversation
+        raise APIError(f"the chat template failed on these messages: {e}", 400,
+                       param="messages") from None

@@ -47,6 +47,8 @@ class Choice:
         self.num_drafted = self.num_accepted = self.num_rounds = 0
         self.num_cached_tokens = 0  # prompt tokens a prefix cache held
         self.logprobs: list[TokenLogprobs] = []  # one per token id, when requested
+        # Token healing: the prompt tail the output re-generates, stripped from the text.
+        self.strip_prefix = ""
         self._text_offset = 0  # completions' text_offset of the next token
 
     @property
@@ -126,6 +128,12 @@ class Choice:
         text = self.detokenizer.add(chunk.token_ids)
         if chunk.finished:
             text += self.detokenizer.flush()
+        if self.strip_prefix and text:
+            n = min(len(text), len(self.strip_prefix))
+            if text[:n] == self.strip_prefix[:n]:
+                text, self.strip_prefix = text[n:], self.strip_prefix[n:]
+            else:  # cannot happen under the prefix constraint; never eat real output
+                self.strip_prefix = ""
         out = self.stops.feed(text)
         if self.stops.stopped:
             self.finish_reason = "stop"

@@ -5,10 +5,18 @@ stream of SSE chunks or as one JSON response. Only the shapes differ: a `Shape` 
 is written in a chunk and in the final response, and what opens a stream (chat announces the
 assistant role first). Everything else (caps, window checks, choices, usage, streaming, errors)
 is written once here.
+
+Constraints ride along the same way: the caller passes the request's `StructuredSpec` (from
+`response_format`, `structured_outputs` or a forced tool choice), compiled here first (a 400 if
+it does not compile in time), and the chat shape turns `<tool_call>` blocks into `tool_calls`
+(whole, or as streamed deltas) when the request has tools. Token healing (text prompts of
+completions) backs off each prompt's healable tail; the choice strips the re-generated tail
+from its text, so the client sees a plain continuation.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -39,10 +47,17 @@ from mtpserve.router.protocol import (
     ChatStreamChoice,
     CompletionChoice,
     CompletionResponse,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
     SamplingRequest,
+    ToolCall,
 )
 from mtpserve.router.responses import json_response, run_to_end, sse_event, stream_response
+from mtpserve.router.structured import check_compiles, heal
+from mtpserve.router.tools import ToolCallStream, ToolSetup, parse_tool_calls
+from mtpserve.workers.structured.spec import StructuredSpec
 
 
 @dataclass
@@ -55,10 +70,16 @@ class Call:
     response_id: str
     created: int
     choices: ChoiceSet
+    tools: ToolSetup | None = None  # chat with tools (tool_choice not "none")
+    tool_streams: dict[int, ToolCallStream] = dataclasses.field(default_factory=dict)
 
     @property
     def want_ids(self) -> bool:
         return bool(self.body.return_token_ids)
+
+    @property
+    def parses_tools(self) -> bool:
+        return self.tools is not None and self.tools.active
 
 
 class Shape:
@@ -72,6 +93,10 @@ class Shape:
 
     def stream_choice(self, call: Call, ev: ChoiceEvent) -> BaseModel:
         raise NotImplementedError
+
+    def stream_choices(self, call: Call, ev: ChoiceEvent) -> list[BaseModel]:
+        """The stream choices (one chunk each) an event makes."""
+        return [self.stream_choice(call, ev)]
 
     def chunk(self, call: Call, choices: list[Any], **kw: Any) -> BaseModel:
         raise NotImplementedError
@@ -123,14 +148,45 @@ class ChatShape(Shape):
             mtp_stats=ev.choice.mtp_stats() if ev.finish_reason else None,
             mtpserve_trace=ev.trace())
 
+    def stream_choices(self, call: Call, ev: ChoiceEvent) -> list[BaseModel]:
+        if not call.parses_tools:
+            return [self.stream_choice(call, ev)]
+        i = ev.choice.index
+        stream = call.tool_streams.setdefault(i, ToolCallStream(call.tools))
+        out: list[BaseModel] = []
+        for d in stream.feed(ev.text, final=ev.finish_reason is not None):
+            if d.content is not None:
+                delta = DeltaMessage(content=d.content)
+            else:
+                delta = DeltaMessage(tool_calls=[DeltaToolCall(
+                    index=d.index, id=d.id, type="function" if d.id else None,
+                    function=DeltaFunctionCall(name=d.name, arguments=d.arguments))])
+            out.append(ChatStreamChoice(index=i, delta=delta))
+        if ev.finish_reason or not out:
+            last = self.stream_choice(call, ev)
+            last.delta = DeltaMessage()
+            if ev.finish_reason and stream.num_calls:
+                last.finish_reason = "tool_calls"
+            if ev.finish_reason or call.want_ids or ev.choice.wants_logprobs:
+                out.append(last)
+        return out
+
     def chunk(self, call: Call, choices: list[Any], **kw: Any) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=call.response_id, created=call.created,
                                    model=call.state.model_name, choices=choices, **kw)
 
     def response(self, call: Call) -> ChatCompletionResponse:
         def choice(c: Choice) -> ChatChoice:
-            return ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
-                              finish_reason=c.finish_reason,
+            message, finish = AssistantMessage(content=c.text), c.finish_reason
+            if call.parses_tools:
+                content, calls = parse_tool_calls(c.text, call.tools)
+                if calls:
+                    message = AssistantMessage(content=content, tool_calls=[
+                        ToolCall(id=t.id, function=FunctionCall(name=t.name,
+                                                                arguments=t.arguments))
+                        for t in calls])
+                    finish = "tool_calls"
+            return ChatChoice(index=c.index, message=message, finish_reason=finish,
                               logprobs=c.chat_logprobs(c.logprobs),
                               token_ids=c.token_ids if call.want_ids else None,
                               mtp_stats=c.mtp_stats())
@@ -158,16 +214,31 @@ def admit(state: IngressState, body: SamplingRequest, num_prompts: int,
 
 
 async def respond(request: Request, state: IngressState, body: SamplingRequest,
-                  prompts: list[list[int]], shape: Shape, requested: int | None) -> Any:
+                  prompts: list[list[int]], shape: Shape, requested: int | None,
+                  spec: tuple[str, StructuredSpec] | None = None,
+                  tools: ToolSetup | None = None, healing: list[bool] | None = None) -> Any:
     """Run `prompts` (token ids) with `body`'s settings; `requested`: the max_tokens asked for
-    (None: the rest of the window). A stream of SSE chunks, or one JSON response."""
+    (None: the rest of the window). `spec`: (the parameter it came from, the constraint);
+    `healing[i]`: heal prompt i. A stream of SSE chunks, or one JSON response."""
     for ids in prompts:
         check_token_ids(state, ids, shape.param)
         check_window(state, ids, shape.param)
+    if spec is not None:
+        await check_compiles(state, spec[1], spec[0])
+    healed = [heal(state, ids) if healing and healing[i] and spec is None
+              else (ids, None, "") for i, ids in enumerate(prompts)]
     rid = f"{shape.id_prefix}-{uuid.uuid4().hex}"
-    choices = ChoiceSet(state.orchestrator, build_choices(
-        state, body, rid, prompts, [max_tokens(state, requested, len(p)) for p in prompts]))
-    call = Call(state, body, prompts, rid, int(time.time()), choices)
+    built = build_choices(state, body, rid, [h[0] for h in healed],
+                          [max_tokens(state, requested, len(h[0])) for h in healed])
+    n = len(built) // max(len(prompts), 1)
+    for c in built:
+        _, prefix, text = healed[c.index // n]
+        constraint = spec[1] if spec is not None else prefix
+        if constraint is not None:
+            c.request.params = dataclasses.replace(c.request.params, structured=constraint)
+        c.strip_prefix = text
+    choices = ChoiceSet(state.orchestrator, built)
+    call = Call(state, body, prompts, rid, int(time.time()), choices, tools)
     if body.stream:
         async def events() -> AsyncIterator[str]:
             for opening in shape.opening(call):
@@ -175,7 +246,8 @@ async def respond(request: Request, state: IngressState, body: SamplingRequest,
             while (ev := await choices.next_event()) is not None:
                 if ev.text or ev.finish_reason or (
                         (call.want_ids or ev.choice.wants_logprobs) and ev.token_ids):
-                    yield sse_event(shape.chunk(call, [shape.stream_choice(call, ev)]))
+                    for sc in shape.stream_choices(call, ev):
+                        yield sse_event(shape.chunk(call, [sc]))
             if body.include_usage:
                 yield sse_event(shape.chunk(call, [], usage=usage_of(prompts, choices),
                                             mtp_stats=total_mtp_stats(choices)))

@@ -3,7 +3,12 @@
 Requests ignore unknown fields (OpenAI clients send new ones; forward compatible) but reject
 values of the wrong type (`"max_tokens": "ten"` → 400, no silent coercion of strings). Fields that
 would change the output and that we do not implement (`echo`, `suffix`, penalties, `logit_bias`,
-`tools`, ...) are rejected with 400 by `check_supported()` rather than ignored.
+...) are rejected with 400 by `check_supported()` rather than ignored.
+
+Structured outputs and tools (router.structured, router.tools): chat `response_format`
+(json_object, json_schema), `tools` / `tool_choice` / `parallel_tool_calls`, `tool` messages and
+assistant `tool_calls` in the history; on both endpoints vLLM's `structured_outputs` (json,
+regex, choice, grammar) and the `token_healing` extension (bool; default per model).
 
 Log probabilities (completions `logprobs: N`, chat `logprobs: true` + `top_logprobs: N`, N <= 20)
 are those of the target model's raw logits at each emitted position, exact under speculation;
@@ -107,6 +112,11 @@ class SamplingRequest(_Request):
     min_tokens: Int | None = Field(
         None, ge=0, description="extension (vLLM): EOS and stop tokens cannot end the choice "
         "before this many tokens")
+    structured_outputs: dict[str, Any] | None = Field(
+        None, description="extension (vLLM): one of json (schema), regex, choice, grammar")
+    token_healing: Bool | None = Field(
+        None, description="extension: back off a prompt's trailing token whose text a longer "
+        "token extends and make the output begin with it (text prompts of completions)")
 
     @field_validator("stop")
     @classmethod
@@ -210,9 +220,23 @@ class ContentPart(_Request):
         return self
 
 
+class FunctionCallIn(_Request):
+    name: Str
+    arguments: Str = "{}"
+
+
+class ToolCallIn(_Request):
+    id: Str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Str | list[ContentPart] | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant turns that called tools
+    tool_call_id: Str | None = None  # a tool result: the call it answers
+    name: Str | None = None
 
     @property
     def text(self) -> str:
@@ -233,6 +257,8 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: Bool | None = None
     top_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: Bool | None = None
     response_format: dict[str, Any] | None = None
 
     @property
@@ -247,11 +273,6 @@ class ChatCompletionRequest(SamplingRequest):
         super().check_supported()
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError("'top_logprobs' needs 'logprobs': true", 400, param="top_logprobs")
-        if self.tools:
-            raise APIError("'tools' are not supported", 400, param="tools")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise APIError("only response_format type 'text' is supported", 400,
-                           param="response_format")
 
 
 class KVProbeRequest(_Request):
@@ -347,16 +368,28 @@ class CompletionResponse(BaseModel):
     prompt_token_ids: list[list[int]] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
     token_ids: list[int] | None = None
     mtp_stats: MTPStats | None = None
 
@@ -372,16 +405,32 @@ class ChatCompletionResponse(BaseModel):
     prompt_token_ids: list[int] | None = None
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A streamed tool call: the first delta has id, type and name; later ones the next
+    fragment of the arguments (JSON text; concatenated they are the call's arguments)."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(BaseModel):
     index: int
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
     token_ids: list[int] | None = None
     mtp_stats: MTPStats | None = None
     mtpserve_trace: dict[str, float] | None = None  # MTPSERVE_TRACE_HOPS=1 only
@@ -408,3 +457,37 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+# Tokenizer routes (vLLM's shapes) -----------------------------------------------------------
+class TokenizeRequest(_Request):
+    """`POST /tokenize`: a prompt, or chat messages rendered by the chat template."""
+
+    model: Str | None = None
+    prompt: Str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: Bool = True
+    add_generation_prompt: Bool = True
+    return_token_strs: Bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of 'prompt' and 'messages'")
+        return self
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Request):
+    model: Str | None = None
+    tokens: list[Int] = Field(max_length=1 << 20)
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str

@@ -1,0 +1,173 @@
+"""The request's constraint: from `response_format`, `structured_outputs` or `tool_choice` to
+one `StructuredSpec`, compiled here once (off the event loop, bounded in time) so that a bad or
+pathological schema is a 400 before anything runs; and token healing of text prompts.
+
+The engines compile the same spec again against the same tokenizer (cached per process); a
+spec that compiled here within `COMPILE_TIMEOUT_S` compiles there as fast.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from typing import Any
+
+from mtpserve.router.errors import APIError
+from mtpserve.workers.paths import default_model_path
+from mtpserve.workers.structured.grammars import GrammarCache, GrammarError
+from mtpserve.workers.structured.healing import HealingTable
+from mtpserve.workers.structured.spec import MAX_SPEC_CHARS, StructuredSpec
+
+COMPILE_TIMEOUT_S = 10.0
+_caches: dict[int, tuple[GrammarCache, HealingTable | None]] = {}
+_lock = threading.Lock()
+
+
+def grammar_cache(state: Any) -> GrammarCache:
+    """The ingress tokenizer's compiler (one per tokenizer object)."""
+    return _entry(state)[0]
+
+
+def _entry(state: Any) -> tuple[GrammarCache, HealingTable | None]:
+    key = id(state.tokenizer)
+    with _lock:
+        hit = _caches.get(key)
+    if hit is None:
+        tok = state.tokenizer
+        vocab = state.vocab_size or len(tok)
+        eos = [t for t in [getattr(tok, "eos_token_id", None)] if t is not None]
+        hit = (GrammarCache(tok, vocab, eos), None)
+        with _lock:
+            hit = _caches.setdefault(key, hit)
+    return hit
+
+
+def healing_table(state: Any) -> HealingTable:
+    cache, table = _entry(state)
+    if table is None:
+        table = HealingTable(cache.token_bytes)
+        with _lock:
+            _caches[id(state.tokenizer)] = (cache, table)
+    return table
+
+
+def _spec_of_schema(schema: Any, param: str) -> StructuredSpec:
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError:
+            raise APIError(f"{param}: the schema is not valid JSON", 400, param=param) from None
+    if not isinstance(schema, (dict, bool)):
+        raise APIError(f"{param}: the schema must be a JSON object", 400, param=param)
+    try:
+        return StructuredSpec.json_schema(schema)
+    except ValueError as e:
+        raise APIError(f"{param}: {e}", 400, param=param) from None
+
+
+def response_format_spec(rf: dict[str, Any] | None) -> StructuredSpec | None:
+    """OpenAI's `response_format`: text (None), json_object, or json_schema."""
+    if not rf:
+        return None
+    kind = rf.get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredSpec.json_object()
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        if not isinstance(js, dict) or "schema" not in js and "json_schema" not in js:
+            raise APIError("response_format json_schema needs 'json_schema': {'name', "
+                           "'schema'}", 400, param="response_format")
+        name = js.get("name")
+        if name is not None and not isinstance(name, str):
+            raise APIError("response_format.json_schema.name must be a string", 400,
+                           param="response_format")
+        return _spec_of_schema(js.get("schema", js.get("json_schema")),
+                               "response_format.json_schema.schema")
+    raise APIError(f"response_format type '{kind}' is not supported (text, json_object, "
+                   "json_schema)", 400, param="response_format")
+
+
+def structured_outputs_spec(so: dict[str, Any] | None) -> StructuredSpec | None:
+    """vLLM's `structured_outputs` extension: exactly one of json, regex, choice, grammar
+    (or json_object: true)."""
+    if not so:
+        return None
+    keys = [k for k in ("json", "regex", "choice", "grammar", "json_object")
+            if so.get(k) not in (None, False)]
+    if len(keys) != 1:
+        raise APIError("structured_outputs needs exactly one of 'json', 'regex', 'choice', "
+                       "'grammar', 'json_object'", 400, param="structured_outputs")
+    (k,) = keys
+    v = so[k]
+    param = f"structured_outputs.{k}"
+    if k == "json":
+        return _spec_of_schema(v, param)
+    if k == "json_object":
+        return StructuredSpec.json_object()
+    if k == "choice":
+        if (not isinstance(v, list) or not v
+                or not all(isinstance(o, str) and o for o in v)):
+            raise APIError(f"{param} must be a non-empty list of non-empty strings", 400,
+                           param=param)
+        spec = StructuredSpec.choice(v)
+    else:
+        if not isinstance(v, str) or not v:
+            raise APIError(f"{param} must be a non-empty string", 400, param=param)
+        spec = StructuredSpec(k, v)
+    if len(spec.value) > MAX_SPEC_CHARS:
+        raise APIError(f"{param} is too large (at most {MAX_SPEC_CHARS} characters)", 400,
+                       param=param)
+    return spec
+
+
+def one_spec(*named: tuple[str, StructuredSpec | None]) -> StructuredSpec | None:
+    given = [(n, s) for n, s in named if s is not None]
+    if len(given) > 1:
+        raise APIError(f"use only one of {', '.join(n for n, _ in given)}", 400,
+                       param=given[1][0])
+    return given[0][1] if given else None
+
+
+async def check_compiles(state: Any, spec: StructuredSpec | None, param: str) -> None:
+    """Compile `spec` for the served tokenizer on a worker thread: a spec that does not compile
+    (or not within COMPILE_TIMEOUT_S) is a 400 naming the problem. The event loop keeps
+    serving meanwhile."""
+    if spec is None or spec.kind == "prefix":
+        return
+    cache = grammar_cache(state)
+    try:
+        await asyncio.wait_for(asyncio.to_thread(cache.compile, spec), COMPILE_TIMEOUT_S)
+    except GrammarError as e:
+        raise APIError(str(e), 400, param=param) from None
+    except (TimeoutError, asyncio.TimeoutError):
+        raise APIError(f"the {spec.kind} constraint did not compile within "
+                       f"{COMPILE_TIMEOUT_S:g} s; simplify it", 400, param=param) from None
+
+
+def healing_default(state: Any) -> bool:
+    """Token healing's default: the state's setting, else on for the embedded default model
+    (a code model given editor prompts that end in a newline)."""
+    if getattr(state, "token_healing", None) is not None:
+        return bool(state.token_healing)
+    path = getattr(state.tokenizer, "name_or_path", "") or ""
+    try:
+        from pathlib import Path
+
+        return Path(path).resolve() == default_model_path().resolve()
+    except OSError:
+        return False
+
+
+def heal(state: Any, ids: list[int]) -> tuple[list[int], StructuredSpec | None, str]:
+    """(healed prompt ids, the prefix constraint, its text) or (ids, None, "")."""
+    healed, tail = healing_table(state).heal(ids)
+    if not tail:
+        return ids, None, ""
+    try:
+        text = tail.decode("utf-8")
+    except UnicodeDecodeError:  # a token split inside a character: leave the prompt alone
+        return ids, None, ""
+    return healed, StructuredSpec.prefix(tail), text
