@@ -173,59 +173,30 @@ class DisaggOrchestrator:
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
         deadline = time.monotonic() + self.config.request_timeout_s
         progress = _Progress(request)
-        params = await self._prefill(request, deadline)
+        prefilled = await self._prefill(request, deadline)
+        first, params = prefilled if prefilled is not None else (None, None)
         # A busy decode deployment may keep the prefill's KV waiting until shortly before
         # the hold expires (the pull itself then still has its timeout).
         hold_until = time.monotonic() + self.config.kv_hold_ttl_s - self.config.kv_timeout_s
-        held = params is not None and not params.finished
+        held = params is not None
         try:
-            if params is not None:
-                first = TokenChunk([params.first_token_id], finished=params.finished,
-                                   finish_reason=params.finish_reason,
-                                   num_cached_tokens=params.num_cached_tokens)
-                first_logprobs = getattr(params, "first_token_logprobs", None)
-                if first_logprobs is not None:
-                    first.logprobs = [first_logprobs]
+            if first is not None:
                 yield progress.emit(first)
-                if params.finished:
+                if first.finished:
                     return
             async for chunk in self._decode(progress, params, deadline, hold_until):
                 held = False  # the decode side has the KV (it acknowledged the pull)
                 yield stamp(chunk, "ingress_in")
         finally:
-            if params is not None:
+            if held:
                 # The client left between prefill and decode, or decode never pulled: free the
-                # prefill replica's blocks now rather than at hold_ttl_s. A no-op otherwise.
-                if held or params.finished:
-                    self._release(params)
+                # prefill replica's blocks now rather than at hold_ttl_s.
+                self._release(params)
 
-    def counters(self) -> dict[str, int]:
-        """This ingress replica's totals (each ingress replica pushes its own to the metrics
-        hub; /metrics and the stats endpoint sum them over replicas)."""
-        return {"num_migrations": self.num_migrations,
-                "num_prefill_retries": self.num_prefill_retries,
-                "num_kv_recomputes": self.num_kv_recomputes,
-                "num_busy_retries": self.num_busy_retries}
-
-    async def stats(self) -> dict:
-        # One sample per call; with several replicas Serve routes each call to one of them.
-        timeout = self.config.stall_timeout_s
-        p, d = await asyncio.wait_for(asyncio.gather(
-            _await(self.prefill.stats.remote()), _await(self.decode.stats.remote())), timeout)
-        return {"prefill": p, "decode": d, "orchestrator": self.counters()}
-
-    async def kv_probe(self, num_bytes: int) -> dict:
-        """Raw send/recv of num_bytes between a prefill rank-0 sender and a decode rank 0,
-        on the channel KV pulls use."""
-        timeout = self.config.stall_timeout_s + self.config.kv_timeout_s
-        p = await asyncio.wait_for(_await(self.prefill.stats.remote()), timeout)
-        return await asyncio.wait_for(
-            _await(self.decode.kv_probe.remote(p["kv_addresses"][0], num_bytes)), timeout)
-
-    # Prefill ---------------------------------------------------------------------------------
     async def _prefill(self, request: GenerateRequest, deadline: float
-                       ) -> KVTransferParams | None:
-        """KV params from a prefill replica, retried once; None: recompute on decode. Each
+                       ) -> tuple[TokenChunk, KVTransferParams | None] | None:
+        """The first token and the held KV's params from a prefill replica, retried once;
+        None: recompute on decode. Each
         attempt has its own request id (`#p{n}` after the first), so a retry that lands on
         the replica still cleaning up the first attempt is neither refused as a duplicate nor
         able to free that attempt's hold."""

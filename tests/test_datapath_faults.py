@@ -249,8 +249,8 @@ def test_a_hold_outlives_its_ttl_while_the_request_waits_in_the_decode_queue(tin
         async def one(i: int) -> list[int]:
             req = GenerateRequest(f"q{i}", prompts[i], SamplingParams(
                 max_tokens=8, temperature=0.0, ignore_eos=True))
-            params = await p.prefill(req)
-            tokens = [params.first_token_id]
+            first, params = await p.prefill(req)
+            tokens = list(first.token_ids)
             async for chunk in d.generate(req, params):
                 assert chunk.error is None, chunk.error
                 tokens += chunk.token_ids

@@ -58,9 +58,9 @@ def prompts(n: int, length: int = 20, seed: int = 0) -> list[list[int]]:
 
 async def run_one(p, d, req: GenerateRequest, on_chunk=None) -> list[int]:
     """The orchestrator's flow: prefill, first token, decode stream."""
-    params = await p.prefill(req)
-    tokens = [params.first_token_id]
-    if params.finished:
+    first, params = await p.prefill(req)
+    tokens = list(first.token_ids)
+    if params is None:  # the first token ended it: nothing held
         return tokens
     async for chunk in d.generate(req, params):
         assert chunk.error is None, chunk.error
@@ -118,10 +118,11 @@ def test_compiled_decode_equals_the_eager_engine(tiny_qwen3, compiled_decode,
     `auto` on CPU), prefill eager. Greedy and seeded P/D streams equal the eager offline
     engine token for token, and the graphs really ran. The decode side has the settings of
     conftest's `compiled_decode` and loads its graphs (compiling none: seconds, not minutes)."""
-    kw = dict(num_speculative_tokens=1, num_kv_blocks=48, block_size=4, max_num_seqs=1)
+    kw = dict(num_speculative_tokens=1, num_kv_blocks=48, block_size=4, max_num_seqs=1,
+              max_model_len=128)
     assert kw == COMPILED_DECODE
     p, d = make_servers(tiny_qwen3, decode_max_num_seqs=1, decode_blocks=48, k=1,
-                        block_size=4,
+                        block_size=4, max_model_len=128,
                         engine={"compile": "on", "warmup_budget_s": 600,
                                 "compile_cache_dir": str(compiled_decode.cache_dir)})
     try:
@@ -253,7 +254,7 @@ def test_prefill_admits_by_prompt_when_the_window_exceeds_its_cache(tiny_qwen3) 
                                                           temperature=0.0))
 
         async def main():
-            params = await p.prefill(req)
+            _, params = await p.prefill(req)
             # Decode only the first few tokens, then leave (the disconnect path).
             n = 0
             agen = d.generate(req, params)
@@ -284,7 +285,7 @@ def test_release_frees_held_prefill_kv_at_once(tiny_qwen3) -> None:
         ps = prompts(2, seed=4)
 
         async def main():
-            params = await p.prefill(greq("x", ps[0], 8))
+            _, params = await p.prefill(greq("x", ps[0], 8))
             assert p.engine.engine.block_manager.num_used_blocks > 0
             t0 = time.monotonic()
             assert await p.release("x") is True
@@ -293,7 +294,7 @@ def test_release_frees_held_prefill_kv_at_once(tiny_qwen3) -> None:
             return params, freed_after, again
 
         params, freed_after, again = asyncio.run(main())
-        assert not params.finished and again is False
+        assert params is not None and again is False
         assert _wait_free(p, 1.0) < 1.0 and freed_after < 1.0
         assert p.driver.core.holds == [] and not p.driver.core._released
         # A pull of a released request is refused: decode reports an error, never hangs.
@@ -395,12 +396,12 @@ def test_prefill_waiting_for_held_blocks_sleeps_and_resumes_on_release(tiny_qwen
             busy = (time.process_time() - cpu0) / (time.monotonic() - t0)
             assert not second.done()
             assert await p.release("held")
-            params = await asyncio.wait_for(second, 10)
+            _, params = await asyncio.wait_for(second, 10)
             return busy, params
 
         busy, params = asyncio.run(main())
         assert busy < 0.3, f"the waiting prefill engine burnt {busy:.0%} of a core"
-        assert params.request_id == "waits" and not params.finished
+        assert params is not None and params.request_id == "waits"
     finally:
         shutdown(p, d)
 
@@ -414,10 +415,10 @@ def test_decode_stream_sends_heartbeats_while_the_request_waits(tiny_qwen3) -> N
         want = offline(tiny_qwen3, [req.prompt_token_ids], 6)[0]
 
         async def main():
-            params = await p.prefill(req)
+            first, params = await p.prefill(req)
             await d.inject_fault(pull_delay_s=1.0)
             chunks = [c async for c in d.generate(req, params)]
-            return [params.first_token_id], chunks
+            return list(first.token_ids), chunks
 
         first, chunks = asyncio.run(main())
         beats = [c for c in chunks if c.heartbeat]

@@ -209,13 +209,13 @@ def test_replicas_with_the_secret_serve_and_stats_do_not_show_it(tiny_qwen3, cap
         async def main() -> tuple[list[int], Any, Any, bool, bool]:
             req = GenerateRequest("a1", prompt, SamplingParams(
                 max_tokens=8, temperature=0.0, ignore_eos=True))
-            params = await p.prefill(req)
-            tokens = [params.first_token_id]
+            first, params = await p.prefill(req)
+            tokens = list(first.token_ids)
             async for chunk in d.generate(req, params):
                 assert chunk.error is None, chunk.error
                 tokens += chunk.token_ids
             # A hold the decode side never pulls: released only by a signed drop.
-            held = await p.prefill(GenerateRequest("a2", prompt[::-1], SamplingParams(
+            _, held = await p.prefill(GenerateRequest("a2", prompt[::-1], SamplingParams(
                 max_tokens=8, temperature=0.0, ignore_eos=True)))
             unsigned = await asyncio.to_thread(drop_holds, held.sender_addresses, "a2", 5.0)
             await asyncio.sleep(0.3)

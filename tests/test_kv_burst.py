@@ -42,8 +42,9 @@ def test_a_burst_of_16_arrivals_is_pulled_concurrently(tiny_qwen3, lanes: int,
             return out
 
         async def main() -> list[list[int]]:
-            held = await asyncio.gather(*(p.prefill(r) for r in reqs))
-            assert not any(x.finished for x in held)
+            held = [params for _, params in await asyncio.gather(*(p.prefill(r)
+                                                                     for r in reqs))]
+            assert all(x is not None for x in held)  # nothing ended at its first token
             return await asyncio.gather(*(decode(r, x) for r, x in zip(reqs, held,
                                                                        strict=True)))
 

@@ -95,7 +95,8 @@ class Prefill:
         self.renewals = 0
         self.renewable = True  # False: a hold whose lease cannot be extended (lost)
 
-    async def prefill(self, req: GenerateRequest) -> KVTransferParams:
+    async def prefill(self, req: GenerateRequest
+                      ) -> tuple[TokenChunk, KVTransferParams | None]:
         self.calls += 1
         self.ids.append(req.request_id)
         if self.fail:
@@ -104,11 +105,12 @@ class Prefill:
         gen = self.engine.generate(req)
         first = await gen.__anext__()
         await gen.aclose()
+        if first.finished:
+            return first, None
         self.held.add(req.request_id)
         # No sender stores to reach: releases go through `release` (the Serve path).
-        return KVTransferParams(req.request_id, [], 1, 2, 0,
-                                len(req.prompt_token_ids), first.token_ids[0], 2,
-                                first.finished, first.finish_reason)
+        return first, KVTransferParams(req.request_id, [], 1, 2, 0,
+                                       len(req.prompt_token_ids), first.token_ids[0], 2)
 
     async def release(self, request_id: str, target_replica: str | None = None) -> bool:
         found = request_id in self.held

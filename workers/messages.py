@@ -51,7 +51,9 @@ class TokenLogprobs:
 
 @dataclass
 class KVTransferParams:
-    """What a decode replica needs to pull a prefilled request's KV (main + MTP layers).
+    """What a decode replica needs to pull a prefilled request's KV (main + MTP layers). The
+    prefill answers `(TokenChunk, KVTransferParams | None)`: the first token travels as the
+    chunk the client gets; these params only exist while the prefill holds KV for decode.
 
     `sender_addresses[r]` is prefill TP rank r's KV sender ("host:port"); a decode rank pulls
     its own KV-head slice from the prefill rank(s) that hold it. The MTP seed state (drafts and
@@ -64,15 +66,11 @@ class KVTransferParams:
     num_kv_heads: int
     num_tokens: int  # KV slots to pull: prompt (computed) + k-1 speculative MTP entries
     num_computed_tokens: int  # main KV positions [0, n)
-    first_token_id: int
+    first_token_id: int  # the decode side continues after it (the client has it as a chunk)
     num_drafts: int
-    finished: bool = False  # the first token already ended the request (EOS / max_tokens=1)
-    finish_reason: str | None = None
-    first_token_logprobs: TokenLogprobs | None = None  # when the request asked for logprobs
     # Serve's unique id of the prefill replica holding the KV: `PrefillServer.release` is
     # routed to exactly that replica (TARGET_REPLICA). None outside Serve.
     prefill_replica: str | None = None
-    num_cached_tokens: int = 0  # prompt tokens the prefill replica's prefix cache held
 
 
 # A keyword argument naming the replica (Serve's unique id) a handle call must reach; the

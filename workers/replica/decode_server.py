@@ -61,7 +61,6 @@ class DecodeServer(EngineReplica):
                                 req.params)
         r.output_token_ids.append(params.first_token_id)
         r.num_computed_tokens = params.num_computed_tokens
-        r.num_cached_tokens = params.num_cached_tokens  # reported in usage
         # Prefill drafts at most k (fewer when max_tokens leaves no room); the first round
         # verifies what it got, later rounds draft k again.
         if params.num_drafts > r.num_speculative_tokens:

@@ -9,7 +9,12 @@ import torch
 from ray import serve
 
 from mtpserve.workers.engine import Engine, EngineError
-from mtpserve.workers.messages import ERROR_REQUEST, GenerateRequest, KVTransferParams
+from mtpserve.workers.messages import (
+    ERROR_REQUEST,
+    GenerateRequest,
+    KVTransferParams,
+    TokenChunk,
+)
 from mtpserve.workers.replica.arrivals import PrefillHolds
 from mtpserve.workers.replica.metrics import EMA, attach_replica_metrics
 from mtpserve.workers.replica.replica import EngineReplica, replica_tag
@@ -59,8 +64,11 @@ class PrefillServer(EngineReplica):
         prefill rank sleep `send_delay_s` first."""
         await self._fault(send_delay_s, count)
 
-    async def prefill(self, req: GenerateRequest) -> KVTransferParams:
-        """Run the prompt (plus any resumed tokens) and hold its KV for the decode side."""
+    async def prefill(self, req: GenerateRequest
+                      ) -> tuple[TokenChunk, KVTransferParams | None]:
+        """Run the prompt (plus any resumed tokens): the first token as the client's first
+        chunk, and the params of the KV held for the decode side (None when that token
+        already ended the request: nothing is held)."""
         self._check_alive()
         t0 = time.perf_counter()
         rid = req.request_id
@@ -75,17 +83,10 @@ class PrefillServer(EngineReplica):
             if first is None or first.finish_reason == "error":
                 raise RuntimeError(first.error if first else "prefill produced no token")
             self.latency_ms.update((time.perf_counter() - t0) * 1000)
-            n_prompt = len(req.prompt_token_ids) + len(req.resume_token_ids)
             if first.finished:
-                return KVTransferParams(rid, self.kv_addresses, self.driver.tp_size, 0, 0,
-                                        n_prompt, first.token_ids[0], 0, True,
-                                        first.finish_reason,
-                                        first_token_logprobs=_first_logprobs(first),
-                                        prefill_replica=self.replica_id,
-                                        num_cached_tokens=first.num_cached_tokens)
-            params = await self.engine.acall(lambda e: self._hold(e, rid, first.token_ids[0]))
-            params.first_token_logprobs = _first_logprobs(first)
-            return params
+                return first, None
+            return first, await self.engine.acall(
+                lambda e: self._hold(e, rid, first.token_ids[0]))
         except BaseException:
             # Cancelled (client gone) or failed: free the blocks now (a no-op if the request
             # is already gone); a hold that was already handed to the senders is released.
@@ -107,7 +108,6 @@ class PrefillServer(EngineReplica):
             num_kv_heads=engine.model_config.num_cache_heads, num_tokens=slots,
             num_computed_tokens=r.num_computed_tokens, first_token_id=first_token,
             num_drafts=len(r.draft_token_ids), prefill_replica=self.replica_id,
-            num_cached_tokens=r.num_cached_tokens,
         )
 
     async def stats(self) -> dict:
@@ -123,8 +123,3 @@ class PrefillServer(EngineReplica):
     async def record_autoscaling_stats(self) -> dict:
         # Window aggregates that empty when idle (workers/replica/signals.py).
         return self.recorder.autoscaling_stats(await self.engine.acall(lambda e: e.stats()))
-
-
-def _first_logprobs(chunk):
-    """The first token's log probabilities, when the request asked for them."""
-    return chunk.logprobs[0] if chunk.logprobs else None
