@@ -37,7 +37,7 @@ def _entry(state: Any) -> tuple[GrammarCache, HealingTable | None]:
         tok = state.tokenizer
         vocab = state.vocab_size or len(tok)
         eos = [t for t in [getattr(tok, "eos_token_id", None)] if t is not None]
-        hit = (GrammarCache(tok, vocab, eos), None)
+        hit = (GrammarCache.of_tokenizer(tok, vocab, eos), None)
         with _lock:
             hit = _caches.setdefault(key, hit)
     return hit

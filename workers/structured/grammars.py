@@ -86,15 +86,30 @@ class GrammarCache:
     """Compiled grammars of one tokenizer, most recently used kept (thread-safe: the router
     compiles on worker threads, the engine on its own thread)."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
-        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                                       stop_token_ids=list(stop_token_ids))
-        self.vocab_size = vocab_size
+    def __init__(self, info: xgr.TokenizerInfo, stop_token_ids: list[int]) -> None:
+        self.info = info
+        self.vocab_size = info.vocab_size
         self.stop_token_ids = list(stop_token_ids)
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=1)
         self._cache: OrderedDict[StructuredSpec, xgr.CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
         self._token_bytes: list[bytes] | None = None
+
+    @classmethod
+    def of_tokenizer(cls, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]
+                     ) -> GrammarCache:
+        """For a `transformers` tokenizer; `vocab_size`: the model's (may exceed the
+        tokenizer's: the extra ids are never allowed)."""
+        return cls(xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                      stop_token_ids=list(stop_token_ids)),
+                   stop_token_ids)
+
+    @classmethod
+    def of_vocab(cls, tokens: list[str], stop_token_ids: list[int]) -> GrammarCache:
+        """For a plain vocabulary (token i is the text tokens[i]): models without a
+        tokenizer (tests)."""
+        return cls(xgr.TokenizerInfo(tokens, xgr.VocabType.RAW,
+                                     stop_token_ids=list(stop_token_ids)), stop_token_ids)
 
     @property
     def token_bytes(self) -> list[bytes]:

@@ -49,8 +49,8 @@ class StructuredGuide:
         if self._cache is None:
             from mtpserve.workers.tokenizer import load_tokenizer
 
-            self._cache = GrammarCache(load_tokenizer(self.tokenizer_path), self.vocab_size,
-                                       self.eos_ids)
+            self._cache = GrammarCache.of_tokenizer(load_tokenizer(self.tokenizer_path),
+                                                    self.vocab_size, self.eos_ids)
         return self._cache
 
     def new_constraint(self, spec: StructuredSpec) -> Constraint:
