@@ -194,3 +194,34 @@ def test_tokenize_detokenize_round_trip(http) -> None:
     chat = http.post("/tokenize", json={"messages": MSGS}).json()
     assert chat["count"] > 0
     assert http.post("/detokenize", json={"tokens": [-1]}).status_code == 400
+
+
+def test_compile_is_bounded_in_time_and_size(http, monkeypatch) -> None:
+    import mtpserve.router.structured as structured
+
+    monkeypatch.setattr(structured, "COMPILE_TIMEOUT_S", 1e-4)
+    r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "structured_outputs":
+                                           {"regex": "[a-z]{300}[0-9]{300}"}})
+    assert r.status_code == 400 and "did not compile within" in r.json()["error"]["message"]
+    monkeypatch.undo()
+    big = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(4000)}}
+    r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2,
+                                           "structured_outputs": {"json": big}})
+    assert r.status_code == 400 and "characters" in r.json()["error"]["message"], r.text
+    assert http.get("/health").status_code == 200  # the ingress kept serving
+
+
+def test_token_healing_continues_a_newline_prompt(http) -> None:
+    prompt = "def add(a, b):\n"
+    body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "return_token_ids": True}
+    healed = http.post("/v1/completions", json={**body, "token_healing": True}).json()
+    c = healed["choices"][0]
+    assert c["text"].strip(), c  # a continuation, not an immediate end of text
+    # The first token re-spells the healed "\n" (stripped from the text): the prompt plus the
+    # text is exactly what decoding the prompt's head and the generated ids gives.
+    assert healed["usage"]["prompt_tokens"] == len(healed["prompt_token_ids"][0])
+    ids = healed["prompt_token_ids"][0][:-1] + c["token_ids"]  # the tail backed off
+    decoded = http.post("/detokenize", json={"tokens": ids}).json()["prompt"]
+    assert decoded.replace("<|endoftext|>", "") == prompt + c["text"]
+    off = http.post("/v1/completions", json={**body, "token_healing": False}).json()
+    assert off["choices"][0]["token_ids"] != c["token_ids"]
