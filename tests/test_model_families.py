@@ -493,3 +493,19 @@ def test_mla_absorbed_decode_equals_expanded(ckpt, monkeypatch) -> None:
                  for i, t in enumerate(tokens[26:])]
         outs.append(torch.cat([pre, *steps]))
     assert (outs[0] - outs[1]).abs().max().item() <= 1e-5
+
+
+def test_mla_under_the_flex_backend_equals_gather(ckpt) -> None:
+    """CUDA defaults to the flex backend: MLA layers gather their small latent under it too
+    (with their own causal mask) and compute what the gather backend does."""
+    path = ckpt("deepseek_v3", "deepseek_v3", num_mtp=1)
+    tokens = torch.randint(0, 256, (20,), generator=torch.Generator().manual_seed(3)).tolist()
+    outs = []
+    for backend in ("gather", "flex"):
+        runner = ModelRunner(path, num_blocks=16, block_size=8, attention_backend=backend)
+        pre = runner.execute(ForwardBatch("main", [tokens[:17], tokens[:5]], [0, 0],
+                                          [[1, 2, 3], [4, 5]], [16, 17 + 4]))
+        step = runner.execute(ForwardBatch("main", [tokens[17:], [7]], [17, 5],
+                                           [[1, 2, 3], [4, 5]], [0, 1, 2, 3]))
+        outs.append(torch.cat([pre, step]))
+    assert (outs[0] - outs[1]).abs().max().item() <= 1e-5

@@ -111,8 +111,6 @@ class MLAttention(nn.Module):
         mask, causal = None, True
         if attn is not None:
             assert kv_cache is not None
-            if attn.flex is not None:
-                raise NotImplementedError("the flex attention backend does not do MLA yet")
             half = m.latent_dim // 2
             flat = kv_cache.view(2, -1, 1, half)
             new = latent.reshape(B * S, 2, half).transpose(0, 1).unsqueeze(2)
@@ -123,6 +121,11 @@ class MLAttention(nn.Module):
                 2, B, -1, half)[:, :, : attn.max_context_len].to(q.dtype)
             latent = torch.cat([ctx[0], ctx[1]], dim=-1)  # [B, L, Dl]
             mask, causal = attn.mask, False
+            if attn.flex is not None:
+                # Flex reads GQA caches in place; the latent is one small vector per token,
+                # so MLA gathers it under either backend, with the causal mask built here.
+                ctx_pos = torch.arange(latent.shape[1], device=latent.device)
+                mask = (ctx_pos <= attn.flex.positions.unsqueeze(-1)).unsqueeze(1)
         if attn is not None and S <= _ABSORB_MAX_QUERY:
             return self._absorbed(q_nope, pe[:, :, :Hl], latent, mask)
         c, k_rot = latent.split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
