@@ -26,16 +26,18 @@ NUM_REQUESTS = 8
 
 @pytest.fixture(scope="module")
 def app(default_model):
-    from mtpserve.cluster.app import build_app
+    from mtpserve.cluster.app import build_app, with_kv_secret
     from mtpserve.cluster.config import ClusterConfig
 
-    cfg = ClusterConfig(
+    # The secret made here is the deployment's (build_app keeps it): the driver-side
+    # orchestrator below signs its direct releases with it, as the ingress does.
+    cfg = with_kv_secret(ClusterConfig(
         model=str(default_model),
         prefill={"replicas": 2, "cpus_per_rank": 0.5, "num_kv_blocks": 256},
         decode={"replicas": 1, "cpus_per_rank": 0.5, "num_kv_blocks": 256},
         speculation={"num_speculative_tokens": 2, "adaptive": False},
         kv_transfer={"timeout_s": 10, "hold_ttl_s": 30},  # a release, never the TTL, in 1 s
-    )
+    ))
     with local_serve():
         serve.run(build_app(cfg), name=APP, route_prefix="/release")
         yield cfg
@@ -59,6 +61,7 @@ def test_release_after_a_first_token_stop_reaches_the_holding_replica(app, defau
     from mtpserve.workers.tokenizer import load_tokenizer
     from mtpserve.workers.training.prompts import held_out_prompts
 
+    cfg = app
     actors = prefill_replicas()
     assert len(actors) == 2
     tok = load_tokenizer(str(default_model))
@@ -66,7 +69,8 @@ def test_release_after_a_first_token_stop_reaches_the_holding_replica(app, defau
     # The ingress's orchestrator, here in the driver: same handles, same request router.
     orch = DisaggOrchestrator(serve.get_deployment_handle("PrefillServer", APP),
                               serve.get_deployment_handle("DecodeServer", APP),
-                              OrchestratorConfig(stall_timeout_s=60))
+                              OrchestratorConfig(stall_timeout_s=60,
+                                                 kv_secret=cfg.kv_transfer.secret))
 
     async def first_token(gen) -> None:
         chunk = await gen.__anext__()
