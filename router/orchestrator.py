@@ -275,9 +275,6 @@ class DisaggOrchestrator:
             assert failure is not None
             names = error_names(failure)
             detail = _short(failure)
-            if getattr(failure, "kind", None) == ERROR_REQUEST:
-                # The request failed on its own inputs: another replica would fail it too.
-                raise APIError(f"the request cannot be generated: {detail}", 400)
             if (use_params and not got_chunk and names & BUSY_NAMES
                     and cfg.kv_failure_policy == "recompute"
                     and time.monotonic() + backoff < retry_until
@@ -296,6 +293,9 @@ class DisaggOrchestrator:
                 continue
             if use_params and not got_chunk:
                 await self._release_now(params)  # decode failed before pulling
+            if getattr(failure, "kind", None) == ERROR_REQUEST:
+                # The request failed on its own inputs: another replica would fail it too.
+                raise APIError(f"the request cannot be generated: {detail}", 400)
             if names & BAD_REQUEST_NAMES and not use_params and not progress.sent:
                 raise failure  # the request itself is invalid (a 400)
             retry_quietly = not got_chunk and bool(names & (BUSY_NAMES | UNAVAILABLE_NAMES))

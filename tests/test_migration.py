@@ -481,3 +481,17 @@ def test_a_live_replica_that_sends_heartbeats_is_not_migrated(engine, prompts, o
     decodes[0].busy_for = (1.5, 0.2)
     assert run(collect(orch, request(0, prompts[0]))) == offline[0]
     assert orch.num_migrations == 0 and decodes[0].streams == 1
+
+
+def test_a_request_that_failed_on_its_own_inputs_is_never_migrated(engine, prompts) -> None:
+    """A decode stream that ends with error kind "request" (the request's own inputs broke
+    the step) is the client's 400 at once: another replica would fail it too."""
+    orch, prefill, (a, b) = build(engine)
+    a.kv_fail = b.kv_fail = 1
+    a.kv_fail_async = b.kv_fail_async = True
+    a.kv_fail_kind = b.kv_fail_kind = "request"
+    with pytest.raises(APIError) as err:
+        run(collect(orch, request(0, prompts[0])))
+    assert err.value.status == 400
+    assert orch.num_migrations == 0 and a.streams + b.streams == 1
+    assert prefill.held == set()
