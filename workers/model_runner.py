@@ -45,6 +45,9 @@ class ForwardBatch:
     module: int = 0
     hidden_from: str | None = None  # "main" | "mtp"
     hidden_rows: list[list[int]] = field(default_factory=list)
+    # Hybrid models, main forwards: each row's state slot (workers/state_pool.py); None: the
+    # scratch slot (one row only).
+    state_slots: list[int] | None = None
 
 
 def pad_rows(rows: list[list[int]], width: int, value: int = 0) -> list[list[int]]:
@@ -117,6 +120,7 @@ class ModelRunner:
         compile_ahead_of_time: bool = True,
         attention_backend: str = "auto",
         cuda_graphs: bool | None = None,
+        num_state_slots: int = 64,
     ) -> None:
         self.device = torch.device(device)
         self.model = load_model(model_path, dtype=dtype, device=self.device)
@@ -137,6 +141,15 @@ class ModelRunner:
         # Hidden states of the last forward of each kind: (flat [rows, hidden], S, Sp), rows
         # laid out b * Sp + s (Sp = the graph bucket's query length, S the batch's).
         self._hidden: dict[str, tuple[torch.Tensor, int, int]] = {}
+        # Hybrid models: one recurrent-state slot per running request (the engine hands them
+        # out); forwards run eagerly (the compiled graphs know no states).
+        self.state_cache = None
+        if self.config.is_hybrid:
+            from mtpserve.workers.state_pool import StateCache
+
+            self.state_cache = StateCache(self.config, num_state_slots, dtype, self.device)
+            decode_graphs = greedy_rounds = cuda_graphs = False
+        self._linear_states: dict = {}  # the last main forward's LinearState per layer
         if decode_graphs is None:  # the engine's default (compile: auto), env overrides
             decode_graphs = compile_enabled("auto", self.device.type, get_tp().size)
         # TP > 1 compiles only with shared-memory collectives (custom ops inside the graph).
@@ -235,6 +248,17 @@ class ModelRunner:
         # are the bucket's static output: the caller consumes them before the next forward.
         return logits
 
+    @torch.inference_mode()
+    def keep_states(self, rows: list[int], positions: list[int]) -> None:
+        """Hybrid models, after a verify forward: row `rows[j]` of the last main forward keeps
+        the recurrent state after its `positions[j]`-th token (its last accepted one) instead
+        of after its last token; nothing is recomputed (the forward kept every position's)."""
+        if not rows or not self._linear_states:
+            return
+        r, p = torch.tensor([rows, positions], dtype=torch.long).to(self.device)
+        for st in self._linear_states.values():
+            st.keep(r, p)
+
     def _run_graph(self, inp: GraphInputs, prev: torch.Tensor | None
                    ) -> tuple[torch.Tensor, ...]:
         """A compiled bucket: replayed as a CUDA graph when captured, else called."""
@@ -253,6 +277,15 @@ class ModelRunner:
                                        self.device, self.attention_backend)
         ids, positions = ids.to(self.device), positions.to(self.device)
         caches = self.kv_cache.buffers
+        if self.state_cache is not None and batch.kind == "main":
+            caches = list(caches)
+            slots = batch.state_slots or [self.state_cache.scratch_slot]
+            assert len(slots) == B and len(set(slots)) == B, "one row per state slot"
+            host = torch.tensor([slots, batch.start_positions, lens], dtype=torch.long)
+            d_slots, d_starts, d_lens = host.to(self.device)
+            self._linear_states = self.state_cache.views(d_slots, d_starts == 0, d_lens)
+            for i, st in self._linear_states.items():
+                caches[i] = st
         if batch.kind == "main":
             hidden = self.model(ids, positions, attn, caches)
         else:

@@ -44,16 +44,22 @@ _MTP_NAMES = {
 def block_tensor_names(cfg: ModelConfig, prefix: str, layer_idx: int = 0) -> list[str]:
     """Checkpoint names of decoder layer `layer_idx` (its MLP dense or MoE per the config)."""
     names = list(_BLOCK)
-    if cfg.layer(layer_idx).attention == "mla":
+    if cfg.layer(layer_idx).attention == "linear":  # Gated DeltaNet (Qwen3-Next)
+        names = [n for n in names if not n.startswith("self_attn.")] + [
+            f"linear_attn.{n}" for n in (
+                "in_proj_qkvz.weight", "in_proj_ba.weight", "conv1d.weight", "dt_bias",
+                "A_log", "norm.weight", "out_proj.weight")]
+    elif cfg.layer(layer_idx).attention == "mla":
         assert cfg.mla is not None
         names = [n for n in names if not n.startswith("self_attn.")] + [
             f"self_attn.{n}.weight" for n in (
                 ("q_proj",) if cfg.mla.q_lora_rank is None
                 else ("q_a_proj", "q_a_layernorm", "q_b_proj"))
             + ("kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")]
-    if cfg.attention_bias:
+    full = cfg.layer(layer_idx).attention != "linear"
+    if cfg.attention_bias and full:
         names += _BIAS
-    if cfg.qk_norm:
+    if cfg.qk_norm and full:
         names += _QK_NORM
     if cfg.layer(layer_idx).mlp == "moe":
         moe = cfg.moe
@@ -64,6 +70,9 @@ def block_tensor_names(cfg: ModelConfig, prefix: str, layer_idx: int = 0) -> lis
         names += [f"mlp.experts.{e}.{p}.weight" for e in range(moe.num_experts) for p in _PROJ]
         if moe.num_shared_experts:
             names += [f"mlp.shared_experts.{p}.weight" for p in _PROJ]
+        if moe.shared_expert_gate:
+            names += [f"mlp.shared_expert.{p}.weight" for p in _PROJ]
+            names.append("mlp.shared_expert_gate.weight")
     else:
         names += _DENSE_MLP
     return [prefix + n for n in names]
@@ -168,7 +177,23 @@ def expected_shape(cfg: ModelConfig, internal: str) -> tuple[int, ...]:
             "kv_b_proj.weight": (H * (mla.qk_nope_head_dim + mla.v_head_dim), mla.kv_lora_rank),
             "o_proj.weight": (h, H * mla.v_head_dim),
         }[key]
+    lin = cfg.linear
+    if lin is not None and ".linear_attn." in internal:
+        kd, vd = lin.num_key_heads * lin.key_head_dim, lin.num_value_heads * lin.value_head_dim
+        return {
+            "in_proj_qkvz.weight": (2 * kd + 2 * vd, h),
+            "in_proj_ba.weight": (2 * lin.num_value_heads, h),
+            "conv1d.weight": (lin.conv_dim, 1, lin.conv_kernel),
+            "linear_attn.dt_bias": (lin.num_value_heads,),
+            "linear_attn.A_log": (lin.num_value_heads,),
+            "norm.weight": (lin.value_head_dim,),
+            "out_proj.weight": (h, vd),
+        }[key]
     if cfg.moe is not None:
+        if ".shared_expert." in internal:
+            inter = cfg.moe.shared_intermediate_size
+        elif internal.endswith("shared_expert_gate.weight"):
+            return (1, h)
         if ".experts." in internal:
             inter = cfg.moe.intermediate_size
         elif ".shared_experts." in internal:
@@ -178,7 +203,7 @@ def expected_shape(cfg: ModelConfig, internal: str) -> tuple[int, ...]:
         elif internal.endswith("e_score_correction_bias"):
             return (cfg.moe.num_experts,)
     table = {
-        "q_proj.weight": (cfg.num_attention_heads * d, h),
+        "q_proj.weight": (cfg.num_attention_heads * d * (2 if cfg.attn_output_gate else 1), h),
         "k_proj.weight": (cfg.num_key_value_heads * d, h),
         "v_proj.weight": (cfg.num_key_value_heads * d, h),
         "q_proj.bias": (cfg.num_attention_heads * d,),

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from mtpserve.workers.model.families import FAMILIES, LayerSpec, MLAConfig, MoEConfig
+from mtpserve.workers.model.families.base import LinearAttentionConfig
 from mtpserve.workers.model.quantization import FP8BlockConfig, parse_quantization
 from mtpserve.workers.model.rope import RopeConfig, UnsupportedConfig, parse_rope
 
@@ -16,7 +17,6 @@ MTPNaming = Literal["deepseek_v3", "mimo", "qwen3_next"]
 # Families we know of but do not serve yet, with the reason (named by `check` and `up`).
 _NOT_YET = {
     "deepseek_v32": "the DSA (sparse attention) indexer is not implemented",
-    "qwen3_next": "gated delta-net (linear attention) layers are not implemented",
 }
 
 
@@ -47,12 +47,36 @@ class ModelConfig:
     moe: MoEConfig | None = None
     mla: MLAConfig | None = None  # set: every layer is MLA (head_dim is then the rope dim)
     quant: FP8BlockConfig | None = None
+    # Hybrid models (Qwen3-Next): the Gated DeltaNet layers' shape; gated full attention and
+    # (1 + w) norms (workers/model/gated_deltanet.py).
+    linear: LinearAttentionConfig | None = None
+    attn_output_gate: bool = False
+    zero_centred_norm: bool = False
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def num_attention_layers(self) -> int:
         """Main layers plus one decoder block per MTP module, each with its own KV cache."""
         return self.num_hidden_layers + self.num_mtp_modules
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Some layers are linear attention: each request also holds a recurrent state."""
+        return any(s.attention == "linear" for s in self.layers)
+
+    @property
+    def linear_layers(self) -> list[int]:
+        return [i for i, s in enumerate(self.layers) if s.attention == "linear"]
+
+    def state_bytes_per_request(self, dtype_size: int = 4) -> int:
+        """Bytes of one state slot: conv window + recurrent state of every linear layer
+        (the recurrent state is kept in fp32, like transformers' reference)."""
+        if self.linear is None:
+            return 0
+        lin = self.linear
+        conv = lin.conv_dim * (lin.conv_kernel - 1) * dtype_size
+        rec = lin.num_value_heads * lin.key_head_dim * lin.value_head_dim * 4
+        return (conv + rec) * len(self.linear_layers)
 
     @property
     def rotary_dim(self) -> int:
@@ -100,6 +124,16 @@ class ModelConfig:
                          + (", qkv bias" if self.attention_bias else ""))
         if self.moe is not None:
             lines.append(f"MoE: {self.moe.describe()}")
+        if self.linear is not None:
+            pattern = "".join("L" if self.layer(i).attention == "linear" else "F"
+                              for i in range(self.num_hidden_layers))
+            lines.append(f"layer pattern (L linear, F full): {pattern}")
+            lines.append(f"linear attention: {self.linear.describe()}; full attention: "
+                         "output gate, (1 + w) norms")
+            lines.append(f"state per request: {self.state_bytes_per_request()} bytes fp32 "
+                         f"({len(self.linear_layers)} linear layers; one state slot per "
+                         "running request)")
+            lines.append("prefix caching: off for hybrid models (no state checkpoints)")
         for m in range(self.num_mtp_modules):
             spec = self.layer(self.num_hidden_layers + m)
             lines.append(f"MTP module {m} ({self.mtp_naming} naming): "
@@ -121,7 +155,8 @@ class ModelConfig:
                 f"unsupported model_type {model_type!r}; supported: {sorted(FAMILIES)}"
             )
         fields = family(cfg)
-        _refuse_unknown_math(cfg, mla=fields.mla is not None)
+        _refuse_unknown_math(cfg, mla=fields.mla is not None,
+                             hybrid=fields.linear is not None)
         rope = parse_rope(cfg)
         quant = parse_quantization(cfg)
         heads = cfg["num_attention_heads"]
@@ -158,6 +193,9 @@ class ModelConfig:
             moe=fields.moe,
             mla=fields.mla,
             quant=quant,
+            linear=fields.linear,
+            attn_output_gate=fields.attn_output_gate,
+            zero_centred_norm=fields.zero_centred_norm,
             raw=cfg,
         )
 
@@ -197,13 +235,15 @@ def _ranges(idx: list[int]) -> str:
     return ", ".join(out)
 
 
-def _refuse_unknown_math(cfg: dict[str, Any], mla: bool = False) -> None:
+def _refuse_unknown_math(cfg: dict[str, Any], mla: bool = False, hybrid: bool = False
+                         ) -> None:
     """Config keys that change the model's math and that we do not implement: refused by name
     (serving such a model as if they were absent would be silently wrong)."""
     if cfg.get("use_sliding_window"):
         raise UnsupportedConfig(f"use_sliding_window (sliding_window "
                                 f"{cfg.get('sliding_window')}) is not supported")
-    other = sorted({t for t in cfg.get("layer_types") or [] if t != "full_attention"})
+    allowed = {"full_attention", "linear_attention"} if hybrid else {"full_attention"}
+    other = sorted({t for t in cfg.get("layer_types") or [] if t not in allowed})
     if other:
         raise UnsupportedConfig(f"layer_types {other} are not supported (full_attention only)")
     for key in ("index_topk", "index_n_heads", "index_head_dim"):

@@ -18,6 +18,9 @@ from mtpserve.workers.model.rope import RopeConfig, inv_freq_and_scale
 
 
 class RMSNorm(nn.Module):
+    # Qwen3-Next's norms scale by (1 + w) (weights stored zero-centred); CausalLM sets it.
+    zero_centred: bool = False
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
@@ -25,6 +28,10 @@ class RMSNorm(nn.Module):
         self.weight.weight_loader = _plain_loader
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.zero_centred:  # transformers' Qwen3NextRMSNorm: (x_normed * (1 + w)).to(dtype)
+            x32 = x.float()
+            x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+            return (x32 * (1.0 + self.weight.float())).to(x.dtype)
         # Normalise in fp32 like the HF reference, so bf16 runs round the same way; in fp32
         # skip the no-op casts (each is a dispatch on the per-token hot path).
         if x.dtype == torch.float32:  # one fused op, same result as the formula below
@@ -100,9 +107,13 @@ class Attention(nn.Module):
             )
         self.scale = cfg.head_dim**-0.5
         d = cfg.head_dim
+        # Qwen3-Next: q_proj holds [q | gate] per head; the output is scaled by sigmoid(gate).
+        self.output_gate = cfg.attn_output_gate
+        qd = 2 * d if self.output_gate else d
         self.qkv_proj = ColumnParallelLinear(
             cfg.hidden_size,
-            [cfg.num_attention_heads * d, cfg.num_key_value_heads * d, cfg.num_key_value_heads * d],
+            [cfg.num_attention_heads * qd, cfg.num_key_value_heads * d,
+             cfg.num_key_value_heads * d],
             bias=cfg.attention_bias,
         )
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size)
@@ -118,7 +129,14 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         B, S, _ = x.shape
         Hq, Hk, D = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.qkv_proj(x).view(B, S, Hq + 2 * Hk, D)
+        qkv = self.qkv_proj(x)
+        gate = None
+        if self.output_gate:
+            qg, kv = qkv.split([Hq * 2 * D, 2 * Hk * D], dim=-1)
+            qg = qg.view(B, S, Hq, 2 * D)
+            gate = torch.sigmoid(qg[..., D:].reshape(B, S, Hq * D))
+            qkv = torch.cat([qg[..., :D].reshape(B, S, Hq * D), kv], dim=-1)
+        qkv = qkv.view(B, S, Hq + 2 * Hk, D)
         qk, v = qkv[:, :, : Hq + Hk], qkv[:, :, Hq + Hk :]
         if self.q_norm is not None:
             qk = torch.cat([self.q_norm(qk[:, :, :Hq]), self.k_norm(qk[:, :, Hq:])], dim=2)
@@ -139,7 +157,8 @@ class Attention(nn.Module):
             flat[:, attn.write_slots] = new_kv
             if attn.flex is not None:  # paged in place: no gather (flex_paged_attention.py)
                 out = attn.flex.attend(q.transpose(1, 2), kv_cache, self.scale)
-                return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))
+                out = out.transpose(1, 2).reshape(B, S, -1)
+                return self.o_proj(out if gate is None else out * gate)
             # index_select on the block dim is a plain copy of contiguous blocks (several
             # times faster than advanced indexing): [2, B, L, Hk, D].
             ctx = kv_cache.index_select(1, attn.block_index).view(
@@ -148,7 +167,8 @@ class Attention(nn.Module):
                 q.transpose(1, 2), ctx[0].transpose(1, 2), ctx[1].transpose(1, 2),
                 attn_mask=attn.mask, scale=self.scale, enable_gqa=True,
             )
-        return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))
+        out = out.transpose(1, 2).reshape(B, S, -1)
+        return self.o_proj(out if gate is None else out * gate)
 
 
 class DecoderLayer(nn.Module):
@@ -159,7 +179,13 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn: nn.Module
-        if cfg.layer(layer_idx).attention == "mla":
+        self.linear_attn: nn.Module | None = None
+        if cfg.layer(layer_idx).attention == "linear":  # Gated DeltaNet: no KV cache, a state
+            from mtpserve.workers.model.gated_deltanet import GatedDeltaNet
+
+            assert cfg.linear is not None
+            self.linear_attn = GatedDeltaNet(cfg.hidden_size, cfg.linear, cfg.rms_norm_eps)
+        elif cfg.layer(layer_idx).attention == "mla":
             from mtpserve.workers.model.mla import MLAttention  # builds on apply_rope here
 
             self.self_attn = MLAttention(cfg)
@@ -182,5 +208,9 @@ class DecoderLayer(nn.Module):
         attn: AttentionMetadata | None,
         kv_cache: torch.Tensor | None,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, attn, kv_cache)
+        if self.linear_attn is not None:  # kv_cache is then the layer's LinearState (or None)
+            x = x + self.linear_attn(self.input_layernorm(x),
+                                     kv_cache if attn is not None else None)
+        else:
+            x = x + self.self_attn(self.input_layernorm(x), rope, attn, kv_cache)
         return x + self.mlp(self.post_attention_layernorm(x))

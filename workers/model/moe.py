@@ -32,7 +32,13 @@ from torch import nn
 
 from mtpserve.workers.model.families.base import MoEConfig
 from mtpserve.workers.model.layers import MLP
-from mtpserve.workers.model.parallel import _divide, _plain_loader, all_reduce, get_tp
+from mtpserve.workers.model.parallel import (
+    ReplicatedLinear,
+    _divide,
+    _plain_loader,
+    all_reduce,
+    get_tp,
+)
 
 _GATHER_BYTES = 64 << 20
 
@@ -168,6 +174,12 @@ class MoE(nn.Module):
             MLP(hidden, cfg.intermediate_size * cfg.num_shared_experts, reduce=False)
             if cfg.num_shared_experts else None
         )
+        # Qwen3-Next: `shared_expert` (its own width) times sigmoid(shared_expert_gate(x)); the
+        # gate is replicated, so scaling this rank's partial sum keeps the all-reduce exact.
+        self.shared_expert = (MLP(hidden, cfg.shared_intermediate_size, reduce=False)
+                              if cfg.shared_expert_gate else None)
+        self.shared_expert_gate = (ReplicatedLinear(hidden, 1) if cfg.shared_expert_gate
+                                   else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -176,4 +188,6 @@ class MoE(nn.Module):
         y = self.experts(x2, weights, idx)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x2)
+        if self.shared_expert is not None:
+            y = y + torch.sigmoid(self.shared_expert_gate(x2)) * self.shared_expert(x2)
         return all_reduce(y).view(shape)

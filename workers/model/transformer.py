@@ -50,6 +50,10 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.mtp = nn.ModuleList(MTPModule(cfg, m) for m in range(cfg.num_mtp_modules))
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope)
+        if cfg.zero_centred_norm:  # Qwen3-Next: every RMSNorm (main and MTP) scales by 1 + w
+            for mod in self.modules():
+                if isinstance(mod, RMSNorm):
+                    mod.zero_centred = True
 
     def forward(
         self,
@@ -58,7 +62,8 @@ class CausalLM(nn.Module):
         attn: AttentionMetadata | None = None,
         kv_caches: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Main-model hidden states after the final norm, [B, S, hidden] (what MTP consumes)."""
+        """Main-model hidden states after the final norm, [B, S, hidden] (what MTP consumes).
+        Hybrid models: `kv_caches[i]` of a linear layer is its `LinearState` (state slots)."""
         x = self.model.embed_tokens(input_ids)
         rope = self.rotary.cos_sin(positions)
         for i, layer in enumerate(self.model.layers):

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-AttentionKind = Literal["gqa", "mla"]
+AttentionKind = Literal["gqa", "mla", "linear"]  # linear: Gated DeltaNet (Qwen3-Next)
 MLPKind = Literal["dense", "moe"]
 
 
@@ -26,6 +26,9 @@ class MoEConfig:
     routed_scaling_factor: float = 1.0
     num_shared_experts: int = 0  # one dense MLP of num_shared * intermediate_size, always on
     correction_bias: bool = False  # `e_score_correction_bias`: biases the choice, not the weight
+    # Qwen3-Next: one `shared_expert` of its own width, scaled by sigmoid(shared_expert_gate(x)).
+    shared_intermediate_size: int = 0
+    shared_expert_gate: bool = False
 
     def describe(self) -> str:
         s = f"{self.num_experts} experts, top-{self.top_k} ({self.scoring}"
@@ -38,6 +41,8 @@ class MoEConfig:
         s += f"), expert intermediate {self.intermediate_size}"
         if self.num_shared_experts:
             s += f", {self.num_shared_experts} shared"
+        if self.shared_expert_gate:
+            s += f", gated shared expert {self.shared_intermediate_size}"
         return s
 
 
@@ -69,6 +74,33 @@ class MLAConfig:
 
 
 @dataclass(frozen=True)
+class LinearAttentionConfig:
+    """Gated DeltaNet layers (Qwen3-Next): a causal depthwise conv over q|k|v, then the gated
+    delta rule with one [key_head_dim, value_head_dim] state per value head."""
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.num_key_heads * self.key_head_dim + self.num_value_heads * \
+            self.value_head_dim
+
+    def state_numel(self) -> int:
+        """Values one request holds per linear layer: conv window + recurrent state."""
+        return (self.conv_dim * (self.conv_kernel - 1)
+                + self.num_value_heads * self.key_head_dim * self.value_head_dim)
+
+    def describe(self) -> str:
+        return (f"Gated DeltaNet: {self.num_key_heads} key / {self.num_value_heads} value "
+                f"heads, dims {self.key_head_dim}/{self.value_head_dim}, conv "
+                f"{self.conv_kernel}")
+
+
+@dataclass(frozen=True)
 class LayerSpec:
     """One decoder layer: which attention and which MLP."""
 
@@ -85,6 +117,9 @@ class FamilyFields:
     layers: tuple[LayerSpec, ...]
     moe: MoEConfig | None = None
     mla: MLAConfig | None = None
+    linear: LinearAttentionConfig | None = None  # hybrid models: their linear layers
+    attn_output_gate: bool = False  # full attention: o_proj(attn * sigmoid(gate)), Qwen3-Next
+    zero_centred_norm: bool = False  # RMSNorm scales by (1 + w)
 
 
 def num_experts(cfg: dict[str, Any]) -> int:

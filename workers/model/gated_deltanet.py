@@ -1,0 +1,238 @@
+"""Gated DeltaNet (Qwen3-Next's linear attention) in plain torch, over per-request state slots.
+
+A layer projects x to q, k, v (grouped: each key head serves num_v / num_k value heads), the
+output gate z and the per-value-head b (write strength, beta = sigmoid(b)) and a (decay,
+g = -exp(A_log) * softplus(a + dt_bias)); q | k | v pass a causal depthwise conv (kernel K,
+silu), q and k are L2-normalised, and the gated delta rule runs per value head over a
+[key_dim, value_dim] state S:
+
+    S <- S * exp(g_t);  S <- S + k_t (beta_t (v_t - S^T k_t))^T;  o_t = S^T q_t / sqrt(dk)
+
+then o = out_proj(RMSNorm(o) * silu(z)). The math and op order are transformers'
+`Qwen3NextGatedDeltaNet` (chunked form `torch_chunk_gated_delta_rule`, recurrent form
+`torch_recurrent_gated_delta_rule`).
+
+State: one slot per running request (`workers/state_pool.py`) holds, for every linear layer,
+the conv window (the last K - 1 conv inputs) and the recurrent state (fp32). A row whose start
+position is 0 starts from zeros; padded positions of a row (a shorter row in a padded batch)
+get beta = 0 and g = 0, so they leave the state unchanged and the state written back is the
+one after the row's last real token.
+
+Forms: rows of more than `RECURRENT_MAX` tokens (prefill chunks) use the chunked form; shorter
+ones (decode and verify rows [last, d1..dk]) use the recurrent form and keep the state after
+every position (`LinearState.snap_*`), so after acceptance the engine keeps the state at the
+last accepted token (`LinearState.keep`) without recomputing anything. The CUDA fast path
+(e.g. flash-linear-attention kernels) would slot in behind `chunk_gated_delta_rule` /
+`recurrent_gated_delta_rule`; it is not built, torch runs everywhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mtpserve.workers.model.families.base import LinearAttentionConfig
+from mtpserve.workers.model.parallel import ReplicatedLinear, _plain_loader, get_tp
+
+RECURRENT_MAX = 16  # rows up to this many tokens run the recurrent form (and keep snapshots)
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                           beta: torch.Tensor, state: torch.Tensor, chunk: int = 64
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """q, k [B, H, S, Dk] (normalised, q scaled), v [B, H, S, Dv], g, beta [B, H, S], state
+    [B, H, Dk, Dv] (fp32 throughout) -> (out [B, H, S, Dv], final state)."""
+    S = q.shape[2]
+    pad = (chunk - S % chunk) % chunk
+    q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+    beta, g = (F.pad(x, (0, pad)) for x in (beta, g))
+    B, H, T, Dk = k.shape
+    v_beta = v * beta.unsqueeze(-1)
+    k_beta = k * beta.unsqueeze(-1)
+    q, k, k_beta, v_beta = (x.reshape(B, H, -1, chunk, x.shape[-1])
+                            for x in (q, k, k_beta, v_beta))
+    g = g.reshape(B, H, -1, chunk)
+    upper = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
+    cum = g.cumsum(dim=3)
+    pair = (cum.unsqueeze(4) - cum.unsqueeze(3)).masked_fill(upper, float("-inf")).exp()
+    ut = (k_beta @ k.transpose(-1, -2)) * pair
+    intra = (q @ k.transpose(-1, -2)) * pair
+    decayed_k_beta = k_beta * cum.exp().unsqueeze(-1)
+    new_v = torch.linalg.solve_triangular(ut, v_beta, upper=False, unitriangular=True)
+    k_cum = torch.linalg.solve_triangular(ut, decayed_k_beta, upper=False, unitriangular=True)
+    out = torch.zeros_like(new_v)
+    q = q * cum.exp().unsqueeze(-1)
+    k = k * (cum[..., -1:] - cum).exp().unsqueeze(-1)
+    chunk_decay = cum[..., -1].exp()[..., None, None]
+    for i in range(T // chunk):
+        v_new = new_v[:, :, i] - k_cum[:, :, i] @ state
+        out[:, :, i] = q[:, :, i] @ state + intra[:, :, i] @ v_new
+        state = state * chunk_decay[:, :, i] + k[:, :, i].transpose(-1, -2) @ v_new
+    return out.reshape(B, H, -1, v.shape[-1])[:, :, :S], state
+
+
+def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                               g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same inputs as `chunk_gated_delta_rule`, one token at a time -> (out [B, H, S, Dv],
+    the state after every position [B, S, H, Dk, Dv])."""
+    S = q.shape[2]
+    out = torch.zeros_like(v)
+    states = []
+    for t in range(S):
+        state = state * g[:, :, t].exp()[..., None, None]
+        kv_mem = (state * k[:, :, t].unsqueeze(-1)).sum(dim=-2)
+        delta = (v[:, :, t] - kv_mem) * beta[:, :, t].unsqueeze(-1)
+        state = state + k[:, :, t].unsqueeze(-1) * delta.unsqueeze(-2)
+        out[:, :, t] = (state * q[:, :, t].unsqueeze(-1)).sum(dim=-2)
+        states.append(state)
+    return out, torch.stack(states, dim=1)
+
+
+@dataclass
+class LinearState:
+    """One linear layer's view of the state pool for one forward.
+
+    `conv` [slots, conv_dim, K - 1] and `recurrent` [slots, Hv, Dk, Dv] (fp32) are the pool's
+    tensors (shared across forwards); `slots` [B] the rows' slots, `fresh` [B] rows starting
+    at position 0, `lens` [B] real tokens per row. After a recurrent-form forward, `snap_conv`
+    [B, conv_dim, K - 1 + S] (the conv inputs, window included) and `snap_rec` [B, S, ...]
+    (the state after each position) let `keep` restore any position's state."""
+
+    conv: torch.Tensor
+    recurrent: torch.Tensor
+    slots: torch.Tensor
+    fresh: torch.Tensor
+    lens: torch.Tensor
+    snap_conv: torch.Tensor | None = None
+    snap_rec: torch.Tensor | None = None
+
+    def keep(self, rows: torch.Tensor, positions: torch.Tensor) -> None:
+        """Rows `rows` of the last forward keep the state after their `positions`-th token
+        (0-based: 0 = after the row's first token) instead of after their last one."""
+        assert self.snap_rec is not None and self.snap_conv is not None, \
+            "keep() needs a recurrent-form forward (rows of at most RECURRENT_MAX tokens)"
+        slots = self.slots[rows]
+        self.recurrent[slots] = self.snap_rec[rows, positions]
+        K1 = self.conv.shape[-1]
+        idx = (positions + 1).view(-1, 1, 1) + torch.arange(K1, device=rows.device).view(1, 1, -1)
+        win = self.snap_conv[rows].gather(2, idx.expand(-1, self.snap_conv.shape[1], -1))
+        self.conv[slots] = win.to(self.conv.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm(x) * w * silu(gate), normalised in fp32 (Qwen3NextRMSNormGated; plain w)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight.weight_loader = _plain_loader
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dt = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = (self.weight * x32.to(dt)) * F.silu(gate.float())
+        return out.to(dt)
+
+
+class GatedDeltaNet(nn.Module):
+    """`linear_attn.*` of a Qwen3-Next layer (checkpoint names kept: in_proj_qkvz, in_proj_ba,
+    conv1d, dt_bias, A_log, norm, out_proj). Replicated on every rank: hybrid models are
+    refused with TP > 1 (sharding the states by value heads is not built)."""
+
+    def __init__(self, hidden: int, lin: LinearAttentionConfig, eps: float) -> None:
+        super().__init__()
+        if get_tp().size > 1:
+            raise NotImplementedError("Gated DeltaNet layers with TP > 1 are not supported")
+        self.lin = lin
+        self.key_dim = lin.num_key_heads * lin.key_head_dim
+        self.value_dim = lin.num_value_heads * lin.value_head_dim
+        self.in_proj_qkvz = ReplicatedLinear(hidden, 2 * self.key_dim + 2 * self.value_dim)
+        self.in_proj_ba = ReplicatedLinear(hidden, 2 * lin.num_value_heads)
+        self.conv1d = nn.Module()
+        self.conv1d.weight = nn.Parameter(torch.empty(lin.conv_dim, 1, lin.conv_kernel))
+        self.conv1d.weight.weight_loader = _plain_loader
+        self.dt_bias = nn.Parameter(torch.ones(lin.num_value_heads))
+        self.dt_bias.weight_loader = _plain_loader
+        self.A_log = nn.Parameter(torch.zeros(lin.num_value_heads))
+        self.A_log.weight_loader = _plain_loader
+        self.norm = GatedRMSNorm(lin.value_head_dim, eps)
+        self.out_proj = ReplicatedLinear(self.value_dim, hidden)
+
+    def _split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Projections -> q, k [B, S, Hk, Dk], v, z [B, S, Hv, Dv], b, a [B, S, Hv] (the
+        checkpoint interleaves them per key head: transformers' fix_query_key_value_ordering)."""
+        lin = self.lin
+        B, S, _ = x.shape
+        Hk, Dk, Dv = lin.num_key_heads, lin.key_head_dim, lin.value_head_dim
+        r = lin.num_value_heads // Hk
+        qkvz = self.in_proj_qkvz(x).view(B, S, Hk, 2 * Dk + 2 * r * Dv)
+        ba = self.in_proj_ba(x).view(B, S, Hk, 2 * r)
+        q, k, v, z = torch.split(qkvz, [Dk, Dk, r * Dv, r * Dv], dim=3)
+        b, a = torch.split(ba, [r, r], dim=3)
+        Hv = lin.num_value_heads
+        return (q, k, v.reshape(B, S, Hv, Dv), z.reshape(B, S, Hv, Dv), b.reshape(B, S, Hv),
+                a.reshape(B, S, Hv))
+
+    def forward(self, x: torch.Tensor, state: LinearState | None) -> torch.Tensor:
+        lin = self.lin
+        B, S, _ = x.shape
+        K1 = lin.conv_kernel - 1
+        q, k, v, z, b, a = self._split(x)
+        mixed = torch.cat([q.reshape(B, S, -1), k.reshape(B, S, -1), v.reshape(B, S, -1)],
+                          dim=-1).transpose(1, 2)  # [B, C, S]
+        w = self.conv1d.weight
+        if state is None:  # no cache: the sequence starts from zero state
+            window = mixed.new_zeros(B, mixed.shape[1], K1)
+        else:
+            window = torch.where(state.fresh.view(-1, 1, 1), 0, state.conv[state.slots])
+        full = torch.cat([window.to(mixed.dtype), mixed], dim=-1)  # [B, C, K1 + S]
+        conv = F.silu(F.conv1d(full.to(w.dtype), w, groups=full.shape[1]))[:, :, -S:]
+        conv = conv.to(x.dtype).transpose(1, 2)
+        q, k, v = torch.split(conv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        Hv, Hk = lin.num_value_heads, lin.num_key_heads
+        q = q.reshape(B, S, Hk, lin.key_head_dim)
+        k = k.reshape(B, S, Hk, lin.key_head_dim)
+        v = v.reshape(B, S, Hv, lin.value_head_dim)
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        if state is not None:  # padded positions leave the state as it is
+            live = (torch.arange(S, device=x.device).view(1, -1) < state.lens.view(-1, 1))
+            beta = beta * live.unsqueeze(-1).to(beta.dtype)
+            g = g * live.unsqueeze(-1)
+        if Hv != Hk:
+            q = q.repeat_interleave(Hv // Hk, dim=2)
+            k = k.repeat_interleave(Hv // Hk, dim=2)
+        q, k, v, beta, g = (t.transpose(1, 2).float().contiguous() for t in (q, k, v, beta, g))
+        q, k = l2norm(q), l2norm(k)
+        q = q * q.shape[-1] ** -0.5
+        if state is None:
+            init = q.new_zeros(B, Hv, lin.key_head_dim, lin.value_head_dim)
+        else:
+            init = torch.where(state.fresh.view(-1, 1, 1, 1), 0, state.recurrent[state.slots])
+        if S <= RECURRENT_MAX:
+            out, states = recurrent_gated_delta_rule(q, k, v, g, beta, init)
+            final = states[:, -1]
+        else:
+            out, final = chunk_gated_delta_rule(q, k, v, g, beta, init)
+            states = None
+        if state is not None:
+            # The conv window ending at each row's last real token: full[len : len + K1].
+            ends = state.lens.view(-1, 1, 1) + torch.arange(K1, device=x.device).view(1, 1, -1)
+            state.conv[state.slots] = full.gather(
+                2, ends.expand(-1, full.shape[1], -1)).to(state.conv.dtype)
+            state.recurrent[state.slots] = final
+            state.snap_conv = full if states is not None else None
+            state.snap_rec = states
+        out = out.transpose(1, 2).to(x.dtype)  # [B, S, Hv, Dv]
+        out = self.norm(out.reshape(-1, lin.value_head_dim), z.reshape(-1, lin.value_head_dim))
+        return self.out_proj(out.view(B, S, -1))
