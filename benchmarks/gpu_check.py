@@ -231,6 +231,184 @@ def fast_path_part(out: Path, device: str, dry: bool, budget_s: float) -> dict:
     return {k: v for k, v in res.items() if k != "rows"} | {"num_rows": len(res["rows"])}
 
 
+# 1c. The hot path, measured: graphs == eager per bucket, host syncs per step, KV sizing --------
+
+def graph_vs_eager(runner, keys=None, tolerance: float = 1e-3, seed: int = 0,
+                   batches_per_key: int = 2) -> list[dict]:
+    """Logits of every compiled bucket (`keys`; default: every bucket the runner replays, the
+    captured CUDA graphs, or on CPU the compiled graphs) against the eager forward of the same
+    batch: max |graph - eager| / max |eager| per bucket, `ok` when <= `tolerance`. Each bucket
+    runs `batches_per_key` different batches through the same graph (a replay that ignored
+    its new inputs would reproduce the first batch's logits), rows partly padding (batch and
+    query below the bucket) so padding slots and rows are exercised. Context KV: random ids
+    prefilled eagerly; each row owns its blocks (no two rows write one slot)."""
+    import torch
+
+    from mtpserve.workers.model.decode_graph import bucket, query_bucket
+    from mtpserve.workers.model_runner import ForwardBatch
+
+    g = runner.graphs
+    if keys is None:
+        keys = (runner.cuda_graphs.captured if runner.cuda_graphs is not None
+                else set(g.compiled))
+    gen = torch.Generator().manual_seed(seed)
+    V, bs = runner.config.vocab_size, runner.block_size
+    pool = runner.kv_cache.num_blocks
+    rows_out = []
+    for key in sorted(keys, key=lambda k: (k.kind, k.module, k.batch, k.query_len,
+                                           k.num_blocks)):
+        if key.kind not in ("main", "mtp"):
+            rows_out.append({"key": str(key), "skipped": "fused round: compared by tokens"})
+            continue
+        worst = 0.0
+        for t in range(batches_per_key):
+            # Real rows: the full bucket, then fewer (padding rows) with a shorter query.
+            B = key.batch if t == 0 else max(1, key.batch // 2 + (key.batch > 1))
+            S = key.query_len if t == 0 else max(1, key.query_len - 1)
+            if bucket(B) != key.batch or query_bucket(S) != key.query_len:
+                B, S = key.batch, key.query_len
+            nb = key.num_blocks if key.num_blocks > g.min_blocks else min(g.min_blocks, 8)
+            if B * nb > pool:
+                rows_out.append({"key": str(key), "skipped": f"needs {B * nb} KV blocks"})
+                break
+            tables = [list(range(b * nb, (b + 1) * nb)) for b in range(B)]
+            lo = (key.num_blocks // 2) * bs if key.num_blocks > g.min_blocks else 1
+            starts = torch.randint(lo, nb * bs - S + 1, (B,), generator=gen).tolist()
+            ctx = [torch.randint(1, V, (n,), generator=gen).tolist() for n in starts]
+            runner._execute_eager(ForwardBatch("main", ctx, [0] * B, tables, [0]))
+            ids = torch.randint(1, V, (B, S), generator=gen).tolist()
+            rows = [b * S + s for b in range(B) for s in range(S)]
+            batch = ForwardBatch(key.kind, ids, starts, tables, rows, module=key.module,
+                                 hidden_from="main" if key.kind == "mtp" else None,
+                                 hidden_rows=[[b * S + s for s in range(S)] for b in range(B)])
+            if key.kind == "mtp":  # the main hidden states both MTP forwards read
+                runner._execute_eager(ForwardBatch("main", ids, starts, tables, [0]))
+            got = runner.graphs.key_for(key.kind, key.module, [S] * B, tables)
+            assert got == key, f"batch meant for {key} maps to {got}"
+            graph = runner.execute(batch).float().clone()
+            eager = runner._execute_eager(batch).float()
+            diff = ((graph - eager).abs().max() / eager.abs().max().clamp(min=1e-6)).item()
+            worst = max(worst, diff)
+        else:
+            rows_out.append({"key": str(key), "max_rel_diff": worst,
+                             "ok": worst <= tolerance})
+    return rows_out
+
+
+@contextlib.contextmanager
+def count_host_syncs(device: str) -> Iterator[dict]:
+    """Counts synchronizing CUDA calls inside the block with CUDA sync debug mode ("warn":
+    each one raises a Python warning): yields a dict that gets `syncs` and `sites` (the
+    Python lines they came from, most frequent first). Off CUDA nothing syncs: 0."""
+    import warnings
+
+    import torch
+
+    res: dict = {"syncs": 0, "sites": {}}
+    if not device.startswith("cuda"):
+        yield res
+        return
+    torch.cuda.synchronize()
+    prev = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield res
+        finally:
+            torch.cuda.set_sync_debug_mode(prev)
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    res["syncs"] = len(syncs)
+    sites: dict[str, int] = {}
+    for w in syncs:
+        site = f"{Path(w.filename).name}:{w.lineno}"
+        sites[site] = sites.get(site, 0) + 1
+    res["sites"] = dict(sorted(sites.items(), key=lambda kv: -kv[1]))
+
+
+def hot_path_part(out: Path, device: str, dry: bool) -> dict:
+    """What issue 33 item 7 promises, measured: (a) the KV pool sized from
+    kv_cache_memory_fraction (budget, blocks, then the graph pool actually captured against
+    its reserve); (b) eager vs compiled/replayed logits at every bucket, float32 so the
+    tolerance can be tight (a wrong slot, stale static buffer or padding leak is >> 1e-3);
+    (c) host syncs per engine step and per round, greedy and sampled, from CUDA sync debug
+    mode, with the code lines they come from."""
+    import torch
+
+    from mtpserve.benchmarks.engine_bench import BenchArgs, _engine
+    from mtpserve.workers.model_runner import DEFAULT_GRAPH_RESERVE, ModelRunner
+    from mtpserve.workers.sampling_params import SamplingParams
+
+    model = _model()
+    res: dict = {}
+    cuda = device.startswith("cuda")
+    # (a) sizing: a fraction well below 1 so the other parts' runners still fit afterwards.
+    fraction = 0.35
+    before = torch.cuda.memory_reserved() if cuda else 0
+    runner = ModelRunner(model, None if cuda else 256, 16, torch.float32, device,
+                         decode_graphs=True, kv_cache_memory_fraction=fraction,
+                         attention_backend="auto")
+    res["attention_backend"] = runner.attention_backend
+    res["num_kv_blocks"] = runner.kv_cache.num_blocks
+    res["kv_budget"] = dataclasses.asdict(runner.kv_budget) if runner.kv_budget else None
+    ks, batches = ((1, 2), (1, 2)) if dry else ((1, 2, 3), (1, 4, 8))
+    k = max(ks)
+    pre_graphs = torch.cuda.memory_reserved() if cuda else 0
+    t0 = time.perf_counter()
+    n = runner.warmup_graphs(list(batches), list(range(1, k + 2)), 256,
+                             budget_s=30.0 if dry else 150.0)
+    res["graphs_compiled"] = n
+    res["warmup_s"] = round(time.perf_counter() - t0, 1)
+    if cuda:
+        torch.cuda.synchronize()
+        total = torch.cuda.mem_get_info()[1]
+        res["graph_memory_bytes"] = torch.cuda.memory_reserved() - pre_graphs
+        res["graph_reserve_bytes"] = DEFAULT_GRAPH_RESERVE
+        res["process_reserved_over_total"] = torch.cuda.memory_reserved() / total
+        res["process_reserved_before"] = before
+        res["fraction"] = fraction
+    print(f"[hot-path] KV sizing: backend={res['attention_backend']} "
+          f"blocks={res['num_kv_blocks']} budget={res['kv_budget']} "
+          f"graph memory={res.get('graph_memory_bytes')} (reserve "
+          f"{res.get('graph_reserve_bytes')})")
+    # (b) every replayed bucket against eager.
+    rows = graph_vs_eager(runner, tolerance=1e-3)
+    res["graph_vs_eager"] = rows
+    checked = [r for r in rows if "ok" in r]
+    res["graph_vs_eager_all_ok"] = bool(checked) and all(r["ok"] for r in checked)
+    for r in rows:
+        print(f"[hot-path] graph vs eager {r}")
+    # (c) host syncs per step: an engine over the compiled runner, greedy then sampled.
+    args = BenchArgs(model=model, dtype="float32", device=device, ks=ks, batch_sizes=batches,
+                     num_kv_blocks=runner.kv_cache.num_blocks)
+    prompts = [list(range(3 + i, 40 + i)) for i in range(max(batches))]
+    res["syncs"] = []
+    for temperature in (0.0, 0.8):
+        eng = _engine(args, runner, k)
+        params = SamplingParams(max_tokens=8 if dry else 32, temperature=temperature,
+                                seed=1, ignore_eos=True)
+        for i, p in enumerate(prompts):
+            eng.add_request(f"sync-{temperature}-{i}", p, params)
+        eng.step()  # prefill (and the first token) outside the count
+        steps = 0
+        with count_host_syncs(device) as c:
+            while eng.has_unfinished():
+                eng.step()
+                steps += 1
+        row = {"temperature": temperature, "k": k, "batch": len(prompts), "steps": steps,
+               "host_syncs": c["syncs"],
+               "syncs_per_step": c["syncs"] / steps if steps else None,
+               "top_sites": dict(list(c["sites"].items())[:12])}
+        res["syncs"].append(row)
+        print(f"[hot-path] host syncs: {row}")
+        del eng
+    del runner
+    if cuda:
+        torch.cuda.empty_cache()
+    (out / f"hot-path-{device}.json").write_text(json.dumps(res, indent=2, default=str))
+    return {k: v for k, v in res.items() if k != "graph_vs_eager"}
+
+
 # 2./3. The disaggregated app --------------------------------------------------------------------
 
 def _offline(prompts: list[str], device: str, max_tokens: int) -> list[str]:
@@ -404,6 +582,7 @@ def main() -> None:
     print(f"gpu_check: device={a.device} visible GPUs={n_gpus} torch={torch.__version__}")
     parts: list[tuple[str, Callable[[], dict] | None, str]] = [
         ("engine", lambda: engine_part(out, a.device, dry), ""),
+        ("hot-path", lambda: hot_path_part(out, a.device, dry), ""),
         ("fast-path", lambda: fast_path_part(out, a.device, dry, a.fast_path_budget_s), ""),
         ("disagg-gloo", lambda: app_part(out, a.device, dry, "gloo", 1, "disagg-gloo"), ""),
         ("kv", lambda: kv_part(out, a.device, dry), ""),

@@ -71,7 +71,9 @@ class RoleSettings(_Strict):
     replicas: int = Field(1, ge=1, description="Initial number of replicas.")
     tp_size: int = Field(1, ge=1, description="Tensor-parallel ranks (worker processes) per "
                          "replica.")
-    num_kv_blocks: int = Field(1024, ge=8, description="KV blocks per rank.")
+    num_kv_blocks: int | None = Field(
+        None, ge=8, description="KV blocks per rank. null: 1024 on CPU; on CUDA sized by "
+        "engine.kv_cache_memory_fraction.")
     cpus_per_rank: float = Field(1.0, ge=0, description="CPUs reserved per rank (bundle).")
     gpus_per_rank: float = Field(0.0, ge=0, description="GPUs reserved per rank (bundle).")
     resources: dict[str, float] = Field(
@@ -86,8 +88,9 @@ class RoleSettings(_Strict):
 class PrefillSettings(RoleSettings):
     """Prefill deployment: chunked prefill through the main model and the MTP module(s)."""
 
-    num_kv_blocks: int = Field(
-        512, ge=8, description="KV blocks per prefill rank (held until decode acknowledges)."
+    num_kv_blocks: int | None = Field(
+        None, ge=8, description="KV blocks per prefill rank (held until decode acknowledges). "
+        "null: 512 on CPU; on CUDA sized by engine.kv_cache_memory_fraction."
     )
     max_num_batched_tokens: int = Field(
         512, ge=16, description="Token budget of one chunked-prefill step."
@@ -177,8 +180,13 @@ class EngineSettings(_Strict):
         "cache off.")
     attention_backend: Literal["auto", "gather", "flex"] = Field(
         "auto", description="Paged attention: gather (copy each row's context, then SDPA), "
-        "flex (FlexAttention over the block table, reads the cache in place; unmeasured on "
-        "GPUs) or auto (gather until flex is measured faster).")
+        "flex (FlexAttention over the block table, reads the cache in place) or auto (flex "
+        "on CUDA, which never takes the padded gather; gather on CPU, measured faster there).")
+    kv_cache_memory_fraction: float = Field(
+        0.9, gt=0, le=1, description="CUDA, for a role whose num_kv_blocks is null: the share "
+        "of each GPU a rank may use in all (like vLLM's gpu_memory_utilization); its KV pool "
+        "gets what is left after the weights, a profiled prefill's peak activations, a "
+        "reserve for CUDA graphs and other processes' memory.")
 
 
 class SpeculationSettings(_Strict):
@@ -410,6 +418,12 @@ class ClusterConfig(_Strict):
 
     @model_validator(mode="after")
     def _cross_field(self) -> ClusterConfig:
+        if self.device != "cuda":  # KV pools are sized from GPU memory only on CUDA
+            for name, default in (("prefill", 512), ("decode", 1024)):
+                side = getattr(self, name)
+                if side.num_kv_blocks is None:
+                    object.__setattr__(self, name,
+                                       side.model_copy(update={"num_kv_blocks": default}))
         if self.admin.enable_kv_probe and not (
             self.auth.admin_api_key or self.auth.admin_api_key_env
         ):

@@ -22,7 +22,14 @@ class EngineConfig:
     num_speculative_tokens: int = 2
     adaptive_k: bool = False
     block_size: int = 16
-    num_kv_blocks: int = 1024
+    # None: 1024 off CUDA; on CUDA the KV pool is sized from `kv_cache_memory_fraction`
+    # (`kv_blocks_for_memory`) once the weights are loaded.
+    num_kv_blocks: int | None = None
+    # CUDA: the share of the device's memory this engine may use in all (like vLLM's
+    # gpu_memory_utilization); the KV pool gets what is left of it after the weights, the
+    # peak activations of a forward, captured graphs and staging buffers. Unused when
+    # num_kv_blocks is given, and on CPU.
+    kv_cache_memory_fraction: float = 0.9
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None
@@ -54,6 +61,16 @@ class EngineConfig:
     # Paged attention: "gather" (copy each row's context, SDPA), "flex" (FlexAttention over
     # the block table, no copy) or "auto" (`resolve_attention_backend`).
     attention_backend: Literal["auto", "gather", "flex"] = "auto"
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
+            raise ValueError(f"kv_cache_memory_fraction {self.kv_cache_memory_fraction}: "
+                             "expected a fraction in (0, 1]")
+        if self.num_kv_blocks is None and torch.device(self.device).type != "cuda":
+            object.__setattr__(self, "num_kv_blocks", DEFAULT_NUM_KV_BLOCKS)
+
+
+DEFAULT_NUM_KV_BLOCKS = 1024  # off CUDA, when num_kv_blocks is not given
 
 
 CompileMode = Literal["auto", "on", "off"]
@@ -97,15 +114,56 @@ def resolve_dtype(dtype: str, device: str) -> str:
 
 
 def resolve_attention_backend(backend: str, device: str) -> str:
-    """"auto": gather everywhere for now. On CPU gather is measured (a fused paged attention
-    did not beat gather + SDPA here, README lever 3); on CUDA FlexAttention over the block
-    table is written and tested for equality on CPU but not yet measured on a GPU
-    (`benchmarks/gpu_check.py` compares them), so auto keeps the measured path."""
+    """"auto": flex on CUDA, gather elsewhere.
+
+    CUDA never takes the padded gather: it copies every row's context, padded to the longest
+    block table, out of the cache in every layer and then needs SDPA's masked GQA path (no
+    flash kernel), so one long request makes the whole batch copy its context per layer.
+    FlexAttention reads the block table in place (flex_paged_attention.py); it is exact
+    against gather on CPU (tests/test_flex_paged_attention.py) and `benchmarks/gpu_check.py`
+    measures both on the first GPU run. On CPU gather stays: measured here, flex's eager
+    reference materialises [B, H, S, num_blocks * block_size] scores and a compiled CPU flex
+    recompiles per table width (tests/test_gpu_path_by_construction.py prints both)."""
     if backend == "auto":
-        return "gather"
+        return "flex" if torch.device(device).type == "cuda" else "gather"
     if backend not in ("gather", "flex"):
         raise ValueError(f"attention backend {backend!r}: expected auto | gather | flex")
     return backend
+
+
+@dataclass(frozen=True)
+class KVMemoryBudget:
+    """What a device holds besides the KV pool, in bytes (`kv_blocks_for_memory`)."""
+
+    total: int  # the device's memory (torch.cuda.mem_get_info()[1])
+    weights: int  # parameters and buffers of the loaded model
+    activations: int  # peak transient memory of the largest forward (a profiled prefill)
+    graphs: int  # captured CUDA graphs' pool (or the reserve for them, before capture)
+    staging: int  # pinned-on-device staging: KV pull lanes, send buffers, NCCL buffers
+    other: int = 0  # what other processes already hold on the device
+
+
+def kv_blocks_for_memory(budget: KVMemoryBudget, fraction: float, bytes_per_block: int,
+                         min_blocks: int = 8, extra_blocks: int = 1) -> int:
+    """KV blocks that fit in `fraction` of the device after everything else is accounted:
+    floor((fraction * total - weights - activations - graphs - staging - other)
+    / bytes_per_block) - extra_blocks, where `extra_blocks` are allocated next to the pool
+    but never handed out (KVCache's scratch block). Raises when fewer than `min_blocks`
+    fit: an engine that cannot hold one request must not start."""
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"kv_cache_memory_fraction {fraction}: expected (0, 1]")
+    used = budget.weights + budget.activations + budget.graphs + budget.staging + budget.other
+    free = int(fraction * budget.total) - used
+    blocks = max(free, 0) // bytes_per_block - extra_blocks
+    if blocks < min_blocks:
+        gib = 2**30
+        raise ValueError(
+            f"kv_cache_memory_fraction {fraction} of {budget.total / gib:.1f} GiB leaves "
+            f"{max(free, 0) / gib:.2f} GiB for the KV cache after {used / gib:.2f} GiB of "
+            f"weights, activations, graphs and staging: {blocks} blocks of "
+            f"{bytes_per_block} bytes, fewer than {min_blocks}; raise the fraction or set "
+            "num_kv_blocks")
+    return blocks
 
 
 class EngineError(ValueError):

@@ -17,9 +17,15 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from mtpserve.workers.engine_config import compile_enabled, resolve_attention_backend
+from mtpserve.workers.engine_config import (
+    DEFAULT_NUM_KV_BLOCKS,
+    KVMemoryBudget,
+    compile_enabled,
+    kv_blocks_for_memory,
+    resolve_attention_backend,
+)
 from mtpserve.workers.kv_cache import KVCache
-from mtpserve.workers.model.attention_metadata import AttentionMetadata
+from mtpserve.workers.model.attention_metadata import AttentionMetadata, stage, stage_lists
 from mtpserve.workers.model.config import ModelConfig
 from mtpserve.workers.model.cuda_graphs import CUDAGraphs
 from mtpserve.workers.model.decode_graph import DecodeGraphs, GraphInputs, GraphKey
@@ -48,6 +54,10 @@ class ForwardBatch:
     # Hybrid models, main forwards: each row's state slot (workers/state_pool.py); None: the
     # scratch slot (one row only).
     state_slots: list[int] | None = None
+    # [B, S'] ids already on the model's device (a draft step's argmax): they overwrite the
+    # first S' columns of `input_ids`, which then only need the right row lengths. Lets the
+    # draft chain feed its tokens forward without a device -> host round trip per step.
+    device_ids: torch.Tensor | None = None
 
 
 def pad_rows(rows: list[list[int]], width: int, value: int = 0) -> list[list[int]]:
@@ -70,6 +80,57 @@ def column_major_linears(model: torch.nn.Module) -> None:
     for mod in model.modules():
         if isinstance(mod, ColumnParallelLinear | RowParallelLinear | ReplicatedLinear):
             mod.weight.data = mod.weight.data.t().contiguous().t()
+
+
+# Kept for the CUDA graphs captured after the KV pool exists (their pool holds each bucket's
+# intermediates); gpu_check prints the pool's measured size next to it.
+DEFAULT_GRAPH_RESERVE = 1 << 30
+
+
+class DeviceMemory(Protocol):
+    """What KV sizing reads from a device's allocator (`ModelRunner.size_kv_pool`)."""
+
+    def info(self) -> tuple[int, int]: ...  # (free, total) bytes of the device
+    def reserved(self) -> int: ...  # bytes this process's allocator holds
+    def allocated(self) -> int: ...  # bytes in live tensors
+    def reset_peak(self) -> None: ...
+    def peak(self) -> int: ...  # most bytes in live tensors since reset_peak
+    def empty_cache(self) -> None: ...  # synchronise, return cached blocks
+
+
+class CUDAMemory:
+    """`DeviceMemory` of one CUDA device (torch's caching allocator)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def info(self) -> tuple[int, int]:
+        return torch.cuda.mem_get_info(self.device)
+
+    def reserved(self) -> int:
+        return torch.cuda.memory_reserved(self.device)
+
+    def allocated(self) -> int:
+        return torch.cuda.memory_allocated(self.device)
+
+    def reset_peak(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak(self) -> int:
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.max_memory_allocated(self.device)
+
+    def empty_cache(self) -> None:
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+
+
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one KV block of this rank over every attention layer (main and MTP): K and
+    V (or MLA's latent) of `block_size` tokens, the layout `KVCache` allocates."""
+    kv_heads, head_dim = cfg.kv_cache_layout(get_tp().size)
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * block_size * kv_heads * head_dim * elem * cfg.num_attention_layers
 
 
 @runtime_checkable
@@ -104,10 +165,12 @@ class ModelRunner:
     """The `Runner` of one process: the model (or its TP shard), its paged KV cache and, when
     compiled, the decode graphs."""
 
+    accepts_device_ids = True  # ForwardBatch.device_ids (see MTPProposer.device_feed)
+
     def __init__(
         self,
         model_path: str | Path,
-        num_blocks: int,
+        num_blocks: int | None,
         block_size: int = 16,
         dtype: torch.dtype = torch.float32,
         device: str = "cpu",
@@ -121,7 +184,16 @@ class ModelRunner:
         attention_backend: str = "auto",
         cuda_graphs: bool | None = None,
         num_state_slots: int = 64,
+        kv_cache_memory_fraction: float = 0.9,
+        profile_tokens: int = 512,
+        graph_reserve_bytes: int | None = None,
+        staging_bytes: int = 0,
     ) -> None:
+        """`num_blocks` None: off CUDA the default pool; on CUDA sized so the whole process
+        stays within `kv_cache_memory_fraction` of the device (`size_kv_pool`), with
+        `profile_tokens` the largest forward (max_num_batched_tokens), `graph_reserve_bytes`
+        kept for the CUDA graphs captured later and `staging_bytes` for KV-transfer staging
+        on the device."""
         self.device = torch.device(device)
         self.model = load_model(model_path, dtype=dtype, device=self.device)
         # Eager forwards and compiled graphs both read it (workers/model/attention_metadata).
@@ -137,10 +209,22 @@ class ModelRunner:
         if mtp_dtype is not None and mtp_dtype != dtype:
             self.model.lower_mtp_precision(mtp_dtype)
         self.block_size = block_size
-        self.kv_cache = KVCache(self.config, num_blocks, block_size, dtype, self.device)
         # Hidden states of the last forward of each kind: (flat [rows, hidden], S, Sp), rows
         # laid out b * Sp + s (Sp = the graph bucket's query length, S the batch's).
         self._hidden: dict[str, tuple[torch.Tensor, int, int]] = {}
+        if cuda_graphs is None:
+            cuda_graphs = self.device.type == "cuda"
+        self.kv_budget: KVMemoryBudget | None = None
+        if num_blocks is None:
+            if self.device.type == "cuda":
+                if graph_reserve_bytes is None:
+                    graph_reserve_bytes = DEFAULT_GRAPH_RESERVE if cuda_graphs else 0
+                num_blocks = self.size_kv_pool(kv_cache_memory_fraction, dtype,
+                                               profile_tokens, graph_reserve_bytes,
+                                               staging_bytes)
+            else:
+                num_blocks = DEFAULT_NUM_KV_BLOCKS
+        self.kv_cache = KVCache(self.config, num_blocks, block_size, dtype, self.device)
         # Hybrid models: one recurrent-state slot per running request (the engine hands them
         # out); forwards run eagerly (the compiled graphs know no states).
         self.state_cache = None
@@ -162,10 +246,55 @@ class ModelRunner:
                        if decode_graphs and (tp.size == 1 or tp.shm is not None) else None)
         # CUDA: every bucket warm-up compiles is also captured as a CUDA graph and replayed
         # (workers/model/cuda_graphs.py); None on CPU, where nothing changes.
-        if cuda_graphs is None:
-            cuda_graphs = self.device.type == "cuda"
         self.cuda_graphs = (CUDAGraphs(self.graphs) if cuda_graphs and self.graphs is not None
                             and self.device.type == "cuda" else None)
+
+    @torch.inference_mode()
+    def size_kv_pool(self, fraction: float, dtype: torch.dtype, profile_tokens: int,
+                     graph_reserve_bytes: int, staging_bytes: int,
+                     memory: DeviceMemory | None = None) -> int:
+        """KV blocks that fit in `fraction` of the device once the loaded weights, the peak
+        of a profiled `profile_tokens`-token prefill (main + MTP, through a throwaway cache),
+        the graph reserve, the staging buffers and other processes' memory are accounted
+        (`kv_blocks_for_memory`). Records the budget in `self.kv_budget`. `memory`: how the
+        device's memory is read (default: CUDA's allocator)."""
+        mem = memory or CUDAMemory(self.device)
+        mem.empty_cache()
+        free, total = mem.info()
+        # Memory this process does not hold through torch (other processes, CUDA contexts).
+        other = total - free - mem.reserved()
+        weights = sum(t.numel() * t.element_size()
+                      for t in (*self.model.parameters(), *self.model.buffers()))
+        per_block = kv_bytes_per_block(self.config, self.block_size, dtype)
+        # Profile: the largest prefill chunk through a cache just big enough for it.
+        n_tok = max(1, profile_tokens)
+        nb = -(-n_tok // self.block_size)
+        self.kv_cache = KVCache(self.config, nb, self.block_size, dtype, self.device)
+        base = mem.allocated()
+        mem.reset_peak()
+        ids = [[0] * n_tok]
+        table = [list(range(nb))]
+        self._execute_eager(ForwardBatch("main", ids, [0], table, [n_tok - 1]))
+        if self.config.num_mtp_modules:
+            self._execute_eager(ForwardBatch("mtp", ids, [0], table, [n_tok - 1],
+                                             hidden_from="main",
+                                             hidden_rows=[list(range(n_tok))]))
+        activations = mem.peak() - base
+        self._hidden.clear()
+        del self.kv_cache
+        mem.empty_cache()
+        self.kv_budget = KVMemoryBudget(total=total, weights=weights, activations=activations,
+                                        graphs=graph_reserve_bytes, staging=staging_bytes,
+                                        other=max(other, 0))
+        blocks = kv_blocks_for_memory(self.kv_budget, fraction, per_block)
+        tp = get_tp()
+        if tp.size > 1:  # one block table serves every rank: the smallest pool of the group
+            import torch.distributed as dist
+
+            t = torch.tensor([blocks], device=self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=tp.group)
+            blocks = int(t.item())
+        return blocks
 
     @torch.inference_mode()
     def warmup_graphs(self, batch_sizes: list[int], query_lens: list[int], max_context: int,
@@ -208,10 +337,10 @@ class ModelRunner:
         if key is None:
             return None
         inp = g.prepare(key, input_ids, starts, tables, [])
-        room_t = torch.tensor(room + [0] * (key.batch - len(room)), dtype=torch.long,
-                              device=self.device)
+        (room_t,) = stage_lists([room + [0] * (key.batch - len(room))], self.device)
         accepted, bonus, drafts = self._run_graph(inp, room_t)
         n = len(input_ids)
+        # The round's one host sync: its accepted ids, bonus tokens and next drafts.
         rows = torch.cat([accepted[:n, None], bonus[:n, None], drafts[:n]], 1).tolist()
         return ([r[0] for r in rows], [r[1] for r in rows], [r[2:] for r in rows])
 
@@ -221,7 +350,7 @@ class ModelRunner:
         rows = [[(r // S_prev) * Sp_prev + r % S_prev for r in row] for row in batch.hidden_rows]
         rows += [[]] * (Bp - len(rows))
         idx = torch.tensor(pad_rows(rows, Sp), dtype=torch.long)
-        return src[idx.to(self.device)]
+        return src[stage([idx], self.device)[0]]
 
     @torch.inference_mode()
     def execute(self, batch: ForwardBatch) -> torch.Tensor:
@@ -235,7 +364,7 @@ class ModelRunner:
             logits = self._execute_eager(batch)
         else:
             inp = self.graphs.prepare(key, batch.input_ids, batch.start_positions,
-                                      batch.block_tables, batch.logit_rows)
+                                      batch.block_tables, batch.logit_rows, batch.device_ids)
             prev = None
             if batch.kind == "mtp":
                 prev = self._prev_hidden(batch, key.query_len, key.batch)
@@ -273,9 +402,14 @@ class ModelRunner:
         starts = torch.tensor(batch.start_positions, dtype=torch.long).unsqueeze(1)
         positions = starts + torch.arange(S).unsqueeze(0)  # padding runs past; masked out
         positions = torch.minimum(positions, starts + torch.tensor(lens).unsqueeze(1) - 1)
-        attn = AttentionMetadata.build(positions, lens, batch.block_tables, self.block_size,
-                                       self.device, self.attention_backend)
-        ids, positions = ids.to(self.device), positions.to(self.device)
+        # Tables, slots, ids, positions and logit rows: one staged host -> device copy.
+        attn = AttentionMetadata.build(
+            positions, lens, batch.block_tables, self.block_size, self.device,
+            self.attention_backend,
+            ride_along=[ids, positions, torch.tensor(batch.logit_rows, dtype=torch.long)])
+        ids, positions, logit_rows = attn.staged
+        if batch.device_ids is not None:
+            ids[:, : batch.device_ids.shape[1]] = batch.device_ids
         caches = self.kv_cache.buffers
         if self.state_cache is not None and batch.kind == "main":
             caches = list(caches)
@@ -293,7 +427,7 @@ class ModelRunner:
             hidden = self.model.forward_mtp(batch.module, ids, prev, positions, attn, caches)
         flat = hidden.reshape(B * S, -1)
         self._hidden[batch.kind] = (flat, S, S)
-        sel = flat[torch.tensor(batch.logit_rows, dtype=torch.long, device=self.device)]
+        sel = flat[logit_rows]
         if batch.kind == "main":
             logits = self.model.compute_logits(sel)
         else:

@@ -1,12 +1,54 @@
-"""Per-forward attention inputs for a padded batch over the paged KV cache."""
+"""Per-forward attention inputs for a padded batch over the paged KV cache, and the host
+staging every forward's small int inputs go through (`stage`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
 from mtpserve.workers.model.flex_paged_attention import FlexPagedMask
+
+
+def stage(host: Sequence[torch.Tensor], device: torch.device | str) -> list[torch.Tensor]:
+    """Host tensors of one dtype -> the device in one copy that never blocks the host.
+
+    They are packed into one buffer (pinned on CUDA) and copied with `non_blocking=True`: a
+    pageable `torch.tensor(..., device="cuda")` or `.to("cuda")` is a synchronous copy (CUDA
+    sync debug mode reports each one), which keeps the host from running ahead of the GPU.
+    The buffer is fresh per call; torch's caching host allocator does not hand a pinned block
+    out again before the copies recorded on it have run, so the host may build the next
+    step's inputs at once. Off CUDA the same packing runs and the copy is a no-op (the views
+    share the packed buffer), so CPU runs exercise this path with the same values."""
+    device = torch.device(device)
+    if not host:
+        return []
+    dtype = host[0].dtype
+    assert all(t.dtype == dtype for t in host), "stage: one dtype per call"
+    # Each tensor starts 64-byte aligned: compiled kernels may assume aligned inputs.
+    align = max(1, 64 // host[0].element_size())
+    sizes = [t.numel() for t in host]
+    offsets, n = [], 0
+    for size in sizes:
+        offsets.append(n)
+        n += -(-size // align) * align
+    buf = torch.empty(n, dtype=dtype, pin_memory=device.type == "cuda")
+    for off, t in zip(offsets, host, strict=True):
+        buf[off: off + t.numel()].copy_(t.reshape(-1))
+    dev = buf.to(device, non_blocking=True)
+    return [dev[off: off + t.numel()].view(t.shape)
+            for off, t in zip(offsets, host, strict=True)]
+
+
+def stage_lists(rows: Sequence[Sequence[int]], device: torch.device | str
+                ) -> list[torch.Tensor]:
+    """Python int lists -> 1-D long tensors on the device, built in one host tensor and moved
+    by one non-blocking copy (`stage`)."""
+    sizes = [len(r) for r in rows]
+    flat = torch.tensor([x for r in rows for x in r], dtype=torch.long)
+    return stage(list(flat.split(sizes)), device)
+
 
 # Attention backends over the paged cache: "gather" copies each row's context into a dense
 # buffer per layer and runs SDPA; "flex" reads the cache in place (flex_paged_attention.py).
@@ -27,6 +69,9 @@ class AttentionMetadata:
     mask: torch.Tensor | None  # [B, 1, S, L] bool, True = may attend; None: attend to all
     max_context_len: int  # L
     flex: FlexPagedMask | None = None  # set: the flex backend (block_index / mask unused)
+    # The caller's other long host tensors of this forward (ids, positions, logit rows),
+    # moved in the same staged copy as the tables (`build(ride_along=...)`), on the device.
+    staged: list[torch.Tensor] = field(default_factory=list)
 
     @classmethod
     def build(
@@ -37,7 +82,11 @@ class AttentionMetadata:
         block_size: int,
         device: torch.device | str = "cpu",
         backend: str = "gather",
+        ride_along: Sequence[torch.Tensor] = (),
     ) -> AttentionMetadata:
+        """Everything is computed on the host from host tensors (no device round trip) and
+        moved in one staged copy with `ride_along` (long host tensors, returned on the device
+        in `staged`)."""
         B, S = positions.shape
         lens = torch.tensor(query_lens, dtype=torch.long)
         write = (torch.arange(S).unsqueeze(0) < lens.unsqueeze(1)).reshape(-1)
@@ -66,20 +115,27 @@ class AttentionMetadata:
         ctx = torch.arange(ctx_len)
         # Query at position p attends context positions <= p; padded queries attend position 0
         # so no row is fully masked (that would make NaNs).
+        write_slots = slots[rows] if padded else slots
+        host = [write_slots, tables, pos] + list(ride_along)
+        if padded:
+            host.append(rows)
+        dev = stage(host, device)
+        d_slots, d_tables, d_pos = dev[:3]
+        staged = dev[3: 3 + len(ride_along)]
+        d_rows = dev[-1] if padded else None
         if backend == "flex":
-            flex = FlexPagedMask(pos.to(device), tables.to(device), block_size)
-            return cls((slots[rows] if padded else slots).to(device),
-                       rows.to(device) if padded else None, tables.view(-1).to(device), None,
-                       ctx_len, flex)
+            return cls(d_slots, d_rows, d_tables.view(-1), None, ctx_len,
+                       FlexPagedMask(d_pos, d_tables, block_size), staged)
         qpos = pos.masked_fill(~write.view(B, S), 0)
         mask = (ctx.view(1, 1, -1) <= qpos.unsqueeze(-1)).unsqueeze(1)
         return cls(
-            write_slots=(slots[rows] if padded else slots).to(device),
-            write_rows=rows.to(device) if padded else None,
-            block_index=tables.view(-1).to(device),
+            write_slots=d_slots,
+            write_rows=d_rows,
+            block_index=d_tables.view(-1),
             # A single decode token sees its whole context: no mask, SDPA's fastest path.
-            mask=None if bool(mask.all()) else mask.to(device),
+            mask=None if bool(mask.all()) else stage([mask], device)[0],
             max_context_len=ctx_len,
+            staged=staged,
         )
 
 

@@ -31,7 +31,7 @@ from unittest import mock
 import torch
 
 from mtpserve.workers.kv_cache import KVCache
-from mtpserve.workers.model.attention_metadata import graph_metadata
+from mtpserve.workers.model.attention_metadata import graph_metadata, stage_lists
 from mtpserve.workers.model.compile_cache import (
     AOTGraphCache,
     default_cache_dir,
@@ -230,7 +230,11 @@ class DecodeGraphs:
         return None if self.warmed and key not in self.compiled else key
 
     def prepare(self, key: GraphKey, input_ids: list[list[int]], starts: list[int],
-                tables: list[list[int]], logit_rows: list[int]) -> GraphInputs:
+                tables: list[list[int]], logit_rows: list[int],
+                device_ids: torch.Tensor | None = None) -> GraphInputs:
+        """The bucket's inputs, built on the host and moved in one non-blocking staged copy
+        (no host sync); `device_ids` [B, S'] (already on the device) overwrite the first S'
+        ids of the first B rows."""
         Bp, Sp, NBp = key.batch, key.query_len, key.num_blocks
         bs, scratch = self.block_size, self.kv.scratch_block
         S = max(len(x) for x in input_ids)
@@ -261,12 +265,13 @@ class DecodeGraphs:
                 tab += [scratch] * NBp
         rows = [(r // S) * Sp + r % S for r in logit_rows]
         rows += [0] * (Bp * Sp - len(rows))
-
-        def t(x: list[int]) -> torch.Tensor:
-            return torch.tensor(x, dtype=torch.long, device=self.device)
-
-        return GraphInputs(key, t(ids).view(Bp, Sp), t(pos).view(Bp, Sp), t(slots),
-                           t(tab).view(Bp, NBp), t(rows))
+        d_ids, d_pos, d_slots, d_tab, d_rows = stage_lists([ids, pos, slots, tab, rows],
+                                                           self.device)
+        d_ids = d_ids.view(Bp, Sp)
+        if device_ids is not None:
+            d_ids[: device_ids.shape[0], : device_ids.shape[1]] = device_ids
+        return GraphInputs(key, d_ids, d_pos.view(Bp, Sp), d_slots, d_tab.view(Bp, NBp),
+                           d_rows)
 
     def run(self, inp: GraphInputs,
             prev: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:

@@ -21,8 +21,10 @@ Two masks, one meaning (a query at position p sees its own row's logical positio
   torch 2.13), and it needs no [B, num_blocks] tensor per forward.
 
 Rows must hold consecutive positions, padding slots repeating the last one (what
-`ModelRunner` and `DecodeGraphs.prepare` build). Unmeasured on GPUs so far; `auto` picks the
-gather backend everywhere until `benchmarks/gpu_check.py` says otherwise.
+`ModelRunner` and `DecodeGraphs.prepare` build). `auto` picks this backend on CUDA, so CUDA
+never runs the padded gather (`engine_config.resolve_attention_backend`); written by
+construction and exact against gather on CPU, measured by `benchmarks/gpu_check.py`
+(hot-path and fast-path parts) on the first GPU run.
 """
 
 from __future__ import annotations

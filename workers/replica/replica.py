@@ -56,6 +56,7 @@ class EngineReplica:
             draft_vocab_size=cfg.speculation.draft_vocab_size, compile=cfg.engine.compile,
             compile_cache_dir=cfg.engine.compile_cache_dir,
             attention_backend=cfg.engine.attention_backend,
+            kv_cache_memory_fraction=cfg.engine.kv_cache_memory_fraction,
             kv_secret=getattr(kv, "secret", None),
         )
         self.driver, self.workers, self.kv_addresses = start_group(
@@ -64,7 +65,9 @@ class EngineReplica:
             model=cfg.model, dtype=cfg.dtype, device=cfg.device,
             num_speculative_tokens=cfg.speculation.num_speculative_tokens,
             adaptive_k=cfg.speculation.adaptive and self.role == "decode",
-            block_size=cfg.block_size, num_kv_blocks=side.num_kv_blocks,
+            block_size=cfg.block_size,
+            # The pool the ranks built (sized from memory on CUDA when not configured).
+            num_kv_blocks=self.driver.runner.kv_cache.num_blocks,
             max_num_seqs=getattr(side, "max_num_seqs", 64),
             max_num_batched_tokens=getattr(side, "max_num_batched_tokens", 512),
             max_model_len=cfg.max_model_len, role=self.role, compile=cfg.engine.compile,

@@ -76,7 +76,7 @@ class RankSpec:
     model: str
     role: Literal["prefill", "decode"]
     tp_size: int
-    num_kv_blocks: int
+    num_kv_blocks: int | None  # None: sized from kv_cache_memory_fraction (CUDA)
     block_size: int = 16
     dtype: str = "auto"  # EngineConfig.dtype (auto: bfloat16 on CUDA, float32 on CPU)
     device: str = "cpu"
@@ -96,6 +96,7 @@ class RankSpec:
     compile: str = "auto"  # EngineConfig.compile
     compile_cache_dir: str | None = None  # EngineConfig.compile_cache_dir
     attention_backend: str = "auto"  # EngineConfig.attention_backend
+    kv_cache_memory_fraction: float = 0.9  # EngineConfig.kv_cache_memory_fraction
     # The deployment's KV secret (cluster.app builds it; its repr is redacted): senders
     # accept only pairs, drops and renewals signed with it. None: no KV auth (tests).
     kv_secret: Secret | None = None
@@ -177,7 +178,8 @@ class RankCore:
                                   compile_cache_dir=spec.compile_cache_dir,
                                   draft_vocab_size=spec.draft_vocab_size,
                                   attention_backend=resolve_attention_backend(
-                                      spec.attention_backend, spec.device))
+                                      spec.attention_backend, spec.device),
+                                  kv_cache_memory_fraction=spec.kv_cache_memory_fraction)
         cfg = self.runner.config
         self.head_start = rank * cfg.num_cache_heads // spec.tp_size
         self._lock = threading.Lock()

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mtpserve.workers.model.attention_metadata import stage_lists
 from mtpserve.workers.model_runner import ForwardBatch
 from mtpserve.workers.request import Request
 from mtpserve.workers.spec_decode.keyed_random import SLOT_DRAFT, keyed_uniforms
@@ -51,10 +52,21 @@ class MTPExtend:
 
 class MTPProposer:
     def __init__(self, execute: Callable[[ForwardBatch], torch.Tensor], num_modules: int,
-                 banned: BannedFn | None = None):
+                 banned: BannedFn | None = None, device_feed: bool | None = None):
         self.execute = execute
+        # Draft tokens feed the next draft step on the device when the runner takes
+        # `ForwardBatch.device_ids` (one process); a TP group gets each batch as data, so
+        # there every step's tokens come to the host (None: ask the runner).
+        if device_feed is None:
+            device_feed = bool(getattr(getattr(execute, "__self__", None),
+                                       "accepts_device_ids", False))
+        self.device_feed = device_feed
         self.num_modules = num_modules
         self.banned = banned
+        # Structured outputs (workers.structured.guide.StructuredGuide, set by the engine):
+        # drafts are masked by each request's matcher, advanced along the chain and rolled
+        # back after it. Constrained rows cost one host copy per draft step.
+        self.guide = None
 
     def extend(self, items: list[MTPExtend]) -> None:
         if not items:
@@ -80,14 +92,20 @@ class MTPProposer:
 
     def _draft_loop(self, reqs: list[Request], counts: list[int], logits: torch.Tensor,
                     prev_rows: list[int]) -> None:
+        """Drafts 1..counts[i] of each request. Each step's tokens stay on the device and
+        feed the next step (`ForwardBatch.device_ids`); they reach the host in one copy after
+        the last step, not one `.tolist()` sync per step. Nothing on the host depends on
+        their values in between (positions, keys and banned ids depend on the depth only)."""
         active = list(range(len(reqs)))
         # q rows ([V] each) per request, stacked once at the end: growing draft_probs with a
         # cat per step would copy O(k^2 V) floats per request per round.
         qs: list[list[torch.Tensor]] = [[] for _ in reqs]
+        steps: list[tuple[list[int], torch.Tensor]] = []  # (requests, their tokens [n])
         step = 1
         while True:
-            for i, qi in zip(active, self._take_drafts([reqs[i] for i in active], logits),
-                             strict=True):
+            tokens, q_rows = self._take_drafts([reqs[i] for i in active], logits, step)
+            steps.append((active, tokens))
+            for i, qi in zip(active, q_rows, strict=True):
                 if qi is not None:
                     qs[i].append(qi)
             step += 1
@@ -95,6 +113,10 @@ class MTPProposer:
             if not nxt:
                 break
             rows = [[prev_rows[j]] for j in nxt]
+            if len(nxt) < len(active):
+                (keep,) = stage_lists([nxt], tokens.device)
+                tokens = tokens[keep]
+            host_ids = None if self.device_feed else [[t] for t in tokens.tolist()]
             active = [active[j] for j in nxt]
             batch_reqs = [reqs[i] for i in active]
             module = min(step - 1, self.num_modules - 1)
@@ -104,45 +126,56 @@ class MTPProposer:
             offset = step - 1 - module
             logits = self.execute(ForwardBatch(
                 kind="mtp", module=module,
-                input_ids=[[r.draft_token_ids[-1]] for r in batch_reqs],
+                # With device_feed only the row lengths count; the ids are `device_ids`.
+                input_ids=host_ids or [[0]] * len(batch_reqs),
                 start_positions=[(r.num_computed_tokens - 1 if module == 0 else 0) + offset
                                  for r in batch_reqs],
                 block_tables=[r.block_ids for r in batch_reqs],
                 logit_rows=list(range(len(batch_reqs))),
                 hidden_from="mtp", hidden_rows=rows,
+                device_ids=tokens.view(-1, 1) if self.device_feed else None,
             ))
             prev_rows = list(range(len(batch_reqs)))
+        # The draft chain's one device -> host copy: every step's tokens together.
+        flat = torch.cat([t for _, t in steps]).tolist()
+        n = 0
+        for active, t in steps:
+            for i, tok in zip(active, flat[n: n + t.numel()], strict=True):
+                reqs[i].draft_token_ids.append(tok)
+            n += t.numel()
         for r, q in zip(reqs, qs, strict=True):
             if q:
                 r.draft_probs = torch.stack(q)  # [k, V]
+        if self.guide is not None:
+            self.guide.end_drafts(reqs)
 
-    def _take_drafts(self, reqs: list[Request], logits: torch.Tensor
-                     ) -> list[torch.Tensor | None]:
-        """Append one draft per request: argmax (greedy) or a sample from q. Returns each
-        request's q row ([V], the distribution its draft was drawn from) or None (greedy).
+    def _take_drafts(self, reqs: list[Request], logits: torch.Tensor, depth: int
+                     ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        """Draft number `depth` of each request: argmax (greedy) or a sample from q. Returns
+        the tokens ([len(reqs)], on the logits' device) and each request's q row ([V], the
+        distribution its draft was drawn from) or None (greedy).
 
         logits [len(reqs), V]: the MTP head's rows. The draft decides the token at position
         num_computed_tokens + depth."""
-        depth = [len(r.draft_token_ids) + 1 for r in reqs]
-        pos = [r.num_computed_tokens + d for r, d in zip(reqs, depth, strict=True)]
+        pos = [r.num_computed_tokens + depth for r in reqs]
         if self.banned is not None:  # min_tokens: the same mask as on the target side
             logits = suppress_tokens(logits, [self.banned(r, p) for r, p in zip(reqs, pos,
                                                                                strict=True)])
+        if self.guide is not None:  # structured outputs: q masked like the target's p
+            logits = self.guide.mask_drafts(reqs, logits, depth)
         greedy = [r.params.greedy for r in reqs]
         tokens = logits.argmax(dim=-1)
         q_rows: list[torch.Tensor | None] = [None] * len(reqs)
         if not all(greedy):
             rows = [i for i, g in enumerate(greedy) if not g]
             q = processed_probs(logits[rows], [reqs[i].params for i in rows])  # [n, V]
-            dev = logits.device
-            u = keyed_uniforms(
-                torch.tensor([reqs[i].seed for i in rows], device=dev),
-                torch.tensor([pos[i] for i in rows], device=dev),
-                torch.tensor([SLOT_DRAFT + depth[i] for i in rows], device=dev))
-            sampled = sample_with_uniforms(q, u)
-            tokens[torch.tensor(rows, device=tokens.device)] = sampled
+            seeds, p, slots, idx = stage_lists(
+                [[reqs[i].seed for i in rows], [pos[i] for i in rows],
+                 [SLOT_DRAFT + depth] * len(rows), rows], logits.device)
+            sampled = sample_with_uniforms(q, keyed_uniforms(seeds, p, slots))
+            tokens[idx] = sampled
             for j, i in enumerate(rows):
                 q_rows[i] = q[j]
-        for r, t in zip(reqs, tokens.tolist(), strict=True):
-            r.draft_token_ids.append(t)
-        return q_rows
+        if self.guide is not None:
+            self.guide.advance_drafts(reqs, tokens, logits, depth)
+        return tokens, q_rows
