@@ -442,6 +442,14 @@ class ClusterConfig(_Strict):
             # Refuses an unsupported family, rope type or math-changing key by name, here,
             # before any replica starts (a replica would only fail while loading).
             mcfg = ModelConfig.from_dict(hf)
+            if mcfg.is_hybrid:
+                # The cluster serves prefill -> decode; a hybrid model's recurrent state would
+                # have to travel with its KV, which is not built: refuse rather than serve it
+                # wrong (offline `mtpserve generate` / `LLM` serve it).
+                raise ValueError(
+                    f"{mcfg.model_type} is a hybrid (linear-attention) model: disaggregated "
+                    "serving needs its recurrent state transferred from prefill to decode, "
+                    "which is not built; serve it offline (LLM / mtpserve generate)")
             if mcfg.mla is not None and max(self.prefill.tp_size, self.decode.tp_size) > 1:
                 # KV transfer splits the cache by heads; MLA's latent has none (every rank
                 # holds it whole), which the transfer cannot express yet.
@@ -465,10 +473,11 @@ class ClusterConfig(_Strict):
                 from mtpserve.workers.spec_decode.draft_vocab import draft_token_ids
 
                 draft_token_ids(self.model, dv, hf.get("vocab_size", dv))  # raises with the fix
-            n_mtp = hf.get("num_nextn_predict_layers", 0) or 0
-            if n_mtp == 0 and self.speculation.num_speculative_tokens > 0:
+            # MTP modules under every published convention (num_nextn_predict_layers,
+            # mtp_num_hidden_layers: Qwen3-Next's `mtp.*`), as the loader counts them.
+            if mcfg.num_mtp_modules == 0 and self.speculation.num_speculative_tokens > 0:
                 raise ValueError(
                     "speculation.num_speculative_tokens > 0 but the model has no MTP module "
-                    "(num_nextn_predict_layers = 0)"
+                    "(num_nextn_predict_layers / mtp_num_hidden_layers = 0)"
                 )
         return self

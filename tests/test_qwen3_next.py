@@ -85,6 +85,9 @@ def ckpt(tmp_path_factory) -> Path:
     model.config.num_mtp_layers = 1
     model.config.mtp_layer_types = ["full_attention"]
     mtp = MtpModel(model, 1).eval()
+    with torch.no_grad():  # MtpModel leaves the Qwen3-Next experts uninitialised
+        for p in mtp.layers.parameters():
+            p.normal_(0, 0.05)
     _randomise(mtp)
     tensors = load_file(path / "model.safetensors")
     tensors.update(_mtp_checkpoint_tensors(mtp))
@@ -157,3 +160,171 @@ def test_logits_match_transformers_through_state_slots(ckpt) -> None:
     step = runner.execute(ForwardBatch("main", [[tokens[162]]], [162], [blocks], [0],
                                        state_slots=[3]))
     assert (step[0] - full[162]).abs().max().item() <= 1e-4
+
+
+def test_mtp_draft_logits_match_transformers_mtp_model(ckpt) -> None:
+    """`mtp.*` (fc, pre_fc_norm_embedding/hidden, norm, a full-attention MoE block) == the
+    checkpoint loaded by transformers' `MtpModel`: one step from the main model's post-norm
+    hidden, a second reusing the module on its own post-norm output, and the same draft
+    logits through the paged cache after a prefill through the state slots."""
+    from transformers.modeling_layers import MtpModel
+
+    from mtpserve.workers.model.loader import load_model
+
+    ref = _reference(ckpt)
+    mtp_ref = MtpModel.from_pretrained(ref).eval()
+    ours = load_model(ckpt)
+    assert type(ours.mtp[0].block.mlp).__name__ == "MoE"
+    ids = torch.randint(0, VOCAB_SIZE, (1, 90), generator=torch.Generator().manual_seed(2))
+    n = 88
+    pos = torch.arange(n).unsqueeze(0)
+    with torch.no_grad():
+        h_ref = ref.model(ids[:, :n]).last_hidden_state
+        h = ours(ids[:, :n], pos)
+        assert (h - h_ref).abs().max().item() <= 1e-4
+        out_ref = mtp_ref.forward_layer(0, h_ref, pos, None, input_ids=ids[:, 1:n + 1])
+        out = ours.forward_mtp(0, ids[:, 1:n + 1], h, pos)
+        logits_ref = mtp_ref._project_to_logits(out_ref)
+        logits = ours.compute_mtp_logits(0, out)
+        assert (logits - logits_ref).abs().max().item() <= 1e-4
+        d1 = logits[:, -1].argmax(-1, keepdim=True)
+        prev_ref = torch.cat([h_ref, out_ref[:, -1:]], dim=1)
+        prev = torch.cat([h, out[:, -1:]], dim=1)
+        toks = torch.cat([ids[:, 1:n + 1], d1], dim=1)
+        pos2 = torch.arange(n + 1).unsqueeze(0)
+        step_ref = mtp_ref._project_to_logits(
+            mtp_ref.forward_layer(0, prev_ref, pos2, None, input_ids=toks))
+        step = ours.compute_mtp_logits(0, ours.forward_mtp(0, toks, prev, pos2))
+        assert (step - step_ref).abs().max().item() <= 1e-4
+    runner = ModelRunner(ckpt, num_blocks=16, block_size=8, num_state_slots=2)
+    table = [list(range(12))]
+    runner.execute(ForwardBatch("main", [ids[0, :n].tolist()], [0], table, [n - 1],
+                                state_slots=[1]))
+    paged = runner.execute(ForwardBatch("mtp", [ids[0, 1:n + 1].tolist()], [0], table,
+                                        list(range(n)), hidden_from="main",
+                                        hidden_rows=[list(range(n))]))
+    assert (paged - logits_ref[0]).abs().max().item() <= 1e-4
+
+
+def _hf_greedy(ref, prompt: list[int], n: int) -> list[int]:
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(ref(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def _assert_slots_free(llm) -> None:
+    bm = llm.engine.block_manager
+    stats = llm.engine.stats()
+    assert stats["state_slots_used"] == 0 and not bm.slot_of
+    assert stats["state_slots_total"] == llm.engine.config.max_num_seqs
+    assert stats["used_blocks"] == 0
+    bm.check_integrity([])
+
+
+PROMPT_LENS = (7, 75, 19)  # 75: past the 64-token delta-rule chunk and the 40-token prefill
+
+
+@pytest.fixture(scope="module")
+def greedy_want(ckpt) -> tuple[list[list[int]], list[list[int]]]:
+    ref = _reference(ckpt)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, VOCAB_SIZE, (n,), generator=g).tolist() for n in PROMPT_LENS]
+    return prompts, [_hf_greedy(ref, p, 12) for p in prompts]
+
+
+def test_greedy_with_drafts_equals_plain_and_transformers(ckpt, greedy_want) -> None:
+    """k = 0..3 through the engine (batched, chunked prefill 40 tokens a step, state slots,
+    rollback after every verify round) == transformers' greedy tokens; all slots free after."""
+    from mtpserve.workers import LLM, SamplingParams
+
+    prompts, want = greedy_want
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    for k in range(4):
+        llm = LLM(str(ckpt), num_speculative_tokens=k, num_kv_blocks=96, block_size=4,
+                  max_num_batched_tokens=40, prefix_caching=True)
+        got = [r.output_token_ids for r in llm.generate(prompts, params)]
+        assert got == want, f"k={k}"
+        stats = llm.engine.stats()
+        assert stats["prefix_caching_refused"] == 1 and stats["cached_blocks"] == 0
+        _assert_slots_free(llm)
+
+
+def test_rejection_at_every_draft_position_rolls_the_state_back(ckpt, greedy_want) -> None:
+    """Drafts taken from the true greedy continuation with one forced wrong at position j
+    (j cycling 0..k-1 and 'none wrong' round by round): every round rejects at a different
+    position, so each kept state (after 1, 2, 3 or all 4 row tokens) is exercised; the
+    output stays == transformers."""
+    from mtpserve.workers import LLM, SamplingParams
+
+    prompts, want = greedy_want
+    k = 3
+    llm = LLM(str(ckpt), num_speculative_tokens=k, num_kv_blocks=96, block_size=4,
+              max_num_batched_tokens=40)
+    engine = llm.engine
+    truth = {}
+    original = engine.proposer.extend
+    rounds = {"n": 0}
+    seen_accepts: set[int] = set()
+
+    def forced(items) -> None:
+        original(items)
+        for item in items:
+            r = item.request
+            if r.finished or not r.draft_token_ids:
+                continue
+            cont = truth[tuple(r.prompt_token_ids)]
+            done = len(r.output_token_ids)
+            good = cont[done:done + len(r.draft_token_ids)]
+            if len(good) < len(r.draft_token_ids):
+                continue
+            j = rounds["n"] % (k + 1)  # k: all drafts right
+            rounds["n"] += 1
+            drafts = list(good)
+            if j < len(drafts):
+                drafts[j] = (drafts[j] + 1) % VOCAB_SIZE
+            r.draft_token_ids = drafts
+            seen_accepts.add(min(j, len(drafts)))
+
+    for p, w in zip(prompts, want, strict=True):
+        truth[tuple(p)] = w
+    engine.proposer.extend = forced
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    got = [r.output_token_ids for r in llm.generate(prompts, params)]
+    assert got == want
+    assert seen_accepts == {0, 1, 2, 3}
+    t = engine.totals
+    assert 0 < t["accepted"] < t["drafted"]
+    _assert_slots_free(llm)
+
+
+def test_seeded_sampling_is_batch_independent_and_abort_frees_slots(ckpt) -> None:
+    from mtpserve.workers import LLM, SamplingParams
+
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(3, VOCAB_SIZE, (n,), generator=g).tolist() for n in (9, 30, 14)]
+    params = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.95, seed=123,
+                            ignore_eos=True)
+    llm = LLM(str(ckpt), num_speculative_tokens=2, num_kv_blocks=96, block_size=4)
+    batched = [r.output_token_ids for r in llm.generate(prompts, params)]
+    alone = [llm.generate([p], params)[0].output_token_ids for p in prompts]
+    assert batched == alone
+    _assert_slots_free(llm)
+    engine = llm.engine
+    engine.add_request("a", prompts[1], params)
+    engine.add_request("b", prompts[0], params)
+    engine.step()
+    assert engine.stats()["state_slots_used"] >= 1
+    assert engine.abort("a") and engine.abort("b")
+    _assert_slots_free(llm)
+
+
+def test_disaggregated_roles_and_cluster_config_refuse_hybrid(ckpt) -> None:
+    from mtpserve.cluster.config import ClusterConfig
+    from mtpserve.workers.engine import Engine, EngineConfig, EngineError
+
+    with pytest.raises(EngineError, match="recurrent state from prefill to decode"):
+        Engine(EngineConfig(model=str(ckpt), role="prefill", num_kv_blocks=32))
+    with pytest.raises(ValueError, match="hybrid"):
+        ClusterConfig(model=str(ckpt))

@@ -61,6 +61,7 @@ class Engine:
             compile_cache_dir=config.compile_cache_dir,
             attention_backend=resolve_attention_backend(config.attention_backend,
                                                         config.device),
+            num_state_slots=config.max_num_seqs,
         )
         mcfg = self.runner.config
         self.model_config = mcfg
@@ -68,13 +69,20 @@ class Engine:
                                  mcfg.max_position_embeddings)
         if config.num_speculative_tokens > 0 and mcfg.num_mtp_modules == 0:
             raise EngineError("num_speculative_tokens > 0 needs a model with an MTP module")
-        self.block_manager = BlockManager(
-            config.num_kv_blocks, config.block_size, prefix_caching=config.prefix_caching,
-            salt=cache_salt(dataclasses.asdict(mcfg), dtype, config.block_size),
-            has_mtp=mcfg.num_mtp_modules > 0)
+        self.hybrid = mcfg.is_hybrid
+        if self.hybrid:
+            self.block_manager = self._hybrid_block_manager(config, mcfg, dtype)
+        else:
+            self.block_manager = BlockManager(
+                config.num_kv_blocks, config.block_size, prefix_caching=config.prefix_caching,
+                salt=cache_salt(dataclasses.asdict(mcfg), dtype, config.block_size),
+                has_mtp=mcfg.num_mtp_modules > 0)
+        # Hybrid: no mixed batches, so a verify forward holds only verify rows (each keeps the
+        # recurrent state after every position) and a chunk is never split over rows (rows
+        # of one forward run side by side, but a request's state is sequential).
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-            config.mixed_prefill_tokens if config.mixed_batches else 0)
+            config.mixed_prefill_tokens if config.mixed_batches and not self.hybrid else 0)
         self.sampler = RejectionSampler()
         # Always present: it observes every round (windows, metrics hook into it); it only
         # changes k when adaptive_k is on.
@@ -98,6 +106,26 @@ class Engine:
         self.warmup(budget_s=None if config.role != "both" else 0.0)
         self.prefilled: dict[str, Request] = {}  # role "prefill": KV held for transfer
         self.num_steps = 0  # engine steps that ran a forward (pulls per step: gpu_check)
+
+    @staticmethod
+    def _hybrid_block_manager(config: EngineConfig, mcfg, dtype: str) -> BlockManager:
+        """KV blocks + one recurrent-state slot per request (workers/state_pool.py)."""
+        from mtpserve.workers.model.gated_deltanet import RECURRENT_MAX
+        from mtpserve.workers.state_pool import HybridBlockManager
+
+        if config.role != "both":
+            raise EngineError(f"role {config.role!r}: {mcfg.model_type} is a hybrid "
+                              "(linear-attention) model and moving its recurrent state from "
+                              "prefill to decode is not built")
+        if config.num_speculative_tokens + 1 > RECURRENT_MAX:
+            raise EngineError(f"hybrid models verify at most {RECURRENT_MAX - 1} drafts")
+        if config.prefix_caching:
+            logger.info("prefix caching off for %s: a hybrid model's cached blocks would "
+                        "restore KV but not the recurrent state", mcfg.model_type)
+        return HybridBlockManager(
+            config.num_kv_blocks, config.block_size, config.max_num_seqs,
+            has_mtp=mcfg.num_mtp_modules > 0,
+            salt=cache_salt(dataclasses.asdict(mcfg), dtype, config.block_size))
 
     def warmup(self, max_batch: int | None = None, max_context: int | None = None,
                budget_s: float | None = None, cached_only: bool = False) -> int:
@@ -333,11 +361,17 @@ class Engine:
         raw = self.runner.execute(ForwardBatch(
             kind="main", input_ids=input_ids, start_positions=starts, block_tables=tables,
             logit_rows=logit_rows + [chunk_rows[j][-1] for j in last],
+            state_slots=self._state_slots(reqs, chunks, len(input_ids)),
         ))  # [R * S + len(last), V]
         n_verify = len(logit_rows)
         outputs, extends, done = [], [], []
         if reqs:
             outputs, extends, done = self.outcomes.verify(reqs, raw[:n_verify], S, W)
+            if self.hybrid:  # keep each row's state at its last accepted token
+                keep = [(b, r.num_computed_tokens - 1 - starts[b]) for b, r in enumerate(reqs)
+                        if not r.finished and r.num_computed_tokens - starts[b] < len(
+                            input_ids[b])]
+                self.runner.keep_states([b for b, _ in keep], [p for _, p in keep])
         if chunks:
             p_out, p_ext = self.outcomes.prefilled_chunks(chunks, raw[n_verify:], last,
                                                           chunk_rows, W)
@@ -350,6 +384,16 @@ class Engine:
             if c.is_last:
                 self._after_prefill(c.request)
         return outputs
+
+    def _state_slots(self, reqs: list[Request], chunks: list[PrefillChunk],
+                     rows: int) -> list[int] | None:
+        """Hybrid models: the state slot of each main row (verify rows, then one row per
+        chunk: no mixed batches, so chunks are never split)."""
+        if not self.hybrid:
+            return None
+        owners = [*reqs, *(c.request for c in chunks)]
+        assert len(owners) == rows, "hybrid rows: one per request"
+        return [self.block_manager.state_slot(r) for r in owners]
 
     def _after_prefill(self, req: Request) -> None:
         if req.finished:

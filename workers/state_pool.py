@@ -1,0 +1,109 @@
+"""Recurrent-state slots of hybrid (linear-attention) models, beside the paged KV cache.
+
+Each running request of a hybrid model (Qwen3-Next) holds one state slot: for every Gated
+DeltaNet layer, its conv window and its recurrent state (`workers/model/gated_deltanet.py`).
+The engine side (`HybridBlockManager`) hands a slot out with a request's first KV blocks and
+takes it back whenever its blocks are freed (finish, abort, preemption, migration), so a slot
+lives exactly as long as the KV it goes with; the runner side (`StateCache`) holds the
+tensors, indexed by slot. `max_num_seqs` bounds the requests holding KV, so a pool of that many
+slots never runs out; admission therefore needs no second check, and running out anyway is a
+bug that fails loudly. A slot is not cleared when handed out: a row starting at position 0
+starts from zeros (the layer ignores what the slot held).
+
+Prefix caching is off for hybrid models: a cached block restores KV but not the recurrent
+state at the block's end (no state checkpoints are kept), so a hit would be silently wrong.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from mtpserve.workers.block_manager import BlockManager
+from mtpserve.workers.model.config import ModelConfig
+from mtpserve.workers.model.gated_deltanet import LinearState
+from mtpserve.workers.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+class StateCache:
+    """The state tensors of one rank: per linear layer, conv [slots + 1, conv_dim, K - 1] in
+    the model dtype and recurrent [slots + 1, Hv, Dk, Dv] in fp32; slot `scratch_slot` (the
+    last) serves rows that name none (a runner driven without an engine, memory profiling)."""
+
+    def __init__(self, cfg: ModelConfig, num_slots: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        lin = cfg.linear
+        assert lin is not None
+        self.layers = cfg.linear_layers
+        self.num_slots = num_slots
+        self.scratch_slot = num_slots
+        n = num_slots + 1
+        self.conv = {i: torch.zeros(n, lin.conv_dim, lin.conv_kernel - 1, dtype=dtype,
+                                    device=device) for i in self.layers}
+        self.recurrent = {i: torch.zeros(n, lin.num_value_heads, lin.key_head_dim,
+                                         lin.value_head_dim, dtype=torch.float32,
+                                         device=device) for i in self.layers}
+
+    def views(self, slots: torch.Tensor, fresh: torch.Tensor, lens: torch.Tensor
+              ) -> dict[int, LinearState]:
+        """One `LinearState` per linear layer for a forward with these rows."""
+        return {i: LinearState(self.conv[i], self.recurrent[i], slots, fresh, lens)
+                for i in self.layers}
+
+
+class HybridBlockManager(BlockManager):
+    """The block manager of a hybrid model: KV blocks plus one state slot per request holding
+    blocks (module docstring). Prefix caching is always off here."""
+
+    def __init__(self, num_blocks: int, block_size: int, num_state_slots: int,
+                 has_mtp: bool = True, salt: bytes = b"") -> None:
+        super().__init__(num_blocks, block_size, prefix_caching=False, salt=salt,
+                         has_mtp=has_mtp)
+        self.num_state_slots = num_state_slots
+        self.free_slots = list(range(num_state_slots - 1, -1, -1))
+        self.slot_of: dict[str, int] = {}
+
+    def state_slot(self, req: Request) -> int:
+        return self.slot_of[req.request_id]
+
+    def _take_slot(self, req: Request) -> None:
+        if req.request_id in self.slot_of:
+            return
+        if not self.free_slots:  # max_num_seqs bounds holders: a bookkeeping bug
+            raise RuntimeError(f"no free state slot for {req.request_id} "
+                               f"({self.num_state_slots} held)")
+        self.slot_of[req.request_id] = self.free_slots.pop()
+
+    def ensure_capacity(self, req: Request, num_slots: int) -> bool:
+        had = req.request_id in self.slot_of
+        self._take_slot(req)
+        if super().ensure_capacity(req, num_slots):
+            return True
+        if not had:  # nothing taken on failure
+            self.free_slots.append(self.slot_of.pop(req.request_id))
+        return False
+
+    def reuse(self, req: Request, blocks: list[int]) -> None:
+        assert not blocks, "prefix caching is off for hybrid models"
+        super().reuse(req, blocks)
+
+    def free(self, req: Request) -> None:
+        super().free(req)
+        slot = self.slot_of.pop(req.request_id, None)
+        if slot is not None:
+            self.free_slots.append(slot)
+
+    def check_integrity(self, live: list[Request]) -> None:
+        super().check_integrity(live)
+        held = set(self.slot_of)
+        assert held <= {r.request_id for r in live}, f"state slots of dead requests: " \
+            f"{sorted(held - {r.request_id for r in live})}"
+        assert len(set(self.slot_of.values())) == len(self.slot_of), "a slot held twice"
+        assert len(self.free_slots) + len(self.slot_of) == self.num_state_slots
+
+    def stats(self) -> dict[str, int]:
+        return {**super().stats(), "state_slots_total": self.num_state_slots,
+                "state_slots_used": len(self.slot_of), "prefix_caching_refused": 1}
