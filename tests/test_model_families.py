@@ -285,31 +285,61 @@ def test_greedy_with_drafts_equals_plain_and_transformers(ckpt, family, num_mtp)
         assert got == want, f"k={k}"
 
 
-@pytest.mark.parametrize("family", ["glm4_moe", "deepseek_v3"])
-def test_tp2_equals_tp1(ckpt, family) -> None:
+def _tp_rank(rank: int, port: int, paths: list[str], out) -> None:
+    """One TP rank: every checkpoint's batches (one process start serves them all)."""
+    import os
+
+    import torch.distributed as dist
+    from test_tensor_parallel import batches
+
+    from mtpserve.workers.model.parallel import set_tp
+
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    set_tp(rank, 2, dist.group.WORLD)
+    results = []
+    for path in paths:
+        runner = ModelRunner(path, num_blocks=8, block_size=4)
+        experts = runner.model.model.layers[1].mlp.experts.w13.shape[1]
+        results.append(([runner.execute(b).tolist() for b in batches()],
+                         runner.kv_cache.layers[0].shape[3], experts))
+    if rank == 0:
+        out.put(results)
+        out.close()
+        out.join_thread()
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)  # as test_tensor_parallel: skip a teardown gloo sometimes aborts
+
+
+def test_tp2_equals_tp1(ckpt) -> None:
     """TP=2 (gloo, two processes): each rank holds half of every expert's intermediate dim
-    and of the shared expert's, routing runs replicated; main and MoE-MTP logits == TP=1.
-    MLA: heads split, the latent cache replicated (one 'head' per rank)."""
+    and of the shared expert's, routing runs replicated; main and MoE-MTP logits == TP=1,
+    for GLM (GQA: one of the 2 KV heads per rank) and DeepSeek (MLA: heads split, the latent
+    cache replicated, one 'head' per rank)."""
     import torch.multiprocessing as mp
     from serve_cluster import free_port
-    from test_tensor_parallel import _rank, batches
+    from test_tensor_parallel import batches
 
-    path = ckpt(family, family, num_mtp=1)
-    single = ModelRunner(path, num_blocks=8, block_size=4)
-    want = [single.execute(b) for b in batches()]
+    paths = [str(ckpt(f, f, num_mtp=1)) for f in ("glm4_moe", "deepseek_v3")]
+    runners = [ModelRunner(p, num_blocks=8, block_size=4) for p in paths]
+    wants = [[r.execute(b) for b in batches()] for r in runners]
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, str(path), out)) for r in range(2)]
+    procs = [ctx.Process(target=_tp_rank, args=(r, port, paths, out)) for r in range(2)]
     for p in procs:
         p.start()
-    got = out.get(timeout=120)
+    got = out.get(timeout=180)
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0
-    assert got[-1] == 1  # GQA: 1 of the 2 KV heads per rank; MLA: the whole latent
-    for g, w in zip(got[:-1], want, strict=True):
-        assert (torch.tensor(g) - w).abs().max().item() <= 1e-4
+    for (logits, cache_heads, w13_rows), want in zip(got, wants, strict=True):
+        assert cache_heads == 1 and w13_rows == 2 * 32 // 2  # half of each expert's 2 * 32
+        for g, w in zip(logits, want, strict=True):
+            assert (torch.tensor(g) - w).abs().max().item() <= 1e-4
 
 
 @pytest.mark.slow
