@@ -24,9 +24,13 @@ _COMPILE_CACHE = tempfile.mkdtemp(prefix="mtpserve-test-compile-")
 os.environ.setdefault("MTPSERVE_COMPILE_CACHE", _COMPILE_CACHE)
 atexit.register(shutil.rmtree, _COMPILE_CACHE, True)
 
+from dataclasses import dataclass  # noqa: E402
+
 import torch  # noqa: E402
+from helpers import COMPILED_DECODE  # noqa: E402
 from tiny_models import make_tiny_checkpoint  # noqa: E402
 
+from mtpserve.workers.engine import Engine, EngineConfig  # noqa: E402
 from mtpserve.workers.paths import default_model_path  # noqa: E402
 
 torch.set_num_threads(1)
@@ -56,3 +60,38 @@ def tiny_factory(tmp_path_factory):
         return made[key]
 
     return make
+
+
+@pytest.fixture
+def compile_as_configured(monkeypatch) -> None:
+    """Engines take their configured compile mode (the suite runs eager by default, above):
+    for tests of the compiled graphs a server runs."""
+    monkeypatch.delenv("MTPSERVE_COMPILE", raising=False)
+    monkeypatch.delenv("MTPSERVE_DECODE_GRAPHS", raising=False)
+
+
+@dataclass
+class CompiledDecode:
+    """A decode replica's engine started cold with compiled graphs, and the cache it filled."""
+
+    engine: Engine
+    cache_dir: Path
+    cold_stats: dict[str, float]  # its start: graphs compiled, none loaded
+    cold_files: int  # packages in `cache_dir` after that start
+
+
+@pytest.fixture(scope="session")
+def compiled_decode(tiny_qwen3, tmp_path_factory) -> CompiledDecode:
+    """A decode replica's engine on tiny_qwen3 (COMPILED_DECODE settings, `compile: on`, what
+    `auto` serves on CPU) that compiled its buckets into a compile cache of its own when it
+    started. Later engines and servers with the same settings and `cache_dir` load those
+    graphs in a fraction of a second instead of compiling them again."""
+    cache = tmp_path_factory.mktemp("compile-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("MTPSERVE_COMPILE", raising=False)
+        mp.delenv("MTPSERVE_DECODE_GRAPHS", raising=False)
+        eng = Engine(EngineConfig(model=str(tiny_qwen3), role="decode", compile="on",
+                                  compile_cache_dir=str(cache), warmup_budget_s=600,
+                                  **COMPILED_DECODE))
+    return CompiledDecode(eng, cache, eng.runner.graphs.compile_stats(),
+                          len(list(cache.glob("*.pt2"))))

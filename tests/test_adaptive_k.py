@@ -5,6 +5,7 @@ stay exact (greedy) or unchanged (seeded) while k moves."""
 from __future__ import annotations
 
 import torch
+from helpers import GREEDY, run_to_completion
 
 from mtpserve.workers.adaptive_k import BANDS, AdaptiveK, band_of, best_k
 from mtpserve.workers.engine import Engine, EngineConfig
@@ -65,17 +66,15 @@ def test_request_k_follows_its_own_acceptance_and_seeded_k_never_moves() -> None
 
 def _run(path, reqs: list[tuple[list[int], SamplingParams]], **kw) -> tuple[list, Engine]:
     eng = Engine(EngineConfig(model=str(path), num_kv_blocks=512, **kw))
-    out = [eng.add_request(str(i), p, sp) for i, (p, sp) in enumerate(reqs)]
-    while eng.has_unfinished():
-        eng.step()
+    out = run_to_completion(eng, [p for p, _ in reqs], [sp for _, sp in reqs])
     assert eng.block_manager.num_free_blocks == 512
-    return [r.output_token_ids for r in out], eng
+    return out, eng
 
 
 def test_outputs_unchanged_while_k_moves(default_model) -> None:
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 200, (6 + 3 * i,), generator=g).tolist() for i in range(6)]
-    greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    greedy = GREEDY
     seeded = [SamplingParams(max_tokens=40, temperature=0.8, seed=100 + i, ignore_eos=True)
               for i in range(3)]
     work = [(p, greedy) for p in prompts] + list(zip(prompts[:3], seeded, strict=True))

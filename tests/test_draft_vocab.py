@@ -9,9 +9,9 @@ import shutil
 
 import pytest
 import torch
+from helpers import GREEDY, drain, make_engine
 from test_sampling_distribution import NUM_POS, assert_matches, exact_marginals, sample_many
 
-from mtpserve.workers.engine import Engine, EngineConfig
 from mtpserve.workers.model_runner import ModelRunner
 from mtpserve.workers.sampling_params import SamplingParams
 from mtpserve.workers.spec_decode.draft_vocab import (
@@ -67,14 +67,11 @@ def test_greedy_output_is_unchanged(default_model) -> None:
         pytest.skip("a random tiny model has no ranking (the embedded one ships it)")
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 4000, (12 + 7 * i,), generator=g).tolist() for i in range(3)]
-    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     outs = {}
     for name, k, dv in (("plain", 0, None), ("dv1024", 3, 1024)):
-        eng = Engine(EngineConfig(model=str(default_model), num_speculative_tokens=k,
-                                  num_kv_blocks=128, draft_vocab_size=dv))
-        reqs = [eng.add_request(str(i), p, params) for i, p in enumerate(prompts)]
-        while eng.has_unfinished():
-            eng.step()
+        eng = make_engine(default_model, k, num_kv_blocks=128, draft_vocab_size=dv)
+        reqs = [eng.add_request(str(i), p, GREEDY) for i, p in enumerate(prompts)]
+        drain(eng)
         outs[name] = [r.output_token_ids for r in reqs]
         if k:
             assert sum(r.num_accepted for r in reqs) > 0

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import torch
 import transformers
+from helpers import greedy, make_engine, run_to_completion
 
-from mtpserve.workers.engine import Engine, EngineConfig
-from mtpserve.workers.sampling_params import SamplingParams
 from mtpserve.workers.tokenizer import load_tokenizer
 from mtpserve.workers.training.prompts import held_out_prompts
 
 NUM_PROMPTS, NEW_TOKENS = 16, 64
-GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+GREEDY = greedy(NEW_TOKENS)
 
 
 def _prompt_ids(path) -> list[list[int]]:
@@ -25,15 +24,12 @@ def _prompt_ids(path) -> list[list[int]]:
 
 
 def _run(path, k: int, ps: list[list[int]], **kw) -> list[list[int]]:
-    eng = Engine(EngineConfig(model=str(path), num_speculative_tokens=k, num_kv_blocks=512,
-                              **kw))
+    eng = make_engine(path, k, num_kv_blocks=512, **kw)
     # Compiles what these prompts hit when graphs are on (MTPSERVE_COMPILE=on); eager: no-op.
     eng.warmup(len(ps), max(len(p) for p in ps) + NEW_TOKENS + 2 * k + 2)
-    reqs = [eng.add_request(str(i), p, GREEDY) for i, p in enumerate(ps)]
-    while eng.has_unfinished():
-        eng.step()
+    out = run_to_completion(eng, ps, GREEDY)
     assert eng.block_manager.num_free_blocks == 512
-    return [r.output_token_ids for r in reqs]
+    return out
 
 
 def test_speculative_equals_plain_and_transformers(default_model) -> None:

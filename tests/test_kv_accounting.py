@@ -4,15 +4,13 @@ prefill == one-shot prefill, preemption under memory pressure keeps outputs exac
 from __future__ import annotations
 
 import torch
+from helpers import GREEDY, drain, make_engine, run_to_completion
 
 from mtpserve.workers.block_manager import BlockManager, blocks_for
-from mtpserve.workers.engine import Engine, EngineConfig
+from mtpserve.workers.engine import Engine
 from mtpserve.workers.model_runner import ForwardBatch
 from mtpserve.workers.request import Request
-from mtpserve.workers.sampling_params import SamplingParams
 from mtpserve.workers.scheduler import draft_slots
-
-GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
 
 
 def prompts(n: int, seed: int = 0) -> list[list[int]]:
@@ -23,12 +21,8 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
     ]
 
 
-def run(engine: Engine, ps: list[list[int]], params=GREEDY) -> list[list[int]]:
-    reqs = [engine.add_request(f"r{i}", p, params) for i, p in enumerate(ps)]
-    while engine.has_unfinished():
-        engine.step()
-        engine.block_manager.check_integrity(engine.scheduler.running + engine.scheduler.prefilling)
-    return [r.output_token_ids for r in reqs]
+def run(engine: Engine, ps: list[list[int]]) -> list[list[int]]:
+    return run_to_completion(engine, ps, GREEDY, check_blocks=True)
 
 
 def test_block_manager_refcounts_and_integrity() -> None:
@@ -49,15 +43,7 @@ def test_block_manager_refcounts_and_integrity() -> None:
 
 
 def test_all_blocks_free_after_finish_and_abort(tiny_qwen3) -> None:
-    eng = Engine(
-        EngineConfig(
-            model=str(tiny_qwen3),
-            num_speculative_tokens=2,
-            num_kv_blocks=128,
-            block_size=4,
-            max_num_batched_tokens=32,
-        )
-    )
+    eng = make_engine(tiny_qwen3, 2, num_kv_blocks=128, block_size=4, max_num_batched_tokens=32)
     ps = prompts(6)
     reqs = [eng.add_request(f"r{i}", p, GREEDY) for i, p in enumerate(ps)]
     for _ in range(6):
@@ -65,8 +51,7 @@ def test_all_blocks_free_after_finish_and_abort(tiny_qwen3) -> None:
     assert eng.block_manager.num_used_blocks > 0
     assert eng.abort("r1") and eng.abort("r4")
     assert not eng.abort("r1") and not eng.abort("nope")
-    while eng.has_unfinished():
-        eng.step()
+    drain(eng)
     assert eng.block_manager.num_free_blocks == 128
     assert reqs[0].finished and reqs[1].status.value == "abort"
     eng.block_manager.check_integrity([])
@@ -74,11 +59,7 @@ def test_all_blocks_free_after_finish_and_abort(tiny_qwen3) -> None:
 
 def test_rollback_frees_exactly_the_rejected_slots(tiny_qwen3) -> None:
     k = 3
-    eng = Engine(
-        EngineConfig(
-            model=str(tiny_qwen3), num_speculative_tokens=k, num_kv_blocks=64, block_size=2
-        )
-    )
+    eng = make_engine(tiny_qwen3, k, num_kv_blocks=64, block_size=2)
     req = eng.add_request("r", prompts(1, seed=5)[0], GREEDY)
     rejected_rounds = 0
     while eng.has_unfinished():
@@ -93,8 +74,8 @@ def test_rollback_frees_exactly_the_rejected_slots(tiny_qwen3) -> None:
 
 
 def small_engine(path, num_kv_blocks: int, budget: int) -> Engine:
-    return Engine(EngineConfig(model=str(path), num_speculative_tokens=2, block_size=4,
-                               num_kv_blocks=num_kv_blocks, max_num_batched_tokens=budget))
+    return make_engine(path, 2, block_size=4, num_kv_blocks=num_kv_blocks,
+                       max_num_batched_tokens=budget)
 
 
 def test_chunked_prefill_equals_one_shot(tiny_qwen3) -> None:
@@ -125,27 +106,18 @@ def test_chunked_prefill_equals_one_shot(tiny_qwen3) -> None:
 
 def test_preemption_under_memory_pressure_keeps_outputs(tiny_qwen3) -> None:
     ps = prompts(6, seed=2)
-    roomy = Engine(
-        EngineConfig(
-            model=str(tiny_qwen3), num_speculative_tokens=2, num_kv_blocks=256, block_size=4
-        )
-    )
-    tight = Engine(
-        EngineConfig(
-            model=str(tiny_qwen3), num_speculative_tokens=2, num_kv_blocks=40, block_size=4
-        )
-    )
+    roomy = make_engine(tiny_qwen3, 2, num_kv_blocks=256, block_size=4)
+    tight = make_engine(tiny_qwen3, 2, num_kv_blocks=40, block_size=4)
     want = run(roomy, ps)
     reqs = [tight.add_request(f"r{i}", p, GREEDY) for i, p in enumerate(ps)]
-    while tight.has_unfinished():
-        tight.step()
+    drain(tight)
     assert [r.output_token_ids for r in reqs] == want
     assert sum(r.num_preemptions for r in reqs) > 0
     assert tight.block_manager.num_free_blocks == 40
 
 
 def test_request_larger_than_cache_is_rejected(tiny_qwen3) -> None:
-    eng = Engine(EngineConfig(model=str(tiny_qwen3), num_kv_blocks=8, block_size=4))
+    eng = make_engine(tiny_qwen3, 2, num_kv_blocks=8, block_size=4)
     import pytest
 
     from mtpserve.workers.engine import EngineError
@@ -158,7 +130,7 @@ def test_request_larger_than_cache_is_rejected(tiny_qwen3) -> None:
 
 
 def test_forward_batch_padding_rows_write_nothing(tiny_qwen3) -> None:
-    eng = Engine(EngineConfig(model=str(tiny_qwen3), num_kv_blocks=16, block_size=4))
+    eng = make_engine(tiny_qwen3, 2, num_kv_blocks=16, block_size=4)
     layers = eng.runner.kv_cache.layers
     eng.runner.execute(ForwardBatch("main", [[5], [6, 7, 8]], [0, 0], [[1], [2]], [0]))
     used = {1, 2}

@@ -7,6 +7,7 @@ from __future__ import annotations
 import openai
 import pytest
 import torch
+from helpers import drain
 from test_router_api import Server
 from tiny_tokenizer import make_checkpoint_with_tokenizer
 
@@ -59,9 +60,7 @@ def test_no_logprobs_unless_asked(default_model) -> None:
     eng = Engine(EngineConfig(model=str(default_model), num_speculative_tokens=2,
                               num_kv_blocks=64, block_size=4))
     eng.add_request("x", PROMPT, SamplingParams(max_tokens=5, temperature=0))
-    outs = []
-    while eng.has_unfinished():
-        outs += eng.step()
+    outs = drain(eng)
     assert all(o.logprobs is None for o in outs)
 
 

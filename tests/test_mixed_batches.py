@@ -7,17 +7,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import GREEDY, make_engine, run_to_completion
 
-from mtpserve.workers.engine import Engine, EngineConfig
+from mtpserve.workers.engine import Engine
 from mtpserve.workers.sampling_params import SamplingParams
 
-GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=40, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True)
 
 
 def _engine(path, k: int, mixed: bool) -> Engine:
-    return Engine(EngineConfig(model=str(path), num_speculative_tokens=k, num_kv_blocks=256,
-                               mixed_batches=mixed, mixed_prefill_tokens=48))
+    return make_engine(path, k, num_kv_blocks=256, mixed_batches=mixed, mixed_prefill_tokens=48)
 
 
 def _prompts(n: int) -> list[list[int]]:
@@ -27,11 +26,7 @@ def _prompts(n: int) -> list[list[int]]:
 
 
 def _alone(path, k: int, prompt: list[int], params: SamplingParams) -> list[int]:
-    eng = _engine(path, k, mixed=False)
-    req = eng.add_request("x", prompt, params)
-    while eng.has_unfinished():
-        eng.step()
-    return req.output_token_ids
+    return run_to_completion(_engine(path, k, mixed=False), [prompt], params)[0]
 
 
 def _burst(path, k: int, mixed: bool, params: list[SamplingParams]
@@ -89,15 +84,10 @@ def test_mixed_small_budgets_equal_alternating(tiny_qwen3, k: int) -> None:
           for n in torch.randint(4, 60, (6,), generator=g)]
     outs = []
     for mixed, budget in ((False, 512), (True, 7), (True, 20)):
-        eng = Engine(EngineConfig(model=str(tiny_qwen3), num_speculative_tokens=k,
-                                  block_size=4, num_kv_blocks=256, max_num_batched_tokens=7,
-                                  mixed_batches=mixed, mixed_prefill_tokens=budget))
-        reqs = [eng.add_request(str(i), p, GREEDY) for i, p in enumerate(ps)]
-        while eng.has_unfinished():
-            eng.step()
-            eng.block_manager.check_integrity(eng.scheduler.running
-                                              + eng.scheduler.prefilling)
+        eng = make_engine(tiny_qwen3, k, block_size=4, num_kv_blocks=256,
+                          max_num_batched_tokens=7, mixed_batches=mixed,
+                          mixed_prefill_tokens=budget)
+        outs.append(run_to_completion(eng, ps, GREEDY, check_blocks=True))
         assert eng.block_manager.num_free_blocks == 256
-        outs.append([r.output_token_ids for r in reqs])
     assert outs[1] == outs[0]
     assert outs[2] == outs[0]

@@ -6,14 +6,15 @@ one prompt (n > 1) share one prefill."""
 from __future__ import annotations
 
 import torch
+from helpers import drain, greedy, make_engine
 
 from mtpserve.workers.block_manager import BlockManager
-from mtpserve.workers.engine import Engine, EngineConfig
+from mtpserve.workers.engine import Engine
 from mtpserve.workers.prefix_cache import block_hashes
 from mtpserve.workers.request import Request
 from mtpserve.workers.sampling_params import SamplingParams
 
-GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+GREEDY = greedy(24)
 SEEDED = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=7, ignore_eos=True)
 
 
@@ -25,9 +26,8 @@ def shared_prefix_prompts(n: int, prefix_len: int = 45, seed: int = 0) -> list[l
 
 
 def engine(path, caching: bool, blocks: int = 128, budget: int = 512, **kw) -> Engine:
-    return Engine(EngineConfig(model=str(path), num_speculative_tokens=2, block_size=4,
-                               num_kv_blocks=blocks, max_num_batched_tokens=budget,
-                               prefix_caching=caching, **kw))
+    return make_engine(path, 2, block_size=4, num_kv_blocks=blocks,
+                       max_num_batched_tokens=budget, prefix_caching=caching, **kw)
 
 
 def run(eng: Engine, ps: list[list[int]], params: SamplingParams = GREEDY,
@@ -37,11 +37,9 @@ def run(eng: Engine, ps: list[list[int]], params: SamplingParams = GREEDY,
     out = []
     batches = [[p] for p in ps] if one_by_one else [ps]
     for batch in batches:
+        # Ids continue across calls: an engine may run several of them.
         reqs = [eng.add_request(f"r{len(out) + i}", p, params) for i, p in enumerate(batch)]
-        while eng.has_unfinished():
-            eng.step()
-            eng.block_manager.check_integrity(eng.scheduler.running
-                                              + eng.scheduler.prefilling)
+        drain(eng, check_blocks=True)
         out += [r.output_token_ids for r in reqs]
     return out
 
@@ -89,14 +87,11 @@ def test_concurrent_same_prompt_shares_one_prefill(tiny_qwen3) -> None:
 
 def test_preemption_with_shared_blocks_keeps_outputs(tiny_qwen3) -> None:
     ps = shared_prefix_prompts(6, prefix_len=40, seed=5)
-    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    params = greedy(40)
     want = run(engine(tiny_qwen3, False, blocks=256), ps, params)
     tight = engine(tiny_qwen3, True, blocks=48)
     reqs = [tight.add_request(f"r{i}", q, params) for i, q in enumerate(ps)]
-    while tight.has_unfinished():
-        tight.step()
-        tight.block_manager.check_integrity(tight.scheduler.running
-                                            + tight.scheduler.prefilling)
+    drain(tight, check_blocks=True)
     assert [r.output_token_ids for r in reqs] == want
     assert sum(r.num_preemptions for r in reqs) > 0
     assert tight.block_manager.num_free_blocks == 48
@@ -114,8 +109,7 @@ def test_abort_of_a_sharing_request_frees_only_its_reference(tiny_qwen3) -> None
     assert all(eng.block_manager.ref_counts[x] == 2 for x in shared)
     assert eng.abort("a")
     assert all(eng.block_manager.ref_counts[x] == 1 for x in shared)
-    while eng.has_unfinished():
-        eng.step()
+    drain(eng)
     assert b.output_token_ids == run(engine(tiny_qwen3, False), [ps[2]])[0]
     eng.block_manager.check_integrity([])
     assert eng.block_manager.num_free_blocks == 128
