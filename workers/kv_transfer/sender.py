@@ -54,6 +54,9 @@ _STAT_KEYS = (
 # After a store error, the accept loop reconnects after this pause (doubling to the max), so
 # a persistent fault logs a line per pause instead of spinning.
 _ACCEPT_RETRY_S, _ACCEPT_RETRY_MAX_S = 0.05, 5.0
+# This many store errors in a row (~15 s of retries) mean the sender's own store is broken:
+# the loop gives up, and the health check fails, so Serve replaces the replica.
+_ACCEPT_MAX_ERRORS = 9
 # (request_id, "acked" | "expired" | "failed" | "released")
 ReleaseCallback = Callable[[str, str], None]
 
@@ -277,7 +280,7 @@ class KVSender:
         (malformed, unsigned or replayed messages are counted and skipped) and store errors
         (it reconnects), so one bad message never ends KV serving for good."""
         store: dist.TCPStore | None = None
-        retry_s = _ACCEPT_RETRY_S
+        retry_s, errors = _ACCEPT_RETRY_S, 0
         while True:
             if self._closed:
                 return
@@ -290,7 +293,7 @@ class KVSender:
                     msg = mailbox.get(IDLE_WAIT_S)
                 except TimeoutError:
                     continue
-                retry_s = _ACCEPT_RETRY_S
+                retry_s, errors = _ACCEPT_RETRY_S, 0
                 if not self._mailbox_guard.admit(msg):
                     raise BadMessage("unsigned, stale or replayed mailbox message")
                 if self._handle_mailbox(msg):
@@ -301,6 +304,9 @@ class KVSender:
             except (KVTransferError, RuntimeError, dist.DistError) as e:
                 # The store client broke (or a pair could not be set up): reconnect and go on.
                 self._count({"mailbox_errors": 1})
+                errors += 1
+                if errors >= _ACCEPT_MAX_ERRORS:
+                    raise RuntimeError(f"{errors} KV store errors in a row") from e
                 logger.warning("%s: KV mailbox error (%s); reconnecting in %.2fs", self.name,
                                str(e).splitlines()[0][:200] if str(e) else type(e).__name__,
                                retry_s)
