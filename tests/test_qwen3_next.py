@@ -328,3 +328,30 @@ def test_disaggregated_roles_and_cluster_config_refuse_hybrid(ckpt) -> None:
         Engine(EngineConfig(model=str(ckpt), role="prefill", num_kv_blocks=32))
     with pytest.raises(ValueError, match="hybrid"):
         ClusterConfig(model=str(ckpt))
+
+
+def test_preemption_recomputes_the_state_exactly(ckpt, greedy_want) -> None:
+    """A KV pool too small for the batch preempts requests mid-decode: their slot is freed
+    with their blocks and the recompute (from position 0, fresh state) continues exactly."""
+    from mtpserve.workers import LLM, SamplingParams
+
+    prompts, want = greedy_want
+    llm = LLM(str(ckpt), num_speculative_tokens=2, num_kv_blocks=30, block_size=4,
+              max_num_batched_tokens=40)
+    seen = []
+    original = llm.engine.scheduler._preempt
+
+    def spy(req) -> None:
+        seen.append(req.request_id)
+        original(req)
+
+    llm.engine.scheduler._preempt = spy
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    got = [r.output_token_ids for r in llm.generate(prompts, params)]
+    assert seen, "the pool was meant to force a preemption"
+    assert got == want
+    _assert_slots_free(llm)
+    # Linear layers keep no KV: their cache entries are one-element placeholders.
+    cfg = llm.engine.model_config
+    for i, buf in enumerate(llm.engine.runner.kv_cache.buffers):
+        assert (buf.numel() == 2) == (i in cfg.linear_layers)

@@ -28,9 +28,12 @@ class KVCache:
     ) -> None:
         kv_heads, head_dim = cfg.kv_cache_layout(get_tp().size)  # GQA heads or MLA latent
         shape = (2, num_blocks + 1, block_size, kv_heads, head_dim)
+        # A hybrid model's linear-attention layers keep no KV (their state lives in the state
+        # pool, workers/state_pool.py): a one-element placeholder keeps layer indices aligned.
         self.buffers = [
-            torch.zeros(shape, dtype=dtype, device=device)
-            for _ in range(cfg.num_attention_layers)
+            torch.zeros(shape if cfg.layer(i).attention != "linear" else (2, 1, 1, 1, 1),
+                        dtype=dtype, device=device)
+            for i in range(cfg.num_attention_layers)
         ]
         self.layers = [b[:, :num_blocks] for b in self.buffers]
         self.num_blocks = num_blocks

@@ -130,7 +130,8 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) ->
     V (or MLA's latent) of `block_size` tokens, the layout `KVCache` allocates."""
     kv_heads, head_dim = cfg.kv_cache_layout(get_tp().size)
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * block_size * kv_heads * head_dim * elem * cfg.num_attention_layers
+    kv_layers = cfg.num_attention_layers - len(cfg.linear_layers)  # linear: a state, no KV
+    return 2 * block_size * kv_heads * head_dim * elem * kv_layers
 
 
 @runtime_checkable
@@ -212,6 +213,17 @@ class ModelRunner:
         # Hidden states of the last forward of each kind: (flat [rows, hidden], S, Sp), rows
         # laid out b * Sp + s (Sp = the graph bucket's query length, S the batch's).
         self._hidden: dict[str, tuple[torch.Tensor, int, int]] = {}
+        # Hybrid models: one recurrent-state slot per running request (the engine hands them
+        # out); forwards run eagerly (the compiled graphs know no states). Allocated before
+        # the KV pool is sized, which counts it like staging memory.
+        self.state_cache = None
+        self._linear_states: dict = {}  # the last main forward's LinearState per layer
+        if self.config.is_hybrid:
+            from mtpserve.workers.state_pool import StateCache
+
+            self.state_cache = StateCache(self.config, num_state_slots, dtype, self.device)
+            decode_graphs = greedy_rounds = cuda_graphs = False
+            staging_bytes += self.state_cache.nbytes
         if cuda_graphs is None:
             cuda_graphs = self.device.type == "cuda"
         self.kv_budget: KVMemoryBudget | None = None
@@ -225,15 +237,6 @@ class ModelRunner:
             else:
                 num_blocks = DEFAULT_NUM_KV_BLOCKS
         self.kv_cache = KVCache(self.config, num_blocks, block_size, dtype, self.device)
-        # Hybrid models: one recurrent-state slot per running request (the engine hands them
-        # out); forwards run eagerly (the compiled graphs know no states).
-        self.state_cache = None
-        if self.config.is_hybrid:
-            from mtpserve.workers.state_pool import StateCache
-
-            self.state_cache = StateCache(self.config, num_state_slots, dtype, self.device)
-            decode_graphs = greedy_rounds = cuda_graphs = False
-        self._linear_states: dict = {}  # the last main forward's LinearState per layer
         if decode_graphs is None:  # the engine's default (compile: auto), env overrides
             decode_graphs = compile_enabled("auto", self.device.type, get_tp().size)
         # TP > 1 compiles only with shared-memory collectives (custom ops inside the graph).

@@ -47,6 +47,11 @@ class StateCache:
                                          lin.value_head_dim, dtype=torch.float32,
                                          device=device) for i in self.layers}
 
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size()
+                   for t in (*self.conv.values(), *self.recurrent.values()))
+
     def views(self, slots: torch.Tensor, fresh: torch.Tensor, lens: torch.Tensor
               ) -> dict[int, LinearState]:
         """One `LinearState` per linear layer for a forward with these rows."""
