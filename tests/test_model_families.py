@@ -539,3 +539,26 @@ def test_mla_under_the_flex_backend_equals_gather(ckpt) -> None:
                                            [[1, 2, 3], [4, 5]], [0, 1, 2, 3]))
         outs.append(torch.cat([pre, step]))
     assert (outs[0] - outs[1]).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("family", ["glm4_moe", "deepseek_v3"])
+def test_resume_after_migration_equals_alone(ckpt, family) -> None:
+    """A decode replica dies mid-request: another resumes from the sent tokens (prefill of
+    prompt + sent, same seed) and continues token-exactly, seeded sampling with drafts."""
+    from dataclasses import replace
+
+    from helpers import drain, make_engine, run_to_completion
+
+    from mtpserve.workers.sampling_params import SamplingParams
+
+    path = ckpt(family, family, num_mtp=1)
+    prompt = torch.randint(3, 256, (11,), generator=torch.Generator().manual_seed(4)).tolist()
+    params = SamplingParams(max_tokens=14, temperature=0.8, seed=21, ignore_eos=True)
+    want = run_to_completion(make_engine(path, 2, block_size=4, num_kv_blocks=64), [prompt],
+                             params)[0]
+    for cut in (1, 7):
+        eng = make_engine(path, 2, block_size=4, num_kv_blocks=64)
+        left = replace(params, max_tokens=params.max_tokens - cut)
+        req = eng.add_resumed("x", prompt, left, want[:cut])
+        emitted = [t for o in drain(eng) for t in o.new_token_ids]
+        assert req.output_token_ids == want and emitted == want[cut:], cut
