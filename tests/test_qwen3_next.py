@@ -74,11 +74,16 @@ def _mtp_checkpoint_tensors(mtp: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory) -> Path:
+    return make_qwen3_next_checkpoint(tmp_path_factory.mktemp("qwen3_next") / "ckpt")
+
+
+def make_qwen3_next_checkpoint(path: Path, **overrides) -> Path:
+    """The tiny random checkpoint (main model saved by transformers, MTP layer from its
+    `MtpModel` under the Qwen3-Next names) plus the tiny tokenizer."""
     from transformers.modeling_layers import MtpModel
 
-    path = tmp_path_factory.mktemp("qwen3_next") / "ckpt"
     torch.manual_seed(0)
-    cfg = transformers.Qwen3NextConfig(**CONFIG)
+    cfg = transformers.Qwen3NextConfig(**{**CONFIG, **overrides})
     model = transformers.Qwen3NextForCausalLM(cfg).eval()
     _randomise(model)
     model.save_pretrained(path)
