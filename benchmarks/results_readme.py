@@ -357,6 +357,15 @@ BENCHMARKS = [
           "on the same corpus; held-out loss in bits per byte (comparable across "
           "vocabularies).",
           ("model_pilots.json",), model_pilots),
+    Bench("hybrid_bench.py", "Hybrid linear attention (Qwen3-Next architecture)",
+          "python benchmarks/hybrid_bench.py --tokens 32",
+          "On the tiny random Qwen3-Next checkpoint of tests/test_qwen3_next.py: offline tok/s "
+          "of `LLM.generate` at k = 0 and k = 3 against `transformers.generate` (batch 1 and "
+          "8), and a 4-token verify forward with the recurrent-state rollback against a "
+          "one-token step.",
+          note="Its MTP layer is random (acceptance 0), so k = 3 shows the cost of speculation "
+          "on a hybrid, not its gain. No result file is stored; one run's numbers are in "
+          "docs/model_families.md."),
     Bench("gpu_check.py", "The GPU check",
           "python -m mtpserve.benchmarks.gpu_check --out DIR\n"
           "python -m mtpserve.benchmarks.gpu_check --out DIR --device cpu   # dry run on CPU",
