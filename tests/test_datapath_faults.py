@@ -93,6 +93,8 @@ def test_malformed_mailbox_messages_are_skipped_and_pulls_still_work(receiver):
         sender.close()
 
 
+@pytest.mark.filterwarnings(
+    "ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the kill itself
 def test_a_dead_accept_loop_fails_the_replicas_health_check(tiny_qwen3):
     from mtpserve.workers.replica.tp_group import RankCore, RankSpec, TPDriver
 
@@ -115,6 +117,8 @@ def test_a_dead_accept_loop_fails_the_replicas_health_check(tiny_qwen3):
         driver.shutdown()
 
 
+@pytest.mark.filterwarnings(
+    "ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the kill itself
 def test_a_dead_pull_lane_fails_health(receiver):
     own = [torch.zeros(2, 8, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM) for _ in range(NUM_LAYERS)]
     puller = KVPuller(receiver, own, tp_size=1, rank=0, max_concurrent=1)
