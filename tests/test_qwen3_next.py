@@ -360,3 +360,50 @@ def test_preemption_recomputes_the_state_exactly(ckpt, greedy_want) -> None:
     cfg = llm.engine.model_config
     for i, buf in enumerate(llm.engine.runner.kv_cache.buffers):
         assert (buf.numel() == 2) == (i in cfg.linear_layers)
+
+
+def test_qwen3_5_text_part_of_a_multimodal_checkpoint(tmp_path) -> None:
+    """Qwen3.5 (dense): the config nested under `text_config` (M-RoPE sections, a vision
+    config), weights under `model.language_model.*` next to a vision tower that is ignored:
+    logits == transformers' `Qwen3_5ForCausalLM` on the same text weights, through the state
+    slots (chunked prefill past 64 tokens, then decode steps)."""
+    text_dir, mm_dir = tmp_path / "text", tmp_path / "mm"
+    torch.manual_seed(3)
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+            "num_attention_heads", "num_key_value_heads", "head_dim", "linear_num_value_heads",
+            "linear_num_key_heads", "linear_key_head_dim", "linear_value_head_dim",
+            "linear_conv_kernel_dim", "max_position_embeddings", "tie_word_embeddings",
+            "rms_norm_eps")
+    ref = transformers.Qwen3_5ForCausalLM(
+        transformers.Qwen3_5TextConfig(**{k: CONFIG[k] for k in keys})).eval()
+    _randomise(ref)
+    ref.save_pretrained(text_dir)
+    text_cfg = json.loads((text_dir / "config.json").read_text())
+    text_cfg["rope_parameters"].update(mrope_section=[1, 1, 0], mrope_interleaved=True)
+    mm_dir.mkdir()
+    (mm_dir / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+        "text_config": text_cfg, "vision_config": {"model_type": "qwen3_5", "depth": 1},
+        "tie_word_embeddings": False}))
+    tensors = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v
+               for k, v in load_file(text_dir / "model.safetensors").items()}
+    tensors["model.visual.blocks.0.attn.qkv.weight"] = torch.zeros(8, 8)
+    save_file(tensors, mm_dir / "model.safetensors", metadata={"format": "pt"})
+
+    cfg = ModelConfig.from_pretrained(mm_dir)
+    assert cfg.model_type == "qwen3_5_text" and cfg.weights_prefix == "model.language_model."
+    assert cfg.linear is not None and not cfg.linear.fused_projections
+    assert cfg.rotary_dim == 4 and cfg.moe is None
+    runner = ModelRunner(mm_dir, num_blocks=32, block_size=8, num_state_slots=2)
+    tokens = torch.randint(0, VOCAB_SIZE, (100,), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        full = ref(tokens.unsqueeze(0)).logits[0]
+    tokens = tokens.tolist()
+    table = [list(range(16))]
+    ours = runner.execute(ForwardBatch("main", [tokens[:96]], [0], table, list(range(96)),
+                                       state_slots=[0]))
+    assert (ours - full[:96]).abs().max().item() <= 1e-4
+    for pos in range(96, 100):
+        step = runner.execute(ForwardBatch("main", [[tokens[pos]]], [pos], table, [0],
+                                           state_slots=[0]))
+        assert (step[0] - full[pos]).abs().max().item() <= 1e-4, pos

@@ -44,10 +44,13 @@ _MTP_NAMES = {
 def block_tensor_names(cfg: ModelConfig, prefix: str, layer_idx: int = 0) -> list[str]:
     """Checkpoint names of decoder layer `layer_idx` (its MLP dense or MoE per the config)."""
     names = list(_BLOCK)
-    if cfg.layer(layer_idx).attention == "linear":  # Gated DeltaNet (Qwen3-Next)
+    if cfg.layer(layer_idx).attention == "linear":  # Gated DeltaNet (Qwen3-Next, Qwen3.5)
+        assert cfg.linear is not None
+        proj = (("in_proj_qkvz", "in_proj_ba") if cfg.linear.fused_projections
+                else ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"))
         names = [n for n in names if not n.startswith("self_attn.")] + [
             f"linear_attn.{n}" for n in (
-                "in_proj_qkvz.weight", "in_proj_ba.weight", "conv1d.weight", "dt_bias",
+                *(f"{p}.weight" for p in proj), "conv1d.weight", "dt_bias",
                 "A_log", "norm.weight", "out_proj.weight")]
     elif cfg.layer(layer_idx).attention == "mla":
         assert cfg.mla is not None
@@ -112,6 +115,12 @@ def expected_tensors(cfg: ModelConfig) -> tuple[dict[str, str], dict[str, str]]:
                 optional[f"{own}{names[canon]}.weight"] = f"mtp.{m}.{canon}.weight"
         for name in block_tensor_names(cfg, block, cfg.num_hidden_layers + m):
             required[name] = f"mtp.{m}.block." + name[len(block):]
+    if cfg.weights_prefix != "model.":  # the text part of a multimodal checkpoint
+        def moved(names: dict[str, str]) -> dict[str, str]:
+            return {(cfg.weights_prefix + n[len("model."):] if n.startswith("model.") else n): i
+                    for n, i in names.items()}
+
+        required, optional = moved(required), moved(optional)
     return required, optional
 
 
@@ -183,6 +192,10 @@ def expected_shape(cfg: ModelConfig, internal: str) -> tuple[int, ...]:
         return {
             "in_proj_qkvz.weight": (2 * kd + 2 * vd, h),
             "in_proj_ba.weight": (2 * lin.num_value_heads, h),
+            "in_proj_qkv.weight": (2 * kd + vd, h),
+            "in_proj_z.weight": (vd, h),
+            "in_proj_b.weight": (lin.num_value_heads, h),
+            "in_proj_a.weight": (lin.num_value_heads, h),
             "conv1d.weight": (lin.conv_dim, 1, lin.conv_kernel),
             "linear_attn.dt_bias": (lin.num_value_heads,),
             "linear_attn.A_log": (lin.num_value_heads,),
@@ -245,7 +258,9 @@ def inventory(path: str | Path, cfg: ModelConfig | None = None) -> list[Inventor
             want = cfg.quant.scale_shape(meta[base][0] if base in meta else (0, 0))
             status = "ok" if shape == want else f"shape mismatch: expected {want}"
         elif internal is None:
-            status = "ok" if _IGNORABLE.match(name) else "unused"
+            # The vision tower of a multimodal checkpoint served by its text part.
+            vision = cfg.weights_prefix != "model." and name.startswith("model.visual.")
+            status = "ok" if _IGNORABLE.match(name) or vision else "unused"
         elif dtype == "F8_E4M3" and (cfg.quant is None or name + SCALE_SUFFIX not in meta):
             status = "fp8 weight without its weight_scale_inv / quantization_config"
         else:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -14,9 +15,17 @@ from mtpserve.workers.model.rope import RopeConfig, UnsupportedConfig, parse_rop
 
 MTPNaming = Literal["deepseek_v3", "mimo", "qwen3_next"]
 
+logger = logging.getLogger(__name__)
+
+# Multimodal checkpoints served by their text part: model_type -> the text model's type.
+_TEXT_PART = {"qwen3_5": "qwen3_5_text"}
+
 # Families we know of but do not serve yet, with the reason (named by `check` and `up`).
 _NOT_YET = {
     "deepseek_v32": "the DSA (sparse attention) indexer is not implemented",
+    "qwen3_5_moe": "the Qwen3.5-MoE expert layout is not tested (qwen3_5 dense is served)",
+    "qwen3_5_moe_text": "the Qwen3.5-MoE expert layout is not tested (qwen3_5 dense is "
+                        "served)",
 }
 
 
@@ -52,6 +61,9 @@ class ModelConfig:
     linear: LinearAttentionConfig | None = None
     attn_output_gate: bool = False
     zero_centred_norm: bool = False
+    # Where the decoder's tensors live in the checkpoint ("model.language_model." for the
+    # text part of a multimodal checkpoint); internal names always start with "model.".
+    weights_prefix: str = "model."
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -147,6 +159,10 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
         model_type = cfg.get("model_type", "llama")
+        weights_prefix = "model."
+        if model_type in _TEXT_PART and "text_config" in cfg:
+            cfg, weights_prefix = _text_part(cfg), "model.language_model."
+            model_type = cfg["model_type"]
         if model_type in _NOT_YET:
             raise UnsupportedConfig(f"model_type {model_type!r}: {_NOT_YET[model_type]}")
         family = FAMILIES.get(model_type)
@@ -196,6 +212,7 @@ class ModelConfig:
             linear=fields.linear,
             attn_output_gate=fields.attn_output_gate,
             zero_centred_norm=fields.zero_centred_norm,
+            weights_prefix=weights_prefix,
             raw=cfg,
         )
 
@@ -212,6 +229,25 @@ class ModelConfig:
             merged = cfg.eos_token_ids + tuple(t for t in extra if t not in cfg.eos_token_ids)
             cfg = replace(cfg, eos_token_ids=merged)
         return cfg
+
+
+def _text_part(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The text model's config of a multimodal checkpoint (Qwen3.5): `text_config`, with the
+    top level's token ids / tying where the text config lacks them. Its multimodal rope
+    sections (`mrope_section`, `mrope_interleaved`) are dropped: a text-only request has the
+    same position on all three axes, where M-RoPE is plain RoPE."""
+    logger.info("%s: serving the text model; the vision tower (model.visual.*) is ignored",
+                cfg["model_type"])
+    text = dict(cfg["text_config"])
+    text.setdefault("model_type", _TEXT_PART[cfg["model_type"]])
+    for key in ("eos_token_id", "bos_token_id", "tie_word_embeddings"):
+        if key not in text and key in cfg:
+            text[key] = cfg[key]
+    rope = text.get("rope_parameters") or text.get("rope_scaling")
+    if isinstance(rope, dict):
+        rope = {k: v for k, v in rope.items() if k not in ("mrope_section", "mrope_interleaved")}
+        text["rope_parameters" if "rope_parameters" in text else "rope_scaling"] = rope
+    return text
 
 
 def _eos_ids(eos: Any) -> tuple[int, ...]:

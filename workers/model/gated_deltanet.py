@@ -146,7 +146,8 @@ class GatedRMSNorm(nn.Module):
 
 class GatedDeltaNet(nn.Module):
     """`linear_attn.*` of a Qwen3-Next layer (checkpoint names kept: in_proj_qkvz, in_proj_ba,
-    conv1d, dt_bias, A_log, norm, out_proj). Replicated on every rank: hybrid models are
+    or Qwen3.5's in_proj_qkv, in_proj_z, in_proj_b, in_proj_a; conv1d, dt_bias, A_log, norm,
+    out_proj). Replicated on every rank: hybrid models are
     refused with TP > 1 (sharding the states by value heads is not built)."""
 
     def __init__(self, hidden: int, lin: LinearAttentionConfig, eps: float) -> None:
@@ -156,8 +157,14 @@ class GatedDeltaNet(nn.Module):
         self.lin = lin
         self.key_dim = lin.num_key_heads * lin.key_head_dim
         self.value_dim = lin.num_value_heads * lin.value_head_dim
-        self.in_proj_qkvz = ReplicatedLinear(hidden, 2 * self.key_dim + 2 * self.value_dim)
-        self.in_proj_ba = ReplicatedLinear(hidden, 2 * lin.num_value_heads)
+        if lin.fused_projections:  # Qwen3-Next
+            self.in_proj_qkvz = ReplicatedLinear(hidden, 2 * self.key_dim + 2 * self.value_dim)
+            self.in_proj_ba = ReplicatedLinear(hidden, 2 * lin.num_value_heads)
+        else:  # Qwen3.5
+            self.in_proj_qkv = ReplicatedLinear(hidden, 2 * self.key_dim + self.value_dim)
+            self.in_proj_z = ReplicatedLinear(hidden, self.value_dim)
+            self.in_proj_b = ReplicatedLinear(hidden, lin.num_value_heads)
+            self.in_proj_a = ReplicatedLinear(hidden, lin.num_value_heads)
         self.conv1d = nn.Module()
         self.conv1d.weight = nn.Parameter(torch.empty(lin.conv_dim, 1, lin.conv_kernel))
         self.conv1d.weight.weight_loader = _plain_loader
@@ -174,12 +181,18 @@ class GatedDeltaNet(nn.Module):
         lin = self.lin
         B, S, _ = x.shape
         Hk, Dk, Dv = lin.num_key_heads, lin.key_head_dim, lin.value_head_dim
-        r = lin.num_value_heads // Hk
+        Hv = lin.num_value_heads
+        if not lin.fused_projections:  # q | k | v contiguous, z, b, a apart (Qwen3.5)
+            q, k, v = torch.split(self.in_proj_qkv(x), [self.key_dim, self.key_dim,
+                                                         self.value_dim], dim=-1)
+            return (q.view(B, S, Hk, Dk), k.view(B, S, Hk, Dk), v.view(B, S, Hv, Dv),
+                    self.in_proj_z(x).view(B, S, Hv, Dv), self.in_proj_b(x),
+                    self.in_proj_a(x))
+        r = Hv // Hk
         qkvz = self.in_proj_qkvz(x).view(B, S, Hk, 2 * Dk + 2 * r * Dv)
         ba = self.in_proj_ba(x).view(B, S, Hk, 2 * r)
         q, k, v, z = torch.split(qkvz, [Dk, Dk, r * Dv, r * Dv], dim=3)
         b, a = torch.split(ba, [r, r], dim=3)
-        Hv = lin.num_value_heads
         return (q, k, v.reshape(B, S, Hv, Dv), z.reshape(B, S, Hv, Dv), b.reshape(B, S, Hv),
                 a.reshape(B, S, Hv))
 

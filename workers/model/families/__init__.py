@@ -7,7 +7,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from mtpserve.workers.model.families import deepseek_v3, dense, glm4_moe, qwen3_moe, qwen3_next
+from mtpserve.workers.model.families import (
+    deepseek_v3,
+    dense,
+    glm4_moe,
+    qwen3_5,
+    qwen3_moe,
+    qwen3_next,
+)
 from mtpserve.workers.model.families.base import FamilyFields, LayerSpec, MLAConfig, MoEConfig
 
 FAMILIES: dict[str, Callable[[dict[str, Any]], FamilyFields]] = {
@@ -16,6 +23,7 @@ FAMILIES: dict[str, Callable[[dict[str, Any]], FamilyFields]] = {
     **{t: glm4_moe.fields for t in glm4_moe.MODEL_TYPES},
     **{t: deepseek_v3.fields for t in deepseek_v3.MODEL_TYPES},
     **{t: qwen3_next.fields for t in qwen3_next.MODEL_TYPES},
+    **{t: qwen3_5.fields for t in qwen3_5.MODEL_TYPES},
 }
 
 __all__ = ["FAMILIES", "FamilyFields", "LayerSpec", "MLAConfig", "MoEConfig"]

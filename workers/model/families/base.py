@@ -83,6 +83,9 @@ class LinearAttentionConfig:
     key_head_dim: int
     value_head_dim: int
     conv_kernel: int
+    # Qwen3-Next: in_proj_qkvz / in_proj_ba, interleaved per key head; Qwen3.5: in_proj_qkv
+    # (q | k | v), in_proj_z, in_proj_b, in_proj_a.
+    fused_projections: bool = True
 
     @property
     def conv_dim(self) -> int:
