@@ -138,6 +138,9 @@ def test_prefill_and_decode_on_different_nodes_equal_offline(default_model, tmp_
         assert s["decode"]["kv_receiver"]["pulls"] >= len(prompts)
 
 
+# Slow tier: a second three-node cluster. The default tier keeps cross-node KV (above) and
+# streams migrating off a killed decode replica (test_reliability).
+@pytest.mark.slow
 def test_decode_node_removed_mid_stream_streams_migrate(default_model, tmp_path) -> None:
     """Two decode replicas on two nodes; one node goes away while 4 streams run: every stream
     completes, token for token the offline engine's, the lost ones resumed on the other node."""
