@@ -5,6 +5,11 @@
 
 1. engine: `bench engine` on CUDA in float32 and bfloat16, k = 0..3, batch 1 and 8, against
    transformers.generate (eager).
+1a. hot-path: issue 33 item 7 measured: the KV pool sized from kv_cache_memory_fraction (its
+   budget, and the graph memory captured against the reserve); float32 logits of every
+   replayed bucket against the eager forward of the same batch (two batches per bucket, rows
+   and query slots partly padding) within 1e-3 relative; host syncs per engine step, greedy
+   and sampled, counted with CUDA sync debug mode, with the code lines they come from.
 1b. fast-path: the GPU fast path, bf16 (the CUDA default), within a time budget: device checks
    (keyed uniforms bit-equal on CUDA and CPU; rejection sampling on the device gives the host's
    tokens; flex == gather logits), then decode tok/s at k = 0..3, batch 1 / 8 / 32 for eager,

@@ -235,6 +235,20 @@ def model_pilots(name: str) -> list[str]:
                    "held-out loss (nats/token)", "held-out bits per byte"], rows)
 
 
+def structured(name: str) -> list[str]:
+    r = _load(name)
+    tp, h = r["throughput"], r["healing"]
+    rows = [[v, tp[v]["tokens"], _f(tp[v]["tokens_per_s"]), _f(tp[v]["acceptance_rate"], 3),
+             _f(tp[v]["mean_accepted_length"], 3), tp[v].get("valid_json", "")]
+            for v in ("unconstrained", "json_schema")]
+    return _table([f"variant (k = {r['k']})", "tokens", "tok/s", "acceptance",
+                   "tokens per round", "valid JSON"], rows) + [
+        "", f"Constrained / unconstrained tokens/s: {tp['ratio_tokens_per_s']}. Token healing "
+        f"on the {h['num_prompts']} held-out prompts: immediate end of text "
+        f"{h['immediate_eos_without_healing']}/{h['num_prompts']} without, "
+        f"{h['immediate_eos_with_healing']}/{h['num_prompts']} with."]
+
+
 @dataclass(frozen=True)
 class Bench:
     script: str  # relative to benchmarks/
@@ -369,11 +383,24 @@ BENCHMARKS = [
     Bench("gpu_check.py", "The GPU check",
           "python -m mtpserve.benchmarks.gpu_check --out DIR\n"
           "python -m mtpserve.benchmarks.gpu_check --out DIR --device cpu   # dry run on CPU",
-          "One script for a lent GPU machine: engine speed on CUDA, the GPU fast path (device "
-          "sampling, flex attention, CUDA graphs) against the eager path, the disaggregated "
-          "app on one GPU over gloo, the KV burst, and NCCL TP / KV pairs where there are "
-          "enough GPUs.",
+          "One script for a lent GPU machine: engine speed on CUDA; the hot path "
+          "(`hot-path`: the KV pool sized from `kv_cache_memory_fraction` with its budget and "
+          "the graph memory actually captured, float32 logits of every replayed bucket "
+          "against the eager forward of the same batch within 1e-3 relative, and host syncs "
+          "per engine step, greedy and sampled, counted with "
+          "`torch.cuda.set_sync_debug_mode(\"warn\")` with the lines they come from); the "
+          "GPU fast path (device sampling, flex attention, CUDA graphs) against the eager "
+          "path; the disaggregated app on one GPU over gloo; the KV burst; and NCCL TP / KV "
+          "pairs where there are enough GPUs.",
           note="No GPU result is stored: the GPU path has not been measured."),
+    Bench("structured_bench.py", "Structured outputs under speculation, token healing",
+          "python -m mtpserve.benchmarks.structured_bench --json out.json",
+          "Offline, k = 2, 8 held-out prompts batched, greedy: tokens/s and draft acceptance "
+          "of JSON-schema-constrained generation (drafts and verify rows masked by xgrammar) "
+          "against unconstrained generation of as many tokens per prompt; and how often the "
+          "40 held-out prompts (each ends in a line break) get end of text as their first "
+          "token, without and with token healing.",
+          ("structured-cpu.json",), structured),
 ]
 # Scripts in benchmarks/ that are not benchmarks themselves.
 HELPERS = {"__init__.py", "local_server.py", "results_readme.py"}
