@@ -135,8 +135,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-tokens", type=int, default=80)
     ap.add_argument("--json", type=Path)
     a = ap.parse_args(argv)
-    res = {"model": a.model, "k": a.k, "throughput": throughput(a.model, a.k, a.num_prompts,
-                                                                a.max_tokens),
+    res = {"model": Path(a.model).name, "k": a.k,
+           "throughput": throughput(a.model, a.k, a.num_prompts, a.max_tokens),
            "healing": healing(a.model, a.k, 40)}
     tp, h = res["throughput"], res["healing"]
     print(f"k={a.k}, {a.num_prompts} prompts batched, greedy, up to {a.max_tokens} tokens")
