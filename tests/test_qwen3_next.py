@@ -127,7 +127,8 @@ def test_config_and_check_output(ckpt, capsys) -> None:
     for line in ("family: qwen3_next", "layer pattern (L linear, F full): LLLF",
                  f"state per request: {3 * per_layer} bytes",
                  "MTP module 0 (qwen3_next naming): GQA + moe block",
-                 "gated shared expert 48", "prefix caching: off for hybrid models"):
+                 "gated shared expert 48", "prefix caching: off for hybrid models",
+                 "disaggregated serving: refused for hybrid models"):
         assert line in out, line
 
 
