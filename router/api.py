@@ -152,7 +152,8 @@ def create_app(state: IngressState | None = None) -> FastAPI:
         return await respond(request, s, body, prompts, COMPLETION,
                              body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS,
                              spec=None if spec is None else ("structured_outputs", spec),
-                             healing=[heal and isinstance(p, str) for p in body.prompts])
+                             healing=[heal and isinstance(p, str) for p in body.prompts],
+                             heal_any=body.token_healing is not None)
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:

@@ -216,16 +216,18 @@ def admit(state: IngressState, body: SamplingRequest, num_prompts: int,
 async def respond(request: Request, state: IngressState, body: SamplingRequest,
                   prompts: list[list[int]], shape: Shape, requested: int | None,
                   spec: tuple[str, StructuredSpec] | None = None,
-                  tools: ToolSetup | None = None, healing: list[bool] | None = None) -> Any:
+                  tools: ToolSetup | None = None, healing: list[bool] | None = None,
+                  heal_any: bool = True) -> Any:
     """Run `prompts` (token ids) with `body`'s settings; `requested`: the max_tokens asked for
     (None: the rest of the window). `spec`: (the parameter it came from, the constraint);
-    `healing[i]`: heal prompt i. A stream of SSE chunks, or one JSON response."""
+    `healing[i]`: heal prompt i (`heal_any`: any healable tail, else line breaks only). A
+    stream of SSE chunks, or one JSON response."""
     for ids in prompts:
         check_token_ids(state, ids, shape.param)
         check_window(state, ids, shape.param)
     if spec is not None:
         await check_compiles(state, spec[1], spec[0])
-    healed = [heal(state, ids) if healing and healing[i] and spec is None
+    healed = [heal(state, ids, heal_any) if healing and healing[i] and spec is None
               else (ids, None, "") for i, ids in enumerate(prompts)]
     rid = f"{shape.id_prefix}-{uuid.uuid4().hex}"
     built = build_choices(state, body, rid, [h[0] for h in healed],

@@ -161,10 +161,14 @@ def healing_default(state: Any) -> bool:
         return False
 
 
-def heal(state: Any, ids: list[int]) -> tuple[list[int], StructuredSpec | None, str]:
-    """(healed prompt ids, the prefix constraint, its text) or (ids, None, "")."""
+def heal(state: Any, ids: list[int], any_tail: bool = True
+         ) -> tuple[list[int], StructuredSpec | None, str]:
+    """(healed prompt ids, the prefix constraint, its text) or (ids, None, ""). Without
+    `any_tail` (the default setting, not the client's explicit request) only a tail of
+    whitespace holding a line break is healed: the editor's prompt the default exists for,
+    while other prompts keep their exact tokens."""
     healed, tail = healing_table(state).heal(ids)
-    if not tail:
+    if not tail or not (any_tail or (b"\n" in tail and not tail.strip())):
         return ids, None, ""
     try:
         text = tail.decode("utf-8")

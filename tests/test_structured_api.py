@@ -225,3 +225,15 @@ def test_token_healing_continues_a_newline_prompt(http) -> None:
     assert decoded.replace("<|endoftext|>", "") == prompt + c["text"]
     off = http.post("/v1/completions", json={**body, "token_healing": False}).json()
     assert off["choices"][0]["token_ids"] != c["token_ids"]
+
+
+def test_token_healing_default_heals_line_breaks_only(http) -> None:
+    """Unset, the embedded model heals a line-break tail (as `true` does) and leaves other
+    prompts' tokens alone (as `false` does)."""
+    def ids(prompt: str, **kw) -> list[int]:
+        r = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 6,
+                                               "temperature": 0, "return_token_ids": True, **kw})
+        return r.json()["choices"][0]["token_ids"]
+
+    assert ids("import os\n") == ids("import os\n", token_healing=True)
+    assert ids("def hello") == ids("def hello", token_healing=False)
