@@ -7,6 +7,7 @@ from __future__ import annotations
 import inspect
 
 import pytest
+from helpers import COMPILED_DECODE, greedy
 
 from mtpserve.workers.engine import Engine, EngineConfig
 from mtpserve.workers.engine_config import compile_enabled
@@ -15,14 +16,8 @@ from mtpserve.workers.model_runner import ModelRunner, Runner
 from mtpserve.workers.sampling_params import SamplingParams
 
 
-@pytest.fixture
-def no_override(monkeypatch):
-    """The suite runs eager (conftest); these tests take the configured mode."""
-    monkeypatch.delenv("MTPSERVE_COMPILE", raising=False)
-    monkeypatch.delenv("MTPSERVE_DECODE_GRAPHS", raising=False)
-
-
-def test_auto_means_cpu_tp1_and_the_environment_overrides(no_override, monkeypatch) -> None:
+def test_auto_means_cpu_tp1_and_the_environment_overrides(compile_as_configured,
+                                                          monkeypatch) -> None:
     assert compile_enabled("auto", "cpu", 1)
     # TP > 1 on CPU: graphs hold the shared-memory collectives; over gloo they stay eager.
     assert compile_enabled("auto", "cpu", 2) == shm_collectives.available("cpu")
@@ -69,7 +64,8 @@ def test_the_tp_driver_offers_every_runner_capability(tiny_qwen3) -> None:
         core.close()
 
 
-def test_an_unwarmed_bucket_runs_eagerly_with_the_same_output(tiny_qwen3, no_override) -> None:
+def test_an_unwarmed_bucket_runs_eagerly_with_the_same_output(tiny_qwen3,
+                                                              compile_as_configured) -> None:
     """A serving engine whose warm-up budget compiled nothing (budget 0) answers every request
     eagerly, never compiling inside one, with the eager engine's tokens."""
     prompts = [[5, 9, 17, 33, 2, 8], [40, 41, 42]]
@@ -89,21 +85,23 @@ def test_an_unwarmed_bucket_runs_eagerly_with_the_same_output(tiny_qwen3, no_ove
     assert out["on"] == out["off"]
 
 
-def test_compiled_llm_equals_eager(tiny_qwen3, no_override) -> None:
-    """`LLM(compile="on")` compiles the buckets its prompts hit before they run (batch 1, the
+def test_compiled_llm_equals_eager(tiny_qwen3, compiled_decode, compile_as_configured) -> None:
+    """`LLM(compile="on")` warms the buckets its prompts hit before they run (batch 1, the
     shortest context bucket), then decodes greedily exactly like eager; under `auto` a call
-    too small to pay for a cold compile runs eagerly and compiles nothing."""
+    too small to pay for a cold compile runs eagerly and compiles nothing. (With
+    `compiled_decode`'s settings and cache the warm-up loads those graphs instead of
+    compiling them again: compiling is that fixture's part.)"""
     from mtpserve.workers.llm import AUTO_COMPILE_MIN_TOKENS, LLM
 
     prompt = [5, 9, 17, 33, 2, 8, 11]
-    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    kw = dict(num_speculative_tokens=2, block_size=4, num_kv_blocks=64)
+    params = greedy(16)
+    kw = {**COMPILED_DECODE, "compile_cache_dir": str(compiled_decode.cache_dir)}
     eager = LLM(str(tiny_qwen3), compile="off", **kw).generate([prompt], params)
     eager_ids = eager[0].output_token_ids
     auto = LLM(str(tiny_qwen3), **kw)
     assert 16 < AUTO_COMPILE_MIN_TOKENS
     assert auto.generate([prompt], params)[0].output_token_ids == eager_ids
-    # (It may load graphs an earlier test left in the suite's compile cache; it compiles none.)
+    # (It may load graphs `compiled_decode` left in its cache; it compiles none.)
     assert auto.engine.runner.graphs.compile_stats()["compiled"] == 0
     llm = LLM(str(tiny_qwen3), compile="on", **kw)
     graphs = llm.engine.runner.graphs
@@ -111,6 +109,7 @@ def test_compiled_llm_equals_eager(tiny_qwen3, no_override) -> None:
     got = llm.generate([prompt], params)[0].output_token_ids
     compiled = set(graphs.compiled)
     assert compiled and {k.batch for k in compiled} == {1}
+    assert graphs.compile_stats()["loaded"] == len(compiled)
     assert got == eager_ids
     # A second call of the same shape compiles nothing more.
     assert llm.generate([prompt], params)[0].output_token_ids == eager_ids
@@ -141,7 +140,8 @@ def test_warmup_covers_every_batch_bucket_and_skips_mtp_at_k0(tiny_qwen3) -> Non
     assert batches == [1, 2, 3] and queries == [1] and kw["mtp_modules"] == 0
 
 
-def test_an_offline_engine_never_compiles_inside_a_step(tiny_qwen3, no_override) -> None:
+def test_an_offline_engine_never_compiles_inside_a_step(tiny_qwen3,
+                                                        compile_as_configured) -> None:
     """An `Engine` built directly (evaluation, profiling) under `auto` marks its graphs warmed
     with nothing compiled (it loads only what the on-disk cache holds): its other buckets run
     eagerly until something warms it on purpose."""

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import transformers
 from helpers import greedy, make_engine, run_to_completion
@@ -32,7 +33,9 @@ def _run(path, k: int, ps: list[list[int]], **kw) -> list[list[int]]:
     return out
 
 
-def test_speculative_equals_plain_and_transformers(default_model) -> None:
+@pytest.fixture(scope="module")
+def reference(default_model) -> tuple[list[list[int]], list[list[int]]]:
+    """The prompts and `transformers.generate`'s greedy tokens for them."""
     ps = _prompt_ids(default_model)
     ref = transformers.AutoModelForCausalLM.from_pretrained(
         default_model, dtype=torch.float32).eval()
@@ -41,10 +44,18 @@ def test_speculative_equals_plain_and_transformers(default_model) -> None:
         out = ref.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False,
                            eos_token_id=None, pad_token_id=0)
         want.append(out[0, len(p):].tolist())
-    for k in (0, 1, 2, 3):
-        got = _run(default_model, k, ps)
-        bad = [i for i in range(len(ps)) if got[i] != want[i]]
-        assert not bad, f"k={k}: prompts {bad} differ from transformers.generate"
+    return ps, want
+
+
+# k = 0 (plain) and k = 3 (the deepest drafts: every acceptance length 0..3 and its rollback)
+# run by default; k = 1 and 2 lie between them (the slow tier).
+@pytest.mark.parametrize("k", [0, pytest.param(1, marks=pytest.mark.slow),
+                               pytest.param(2, marks=pytest.mark.slow), 3])
+def test_speculative_equals_plain_and_transformers(default_model, reference, k: int) -> None:
+    ps, want = reference
+    got = _run(default_model, k, ps)
+    bad = [i for i in range(len(ps)) if got[i] != want[i]]
+    assert not bad, f"k={k}: prompts {bad} differ from transformers.generate"
 
 
 def test_batched_equals_alone(default_model) -> None:
