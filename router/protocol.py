@@ -8,7 +8,7 @@ would change the output and that we do not implement (`echo`, `suffix`, penaltie
 Structured outputs and tools (router.structured, router.tools): chat `response_format`
 (json_object, json_schema), `tools` / `tool_choice` / `parallel_tool_calls`, `tool` messages and
 assistant `tool_calls` in the history; on both endpoints vLLM's `structured_outputs` (json,
-regex, choice, grammar) and the `token_healing` extension (bool; default per model).
+regex, choice, grammar) and the `token_healing` extension (bool; unset: the server default).
 
 Log probabilities (completions `logprobs: N`, chat `logprobs: true` + `top_logprobs: N`, N <= 20)
 are those of the target model's raw logits at each emitted position, exact under speculation;

@@ -14,7 +14,6 @@ import threading
 from typing import Any
 
 from mtpserve.router.errors import APIError
-from mtpserve.workers.paths import default_model_path
 from mtpserve.workers.structured.grammars import GrammarCache, GrammarError
 from mtpserve.workers.structured.healing import HealingTable
 from mtpserve.workers.structured.spec import MAX_SPEC_CHARS, StructuredSpec
@@ -148,17 +147,11 @@ async def check_compiles(state: Any, spec: StructuredSpec | None, param: str) ->
 
 
 def healing_default(state: Any) -> bool:
-    """Token healing's default: the state's setting, else on for the embedded default model
-    (a code model given editor prompts that end in a newline)."""
-    if getattr(state, "token_healing", None) is not None:
-        return bool(state.token_healing)
-    path = getattr(state.tokenizer, "name_or_path", "") or ""
-    try:
-        from pathlib import Path
-
-        return Path(path).resolve() == default_model_path().resolve()
-    except OSError:
-        return False
+    """Token healing when a request leaves `token_healing` unset: the ingress state's
+    `token_healing` attribute (default off). Served with it on, completions of newline-ending
+    prompts differ from the offline `LLM.generate` of the same text, which does not heal:
+    turning it on for the embedded model waits for the offline path to heal the same way."""
+    return bool(getattr(state, "token_healing", False))
 
 
 def heal(state: Any, ids: list[int], any_tail: bool = True

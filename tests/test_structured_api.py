@@ -50,11 +50,16 @@ def engine(default_model):
 
 
 @pytest.fixture(scope="module")
-def server(engine, default_model):
-    srv = Server(create_app(IngressState(
+def server_state(engine, default_model) -> IngressState:
+    return IngressState(
         orchestrator=LocalOrchestrator(engine), tokenizer=load_tokenizer(str(default_model)),
         model_name=MODEL, max_model_len=engine.engine.max_model_len,
-        vocab_size=engine.engine.model_config.vocab_size)))
+        vocab_size=engine.engine.model_config.vocab_size)
+
+
+@pytest.fixture(scope="module")
+def server(server_state):
+    srv = Server(create_app(server_state))
     yield srv
     srv.stop()
 
@@ -227,13 +232,17 @@ def test_token_healing_continues_a_newline_prompt(http) -> None:
     assert off["choices"][0]["token_ids"] != c["token_ids"]
 
 
-def test_token_healing_default_heals_line_breaks_only(http) -> None:
-    """Unset, the embedded model heals a line-break tail (as `true` does) and leaves other
-    prompts' tokens alone (as `false` does)."""
+def test_token_healing_default_heals_line_breaks_only(http, server_state) -> None:
+    """With the server default on, an unset option heals a line-break tail (as `true` does)
+    and leaves other prompts' tokens alone (as `false` does)."""
+    server_state.token_healing = True
     def ids(prompt: str, **kw) -> list[int]:
         r = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 6,
                                                "temperature": 0, "return_token_ids": True, **kw})
         return r.json()["choices"][0]["token_ids"]
 
-    assert ids("import os\n") == ids("import os\n", token_healing=True)
-    assert ids("def hello") == ids("def hello", token_healing=False)
+    try:
+        assert ids("import os\n") == ids("import os\n", token_healing=True)
+        assert ids("def hello") == ids("def hello", token_healing=False)
+    finally:
+        server_state.token_healing = None
