@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import GREEDY
 
 from mtpserve.workers.sampling_params import SamplingParams
 from mtpserve.workers.spec_decode.keyed_random import (
@@ -16,8 +17,6 @@ from mtpserve.workers.spec_decode.keyed_random import (
 )
 from mtpserve.workers.spec_decode.rejection_sampler import RejectionSampler
 from mtpserve.workers.spec_decode.sampling import processed_probs, sample_with_uniforms
-
-GREEDY = SamplingParams(temperature=0)
 
 
 def one_hot_logits(ids: list[int], V: int = 8) -> torch.Tensor:
