@@ -13,10 +13,9 @@ import asyncio
 import time
 
 import pytest
-from helpers import COMPILED_DECODE, make_engine, run_to_completion
+from helpers import COMPILED_DECODE, greedy, make_engine, run_to_completion
 
 from mtpserve.cluster.config import ClusterConfig
-from mtpserve.workers.engine import Engine, EngineConfig
 from mtpserve.workers.messages import GenerateRequest
 from mtpserve.workers.sampling_params import SamplingParams
 
@@ -71,15 +70,7 @@ async def run_one(p, d, req: GenerateRequest, on_chunk=None) -> list[int]:
 
 
 def offline(model, ps, max_tokens: int, k: int = 2) -> list[list[int]]:
-    e = Engine(EngineConfig(model=str(model), num_speculative_tokens=k, num_kv_blocks=256))
-    for i, p in enumerate(ps):
-        e.add_request(f"o{i}", p, SamplingParams(max_tokens=max_tokens, temperature=0,
-                                                 ignore_eos=True))
-    out = {f"o{i}": [] for i in range(len(ps))}
-    while e.has_unfinished():
-        for o in e.step():
-            out[o.request_id] += o.new_token_ids
-    return [out[f"o{i}"] for i in range(len(ps))]
+    return run_to_completion(make_engine(model, k, num_kv_blocks=256), ps, greedy(max_tokens))
 
 
 def greq(rid: str, prompt: list[int], max_tokens: int, temperature: float = 0.0,
