@@ -113,7 +113,7 @@ def check_tools(tools: list[Any] | None, tool_choice: Any, parallel: bool | None
     elif (isinstance(tool_choice, dict) and tool_choice.get("type") == "function"
           and isinstance(tool_choice.get("function"), dict)):
         choice, named = "named", tool_choice["function"].get("name")
-        if named not in seen:
+        if not isinstance(named, str) or named not in seen:
             raise APIError(f"tool_choice names function '{named}', which is not in 'tools'",
                            400, param="tool_choice")
     else:
