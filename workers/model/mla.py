@@ -53,7 +53,8 @@ def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     [evens', odds'] as transformers' `apply_rotary_pos_emb_interleave` (q and k alike, so
     their dot products are those of the interleaved rotation)."""
     half = cos.shape[-1] // 2
-    c, s = cos[..., :half], sin[..., :half]
+    # In x's dtype, as transformers casts cos/sin to the activations' dtype.
+    c, s = cos[..., :half].to(x.dtype), sin[..., :half].to(x.dtype)
     x1, x2 = x[..., 0::2], x[..., 1::2]
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
 
