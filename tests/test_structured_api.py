@@ -246,3 +246,27 @@ def test_token_healing_default_heals_line_breaks_only(http, server_state) -> Non
         assert ids("def hello") == ids("def hello", token_healing=False)
     finally:
         server_state.token_healing = None
+
+
+def test_openai_sdk_parse_and_pydantic_tools_run_unchanged(client) -> None:
+    """The SDK's own structured-output and tool helpers: `parse` with a pydantic model (strict
+    json_schema) and `pydantic_function_tool`."""
+    from pydantic import BaseModel, Field
+
+    class Person(BaseModel):
+        name: str = Field(max_length=10)
+        age: int = Field(ge=0, le=150)
+
+    r = client.chat.completions.parse(model=MODEL, messages=MSGS, response_format=Person,
+                                      temperature=0, max_tokens=60)
+    assert isinstance(r.choices[0].message.parsed, Person)
+
+    class GetWeather(BaseModel):
+        city: str = Field(max_length=12)
+
+    r = client.chat.completions.parse(
+        model=MODEL, messages=MSGS, temperature=0, max_tokens=60,
+        tools=[openai.pydantic_function_tool(GetWeather)],
+        tool_choice={"type": "function", "function": {"name": "GetWeather"}})
+    (call,) = r.choices[0].message.tool_calls
+    assert isinstance(call.function.parsed_arguments, GetWeather)
