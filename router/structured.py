@@ -14,21 +14,23 @@ import threading
 from typing import Any
 
 from mtpserve.router.errors import APIError
-from mtpserve.workers.structured.grammars import GrammarCache, GrammarError
 from mtpserve.workers.structured.healing import HealingTable
-from mtpserve.workers.structured.spec import MAX_SPEC_CHARS, StructuredSpec
+from mtpserve.workers.structured.spec import MAX_SPEC_CHARS, GrammarError, StructuredSpec
 
 COMPILE_TIMEOUT_S = 10.0
-_caches: dict[int, tuple[GrammarCache, HealingTable | None]] = {}
+# Per tokenizer: (its GrammarCache, built on first use: xgrammar loads then; healing table).
+_caches: dict[int, tuple[Any, HealingTable | None]] = {}
 _lock = threading.Lock()
 
 
-def grammar_cache(state: Any) -> GrammarCache:
+def grammar_cache(state: Any) -> Any:
     """The ingress tokenizer's compiler (one per tokenizer object)."""
     return _entry(state)[0]
 
 
-def _entry(state: Any) -> tuple[GrammarCache, HealingTable | None]:
+def _entry(state: Any) -> tuple[Any, HealingTable | None]:
+    from mtpserve.workers.structured.grammars import GrammarCache
+
     key = id(state.tokenizer)
     with _lock:
         hit = _caches.get(key)

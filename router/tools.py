@@ -28,8 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mtpserve.router.errors import APIError
-from mtpserve.workers.structured.grammars import TOOL_CALL_BEGIN, TOOL_CALL_END, tool_call_schema
-from mtpserve.workers.structured.spec import StructuredSpec
+from mtpserve.workers.structured.spec import TOOL_CALL_BEGIN, TOOL_CALL_END, StructuredSpec
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
@@ -64,6 +63,8 @@ class ToolSetup:
         """The grammar forcing a call (`required` / named), else None."""
         if self.choice not in ("required", "named"):
             return None
+        from mtpserve.workers.structured.grammars import tool_call_schema
+
         fns = [t["function"] for t in self.tools
                if self.choice == "required" or t["function"]["name"] == self.named]
         return StructuredSpec("tool_calls", json.dumps(

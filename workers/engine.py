@@ -40,8 +40,8 @@ from mtpserve.workers.scheduler import PrefillChunk, Scheduler
 from mtpserve.workers.spec_decode.mtp_proposer import MTPProposer
 from mtpserve.workers.spec_decode.rejection_sampler import RejectionSampler
 from mtpserve.workers.spec_decode.sampling import sampling_fault
-from mtpserve.workers.structured.grammars import GrammarError
 from mtpserve.workers.structured.guide import StructuredGuide
+from mtpserve.workers.structured.spec import GrammarError
 
 __all__ = ["DTYPES", "Engine", "EngineConfig", "EngineError", "RequestOutput"]
 

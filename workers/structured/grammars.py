@@ -16,15 +16,16 @@ from typing import Any
 
 import xgrammar as xgr
 
-from mtpserve.workers.structured.spec import StructuredSpec
+from mtpserve.workers.structured.spec import (
+    TOOL_CALL_BEGIN,
+    TOOL_CALL_END,
+    GrammarError,
+    StructuredSpec,
+)
+
+__all__ = ["GrammarCache", "GrammarError", "spec_grammar", "tool_call_schema"]
 
 MAX_CACHED_GRAMMARS = 256
-TOOL_CALL_BEGIN = "<tool_call>\n"
-TOOL_CALL_END = "\n</tool_call>"
-
-
-class GrammarError(ValueError):
-    """The spec cannot be compiled: the message says why (for a 400)."""
 
 
 def _literal(text: str) -> xgr.Grammar:

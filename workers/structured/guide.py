@@ -16,19 +16,16 @@ afterwards; drafting does the same along the draft chain.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-import xgrammar as xgr
 
-from mtpserve.workers.structured.constraint import (
-    Constraint,
-    GrammarConstraint,
-    PrefixConstraint,
-)
-from mtpserve.workers.structured.grammars import GrammarCache
 from mtpserve.workers.structured.spec import StructuredSpec
+
+if TYPE_CHECKING:  # xgrammar (~2 s to import) loads with the first constrained request
+    from mtpserve.workers.structured.constraint import Constraint
+    from mtpserve.workers.structured.grammars import GrammarCache
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +44,7 @@ class StructuredGuide:
     @property
     def cache(self) -> GrammarCache:
         if self._cache is None:
+            from mtpserve.workers.structured.grammars import GrammarCache
             from mtpserve.workers.tokenizer import load_tokenizer
 
             self._cache = GrammarCache.of_tokenizer(load_tokenizer(self.tokenizer_path),
@@ -55,6 +53,8 @@ class StructuredGuide:
 
     def new_constraint(self, spec: StructuredSpec) -> Constraint:
         """A fresh matcher; raises `GrammarError` when the spec does not compile."""
+        from mtpserve.workers.structured.constraint import GrammarConstraint, PrefixConstraint
+
         if spec.kind == "prefix":
             return PrefixConstraint(spec.prefix_bytes, self.cache.token_bytes,
                                     self._prefix_masks)
@@ -94,6 +94,8 @@ class StructuredGuide:
 
     # Masks -------------------------------------------------------------------------------
     def _bitmask(self, n: int) -> torch.Tensor:
+        import xgrammar as xgr
+
         return xgr.allocate_token_bitmask(n, self.vocab_size)  # all allowed (-1)
 
     @staticmethod
@@ -102,6 +104,8 @@ class StructuredGuide:
         logits' device (xgrammar's CPU kernel on the host, its CUDA / Triton one on GPU)."""
         if not rows:
             return logits
+        import xgrammar as xgr
+
         out = logits.float().clone() if logits.dtype != torch.float32 else logits.clone()
         xgr.apply_token_bitmask_inplace(out, bitmask.to(out.device, non_blocking=True),
                                         vocab_size=out.shape[-1], indices=rows)

@@ -19,6 +19,12 @@ from dataclasses import dataclass
 # {"schemas": [one call's schema per function]}).
 KINDS = ("json", "regex", "choice", "grammar", "prefix", "tool_calls")
 MAX_SPEC_CHARS = 64 * 1024  # a schema / grammar larger than this is refused before compiling
+TOOL_CALL_BEGIN = "<tool_call>\n"  # the Hermes / Qwen tool-call block (router.tools)
+TOOL_CALL_END = "\n</tool_call>"
+
+
+class GrammarError(ValueError):
+    """The spec cannot be compiled: the message says why (for a 400)."""
 
 
 @dataclass(frozen=True)
