@@ -78,10 +78,10 @@ def test_logprobs_and_token_options():
     assert req.num_logprobs == 5
     cmpl = CompletionRequest(prompt="x", logprobs=3, stop_token_ids=[7, 9], min_tokens=4)
     cmpl.check_supported()
-    assert cmpl.generate_options() == {"stop_token_ids": [7, 9], "min_tokens": 4,
+    assert cmpl.generate_options() == {"stop_token_ids": (7, 9), "min_tokens": 4,
                                        "logprobs": 3}
     assert CompletionRequest(prompt="x").generate_options() == {
-        "stop_token_ids": [], "min_tokens": 0, "logprobs": None}
+        "stop_token_ids": (), "min_tokens": 0, "logprobs": None}
     for bad in ({"logprobs": 21}, {"logprobs": -1}, {"min_tokens": -1},
                 {"stop_token_ids": ["a"]}):
         with pytest.raises(ValidationError):
