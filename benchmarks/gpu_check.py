@@ -419,7 +419,9 @@ def hot_path_part(out: Path, device: str, dry: bool) -> dict:
 def _offline(prompts: list[str], device: str, max_tokens: int) -> list[str]:
     from mtpserve.workers import LLM, SamplingParams
 
-    llm = LLM(_model(), num_speculative_tokens=2, device=device)
+    # A fixed pool: an offline engine sizes it from memory only once workers/engine.py
+    # takes the runner's pool (num_kv_blocks None on CUDA).
+    llm = LLM(_model(), num_speculative_tokens=2, device=device, num_kv_blocks=1024)
     # One prompt at a time, as the HTTP requests below run (same batch shapes on the GPU).
     return [llm.generate([p], SamplingParams(max_tokens=max_tokens, temperature=0))[0].text
             for p in prompts]

@@ -184,9 +184,10 @@ class EngineSettings(_Strict):
         "on CUDA, which never takes the padded gather; gather on CPU, measured faster there).")
     kv_cache_memory_fraction: float = Field(
         0.9, gt=0, le=1, description="CUDA, for a role whose num_kv_blocks is null: the share "
-        "of each GPU a rank may use in all (like vLLM's gpu_memory_utilization); its KV pool "
-        "gets what is left after the weights, a profiled prefill's peak activations, a "
-        "reserve for CUDA graphs and other processes' memory.")
+        "of its GPU reservation a rank may use in all (like vLLM's gpu_memory_utilization; "
+        "times gpus_per_rank when that is below 1); its KV pool gets what is left after the "
+        "weights, a profiled prefill's peak activations and a reserve for CUDA graphs, and "
+        "never more than the GPU has free.")
 
 
 class SpeculationSettings(_Strict):

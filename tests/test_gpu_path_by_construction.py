@@ -43,16 +43,23 @@ def test_auto_never_gives_cuda_the_padded_gather() -> None:
 
 def test_kv_blocks_for_memory_arithmetic() -> None:
     budget = KVMemoryBudget(total=140 * GiB, weights=15 * GiB, activations=2 * GiB,
-                            graphs=1 * GiB, staging=GiB // 2, other=GiB // 2)
+                            graphs=1 * GiB, staging=GiB // 2)
     per_block = 2 * 16 * 8 * 128 * 2 * 28  # 7B-like: 16 tokens, 8 KV heads, bf16, 28 layers
-    free = int(0.9 * 140 * GiB) - 19 * GiB
-    assert kv_blocks_for_memory(budget, 0.9, per_block) == free // per_block - 1
-    assert kv_blocks_for_memory(budget, 0.9, per_block, extra_blocks=0) == free // per_block
+    room = int(0.9 * 140 * GiB) - (15 * GiB + 3 * GiB + GiB // 2)
+    assert kv_blocks_for_memory(budget, 0.9, per_block) == room // per_block - 1
+    assert kv_blocks_for_memory(budget, 0.9, per_block, extra_blocks=0) == room // per_block
     # A larger fraction gives more blocks; what is accounted is never handed to the KV pool.
     assert kv_blocks_for_memory(budget, 0.95, per_block) > kv_blocks_for_memory(
         budget, 0.9, per_block)
+    # A GPU shared with another process: never more than is free beside what comes later.
+    shared = KVMemoryBudget(total=140 * GiB, weights=15 * GiB, activations=2 * GiB,
+                            graphs=1 * GiB, staging=GiB // 2, free=40 * GiB)
+    free_room = 40 * GiB - (3 * GiB + GiB // 2)
+    assert kv_blocks_for_memory(shared, 0.9, per_block) == free_room // per_block - 1
+    assert kv_blocks_for_memory(shared, 0.2, per_block) == (
+        int(0.2 * 140 * GiB) - 18 * GiB - GiB // 2) // per_block - 1  # own share binds
     with pytest.raises(ValueError, match="fewer than 8"):
-        kv_blocks_for_memory(budget, 0.13, per_block)  # 18.2 GiB < 19 GiB used
+        kv_blocks_for_memory(budget, 0.13, per_block)  # 18.2 GiB < 18.5 GiB used
     with pytest.raises(ValueError, match="expected"):
         kv_blocks_for_memory(budget, 1.5, per_block)
 
@@ -78,15 +85,12 @@ class _FixedMemory:
     """A device whose allocator reports given numbers (the sizing's inputs); the profiled
     forward itself really runs, on CPU."""
 
-    def __init__(self, total: int, free: int, reserved: int, peak_over: int) -> None:
-        self.total, self.free, self.res, self.peak_over = total, free, reserved, peak_over
+    def __init__(self, total: int, free: int, peak_over: int) -> None:
+        self.total, self.free, self.peak_over = total, free, peak_over
         self.calls: list[str] = []
 
     def info(self) -> tuple[int, int]:
         return self.free, self.total
-
-    def reserved(self) -> int:
-        return self.res
 
     def allocated(self) -> int:
         return 1000
@@ -104,14 +108,14 @@ class _FixedMemory:
 
 def test_size_kv_pool_profiles_then_accounts(tiny_qwen3) -> None:
     runner = ModelRunner(tiny_qwen3, 8, 4, decode_graphs=False)
-    mem = _FixedMemory(total=4 * GiB, free=3 * GiB, reserved=GiB // 2, peak_over=300 << 20)
+    mem = _FixedMemory(total=4 * GiB, free=3 * GiB, peak_over=300 << 20)
     blocks = runner.size_kv_pool(0.5, torch.float32, profile_tokens=64,
                                  graph_reserve_bytes=100 << 20, staging_bytes=50 << 20,
                                  memory=mem)
     weights = sum(t.numel() * t.element_size()
                   for t in (*runner.model.parameters(), *runner.model.buffers()))
     want = KVMemoryBudget(total=4 * GiB, weights=weights, activations=300 << 20,
-                          graphs=100 << 20, staging=50 << 20, other=GiB // 2)
+                          graphs=100 << 20, staging=50 << 20, free=3 * GiB)
     assert runner.kv_budget == want
     assert blocks == kv_blocks_for_memory(want, 0.5, kv_bytes_per_block(runner.config, 4,
                                                                         torch.float32))

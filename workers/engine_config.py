@@ -139,30 +139,36 @@ class KVMemoryBudget:
     weights: int  # parameters and buffers of the loaded model
     activations: int  # peak transient memory of the largest forward (a profiled prefill)
     graphs: int  # captured CUDA graphs' pool (or the reserve for them, before capture)
-    staging: int  # pinned-on-device staging: KV pull lanes, send buffers, NCCL buffers
-    other: int = 0  # what other processes already hold on the device
+    staging: int  # staging buffers on the device: KV pull lanes, send buffers, NCCL
+    free: int | None = None  # free device memory once the weights are loaded (None: all)
 
 
 def kv_blocks_for_memory(budget: KVMemoryBudget, fraction: float, bytes_per_block: int,
                          min_blocks: int = 8, extra_blocks: int = 1) -> int:
-    """KV blocks that fit in `fraction` of the device after everything else is accounted:
-    floor((fraction * total - weights - activations - graphs - staging - other)
-    / bytes_per_block) - extra_blocks, where `extra_blocks` are allocated next to the pool
-    but never handed out (KVCache's scratch block). Raises when fewer than `min_blocks`
-    fit: an engine that cannot hold one request must not start."""
+    """KV blocks this process may allocate: its own budget, `fraction * total` minus weights,
+    activations, graphs and staging (vLLM's gpu_memory_utilization: a share per process, so
+    other processes' memory does not count against it), and never more than the device has
+    free beside the activations, graphs and staging still to come (a GPU shared with another
+    process). `extra_blocks` are allocated next to the pool but never handed out (KVCache's
+    scratch block). Raises when fewer than `min_blocks` fit: an engine that cannot hold one
+    request must not start."""
     if not 0.0 < fraction <= 1.0:
         raise ValueError(f"kv_cache_memory_fraction {fraction}: expected (0, 1]")
-    used = budget.weights + budget.activations + budget.graphs + budget.staging + budget.other
-    free = int(fraction * budget.total) - used
-    blocks = max(free, 0) // bytes_per_block - extra_blocks
+    later = budget.activations + budget.graphs + budget.staging
+    used = budget.weights + later
+    room = int(fraction * budget.total) - used
+    if budget.free is not None:
+        room = min(room, budget.free - later)
+    blocks = max(room, 0) // bytes_per_block - extra_blocks
     if blocks < min_blocks:
         gib = 2**30
         raise ValueError(
             f"kv_cache_memory_fraction {fraction} of {budget.total / gib:.1f} GiB leaves "
-            f"{max(free, 0) / gib:.2f} GiB for the KV cache after {used / gib:.2f} GiB of "
-            f"weights, activations, graphs and staging: {blocks} blocks of "
-            f"{bytes_per_block} bytes, fewer than {min_blocks}; raise the fraction or set "
-            "num_kv_blocks")
+            f"{max(room, 0) / gib:.2f} GiB for the KV cache after {used / gib:.2f} GiB of "
+            f"weights, activations, graphs and staging"
+            + ("" if budget.free is None else f" ({budget.free / gib:.2f} GiB free)")
+            + f": {blocks} blocks of {bytes_per_block} bytes, fewer than {min_blocks}; "
+            "lower what shares the GPU, raise the fraction or set num_kv_blocks")
     return blocks
 
 

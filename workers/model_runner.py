@@ -91,7 +91,6 @@ class DeviceMemory(Protocol):
     """What KV sizing reads from a device's allocator (`ModelRunner.size_kv_pool`)."""
 
     def info(self) -> tuple[int, int]: ...  # (free, total) bytes of the device
-    def reserved(self) -> int: ...  # bytes this process's allocator holds
     def allocated(self) -> int: ...  # bytes in live tensors
     def reset_peak(self) -> None: ...
     def peak(self) -> int: ...  # most bytes in live tensors since reset_peak
@@ -106,9 +105,6 @@ class CUDAMemory:
 
     def info(self) -> tuple[int, int]:
         return torch.cuda.mem_get_info(self.device)
-
-    def reserved(self) -> int:
-        return torch.cuda.memory_reserved(self.device)
 
     def allocated(self) -> int:
         return torch.cuda.memory_allocated(self.device)
@@ -258,14 +254,12 @@ class ModelRunner:
                      memory: DeviceMemory | None = None) -> int:
         """KV blocks that fit in `fraction` of the device once the loaded weights, the peak
         of a profiled `profile_tokens`-token prefill (main + MTP, through a throwaway cache),
-        the graph reserve, the staging buffers and other processes' memory are accounted
-        (`kv_blocks_for_memory`). Records the budget in `self.kv_budget`. `memory`: how the
+        the graph reserve and the staging buffers are accounted, within what the device has
+        free (`kv_blocks_for_memory`). Records the budget in `self.kv_budget`. `memory`: how the
         device's memory is read (default: CUDA's allocator)."""
         mem = memory or CUDAMemory(self.device)
         mem.empty_cache()
-        free, total = mem.info()
-        # Memory this process does not hold through torch (other processes, CUDA contexts).
-        other = total - free - mem.reserved()
+        free, total = mem.info()  # the weights are loaded: free is what is left beside them
         weights = sum(t.numel() * t.element_size()
                       for t in (*self.model.parameters(), *self.model.buffers()))
         per_block = kv_bytes_per_block(self.config, self.block_size, dtype)
@@ -288,7 +282,7 @@ class ModelRunner:
         mem.empty_cache()
         self.kv_budget = KVMemoryBudget(total=total, weights=weights, activations=activations,
                                         graphs=graph_reserve_bytes, staging=staging_bytes,
-                                        other=max(other, 0))
+                                        free=free)
         blocks = kv_blocks_for_memory(self.kv_budget, fraction, per_block)
         tp = get_tp()
         if tp.size > 1:  # one block table serves every rank: the smallest pool of the group

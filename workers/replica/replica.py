@@ -56,7 +56,9 @@ class EngineReplica:
             draft_vocab_size=cfg.speculation.draft_vocab_size, compile=cfg.engine.compile,
             compile_cache_dir=cfg.engine.compile_cache_dir,
             attention_backend=cfg.engine.attention_backend,
-            kv_cache_memory_fraction=cfg.engine.kv_cache_memory_fraction,
+            # Of the rank's share of its GPU: two ranks at 0.5 GPU each split one device.
+            kv_cache_memory_fraction=cfg.engine.kv_cache_memory_fraction
+            * min(1.0, side.gpus_per_rank or 1.0),
             kv_secret=getattr(kv, "secret", None),
         )
         self.driver, self.workers, self.kv_addresses = start_group(
