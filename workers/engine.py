@@ -62,7 +62,12 @@ class Engine:
             attention_backend=resolve_attention_backend(config.attention_backend,
                                                         config.device),
             num_state_slots=config.max_num_seqs,
+            kv_cache_memory_fraction=config.kv_cache_memory_fraction,
+            profile_tokens=config.max_num_batched_tokens,
         )
+        if config.num_kv_blocks is None:  # CUDA: the runner sized the pool from memory
+            self.config = config = dataclasses.replace(
+                config, num_kv_blocks=self.runner.kv_cache.num_blocks)
         mcfg = self.runner.config
         self.model_config = mcfg
         self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings,

@@ -31,13 +31,18 @@ _HIDDEN = {None: 0, "main": 1, "mtp": 2}
 # Every field of ForwardBatch must travel: a field added there and not here would let ranks
 # run different forwards, so the encoder refuses to run until it is taught the new field.
 _ENCODED_FIELDS = ("kind", "input_ids", "start_positions", "block_tables", "logit_rows",
-                   "module", "hidden_from", "hidden_rows")
+                   "module", "hidden_from", "hidden_rows", "state_slots", "device_ids")
+# Fields a TP group never sees set: hybrid models (state slots) are refused under TP, and the
+# driver asks for host ids (`accepts_device_ids` is False), so these stay on one process.
+_LOCAL_ONLY = ("state_slots", "device_ids")
 
 
 def encode_batch(b: ForwardBatch) -> list[int]:
     """A ForwardBatch as a flat int list: fields, per-row lengths, then the row contents."""
     assert tuple(f.name for f in dataclasses.fields(b)) == _ENCODED_FIELDS, (
         "ForwardBatch changed: teach workers/replica/control_plane.py its new fields")
+    assert all(getattr(b, name) is None for name in _LOCAL_ONLY), (
+        "a TP forward with single-process fields set")
     B = len(b.input_ids)
     has_hidden = 1 if b.hidden_rows else 0
     out = [_KINDS[b.kind], b.module, _HIDDEN[b.hidden_from], B, len(b.logit_rows), has_hidden]
