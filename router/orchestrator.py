@@ -193,13 +193,36 @@ class DisaggOrchestrator:
                 # prefill replica's blocks now rather than at hold_ttl_s.
                 self._release(params)
 
+    def counters(self) -> dict[str, int]:
+        """This ingress replica's totals (each ingress replica pushes its own to the metrics
+        hub; /metrics and the stats endpoint sum them over replicas)."""
+        return {"num_migrations": self.num_migrations,
+                "num_prefill_retries": self.num_prefill_retries,
+                "num_kv_recomputes": self.num_kv_recomputes,
+                "num_busy_retries": self.num_busy_retries}
+
+    async def stats(self) -> dict:
+        # One sample per call; with several replicas Serve routes each call to one of them.
+        timeout = self.config.stall_timeout_s
+        p, d = await asyncio.wait_for(asyncio.gather(
+            _await(self.prefill.stats.remote()), _await(self.decode.stats.remote())), timeout)
+        return {"prefill": p, "decode": d, "orchestrator": self.counters()}
+
+    async def kv_probe(self, num_bytes: int) -> dict:
+        """Raw send/recv of num_bytes between a prefill rank-0 sender and a decode rank 0,
+        on the channel KV pulls use."""
+        timeout = self.config.stall_timeout_s + self.config.kv_timeout_s
+        p = await asyncio.wait_for(_await(self.prefill.stats.remote()), timeout)
+        return await asyncio.wait_for(
+            _await(self.decode.kv_probe.remote(p["kv_addresses"][0], num_bytes)), timeout)
+
+    # Prefill ---------------------------------------------------------------------------------
     async def _prefill(self, request: GenerateRequest, deadline: float
                        ) -> tuple[TokenChunk, KVTransferParams | None] | None:
         """The first token and the held KV's params from a prefill replica, retried once;
-        None: recompute on decode. Each
-        attempt has its own request id (`#p{n}` after the first), so a retry that lands on
-        the replica still cleaning up the first attempt is neither refused as a duplicate nor
-        able to free that attempt's hold."""
+        None: recompute on decode. Each attempt has its own request id (`#p{n}` after the
+        first), so a retry that lands on the replica still cleaning up the first attempt is
+        neither refused as a duplicate nor able to free that attempt's hold."""
         for attempt in range(2):
             attempt_request = request if attempt == 0 else dataclasses.replace(
                 request, request_id=f"{request.request_id}#p{attempt}")
