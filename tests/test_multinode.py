@@ -35,6 +35,8 @@ def ray_nodes(head: dict[str, float], nodes: list[dict[str, float]]) -> Iterator
     stopped (Serve first)."""
     from ray.cluster_utils import Cluster
 
+    if ray.is_initialized():  # an earlier module's in-process replica auto-started Ray
+        ray.shutdown()
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": head})
     added = [cluster.add_node(num_cpus=1, resources=r) for r in nodes]
     try:
