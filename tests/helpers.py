@@ -54,3 +54,32 @@ def run_to_completion(eng: Engine, prompts: Sequence[list[int]],
             for i, (p, sp) in enumerate(zip(prompts, each, strict=True))]
     drain(eng, check_blocks)
     return [r.output_token_ids for r in reqs]
+
+
+def assert_mtp_steps_match_reference(ref, mtp_ref, ours, ids, n: int, tol: float = 1e-4):
+    """Our main hidden states and two MTP draft steps (the second reusing module 0, fed the
+    last post-norm output and the first draft) equal transformers' model `ref` and its
+    `MtpModel` `mtp_ref` on the first `n` tokens of `ids`, within `tol`. Returns the
+    reference's first-step draft logits."""
+    import torch
+
+    pos = torch.arange(n).unsqueeze(0)
+    with torch.no_grad():
+        h_ref = ref.model(ids[:, :n]).last_hidden_state
+        h = ours(ids[:, :n], pos)
+        assert (h - h_ref).abs().max().item() <= tol
+        out_ref = mtp_ref.forward_layer(0, h_ref, pos, None, input_ids=ids[:, 1:n + 1])
+        out = ours.forward_mtp(0, ids[:, 1:n + 1], h, pos)
+        logits = ours.compute_mtp_logits(0, out)
+        logits_ref = mtp_ref._project_to_logits(out_ref)
+        assert (logits - logits_ref).abs().max().item() <= tol
+        d1 = logits[:, -1].argmax(-1, keepdim=True)
+        prev_ref = torch.cat([h_ref, out_ref[:, -1:]], dim=1)
+        prev = torch.cat([h, out[:, -1:]], dim=1)
+        toks = torch.cat([ids[:, 1:n + 1], d1], dim=1)
+        pos2 = torch.arange(n + 1).unsqueeze(0)
+        step_ref = mtp_ref._project_to_logits(
+            mtp_ref.forward_layer(0, prev_ref, pos2, None, input_ids=toks))
+        step = ours.compute_mtp_logits(0, ours.forward_mtp(0, toks, prev, pos2))
+        assert (step - step_ref).abs().max().item() <= tol
+    return logits_ref

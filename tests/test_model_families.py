@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from helpers import assert_mtp_steps_match_reference
 from tiny_models import HF_FAMILIES, make_hf_checkpoint
 from tiny_tokenizer import VOCAB_SIZE, make_tokenizer
 
@@ -226,27 +227,7 @@ def test_mtp_draft_logits_match_transformers_mtp_model(ckpt, family) -> None:
     assert type(ours.mtp[0].block.mlp).__name__ == "MoE"
     ids = torch.randint(0, 256, (1, 21), generator=torch.Generator().manual_seed(2))
     n = 19
-    pos = torch.arange(n).unsqueeze(0)
-    with torch.no_grad():
-        h_ref = ref.model(ids[:, :n]).last_hidden_state
-        h = ours(ids[:, :n], pos)
-        assert (h - h_ref).abs().max().item() <= 1e-4
-        out_ref = mtp_ref.forward_layer(0, h_ref, pos, None, input_ids=ids[:, 1:n + 1])
-        out = ours.forward_mtp(0, ids[:, 1:n + 1], h, pos)
-        logits_ref = mtp_ref._project_to_logits(out_ref)
-        logits = ours.compute_mtp_logits(0, out)
-        assert (logits - logits_ref).abs().max().item() <= 1e-4
-        # Step 2 (k = 2, module reused): one more entry, fed the last post-norm output and
-        # the first draft.
-        d1 = logits[:, -1].argmax(-1, keepdim=True)
-        prev_ref = torch.cat([h_ref, out_ref[:, -1:]], dim=1)
-        prev = torch.cat([h, out[:, -1:]], dim=1)
-        toks = torch.cat([ids[:, 1:n + 1], d1], dim=1)
-        pos2 = torch.arange(n + 1).unsqueeze(0)
-        step_ref = mtp_ref._project_to_logits(
-            mtp_ref.forward_layer(0, prev_ref, pos2, None, input_ids=toks))
-        step = ours.compute_mtp_logits(0, ours.forward_mtp(0, toks, prev, pos2))
-        assert (step - step_ref).abs().max().item() <= 1e-4
+    logits_ref = assert_mtp_steps_match_reference(ref, mtp_ref, ours, ids, n)
 
     # The same draft logits through the paged cache (prefill, then MTP over its rows).
     runner = ModelRunner(path, num_blocks=16, block_size=8)

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from helpers import assert_mtp_steps_match_reference
 from safetensors.torch import load_file, save_file
 from tiny_tokenizer import VOCAB_SIZE, make_tokenizer
 
@@ -183,25 +184,7 @@ def test_mtp_draft_logits_match_transformers_mtp_model(ckpt) -> None:
     assert type(ours.mtp[0].block.mlp).__name__ == "MoE"
     ids = torch.randint(0, VOCAB_SIZE, (1, 90), generator=torch.Generator().manual_seed(2))
     n = 88
-    pos = torch.arange(n).unsqueeze(0)
-    with torch.no_grad():
-        h_ref = ref.model(ids[:, :n]).last_hidden_state
-        h = ours(ids[:, :n], pos)
-        assert (h - h_ref).abs().max().item() <= 1e-4
-        out_ref = mtp_ref.forward_layer(0, h_ref, pos, None, input_ids=ids[:, 1:n + 1])
-        out = ours.forward_mtp(0, ids[:, 1:n + 1], h, pos)
-        logits_ref = mtp_ref._project_to_logits(out_ref)
-        logits = ours.compute_mtp_logits(0, out)
-        assert (logits - logits_ref).abs().max().item() <= 1e-4
-        d1 = logits[:, -1].argmax(-1, keepdim=True)
-        prev_ref = torch.cat([h_ref, out_ref[:, -1:]], dim=1)
-        prev = torch.cat([h, out[:, -1:]], dim=1)
-        toks = torch.cat([ids[:, 1:n + 1], d1], dim=1)
-        pos2 = torch.arange(n + 1).unsqueeze(0)
-        step_ref = mtp_ref._project_to_logits(
-            mtp_ref.forward_layer(0, prev_ref, pos2, None, input_ids=toks))
-        step = ours.compute_mtp_logits(0, ours.forward_mtp(0, toks, prev, pos2))
-        assert (step - step_ref).abs().max().item() <= 1e-4
+    logits_ref = assert_mtp_steps_match_reference(ref, mtp_ref, ours, ids, n)
     runner = ModelRunner(ckpt, num_blocks=16, block_size=8, num_state_slots=2)
     table = [list(range(12))]
     runner.execute(ForwardBatch("main", [ids[0, :n].tolist()], [0], table, [n - 1],
