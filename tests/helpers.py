@@ -83,3 +83,15 @@ def assert_mtp_steps_match_reference(ref, mtp_ref, ours, ids, n: int, tol: float
         step = ours.compute_mtp_logits(0, ours.forward_mtp(0, toks, prev, pos2))
         assert (step - step_ref).abs().max().item() <= tol
     return logits_ref
+
+
+def hf_greedy(ref, prompt: list[int], n: int) -> list[int]:
+    """`n` greedy tokens of transformers' model `ref` after `prompt`, without its KV cache
+    (a full forward per token: the plainest reference)."""
+    import torch
+
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(ref(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from helpers import assert_mtp_steps_match_reference
+from helpers import assert_mtp_steps_match_reference, hf_greedy
 from tiny_models import HF_FAMILIES, make_hf_checkpoint
 from tiny_tokenizer import VOCAB_SIZE, make_tokenizer
 
@@ -239,14 +239,6 @@ def test_mtp_draft_logits_match_transformers_mtp_model(ckpt, family) -> None:
     assert (paged - logits_ref[0]).abs().max().item() <= 1e-4
 
 
-def _hf_greedy(ref, prompt: list[int], n: int) -> list[int]:
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            ids.append(int(ref(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
-
-
 @pytest.mark.parametrize("family,num_mtp", [("glm4_moe", 1), ("qwen3_moe", 0),
                                              ("deepseek_v3", 1)])
 def test_greedy_with_drafts_equals_plain_and_transformers(ckpt, family, num_mtp) -> None:
@@ -257,7 +249,7 @@ def test_greedy_with_drafts_equals_plain_and_transformers(ckpt, family, num_mtp)
     ref = _reference(path, family)
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(3, VOCAB_SIZE, (n,), generator=g).tolist() for n in (7, 19)]
-    want = [_hf_greedy(ref, p, 16) for p in prompts]
+    want = [hf_greedy(ref, p, 16) for p in prompts]
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     for k in range(4 if num_mtp else 1):
         llm = LLM(str(path), num_speculative_tokens=k, num_kv_blocks=64, block_size=4)

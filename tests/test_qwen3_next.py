@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from helpers import assert_mtp_steps_match_reference
+from helpers import assert_mtp_steps_match_reference, hf_greedy
 from safetensors.torch import load_file, save_file
 from tiny_tokenizer import VOCAB_SIZE, make_tokenizer
 
@@ -195,14 +195,6 @@ def test_mtp_draft_logits_match_transformers_mtp_model(ckpt) -> None:
     assert (paged - logits_ref[0]).abs().max().item() <= 1e-4
 
 
-def _hf_greedy(ref, prompt: list[int], n: int) -> list[int]:
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            ids.append(int(ref(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
-
-
 def _assert_slots_free(llm) -> None:
     bm = llm.engine.block_manager
     stats = llm.engine.stats()
@@ -220,7 +212,7 @@ def greedy_want(ckpt) -> tuple[list[list[int]], list[list[int]]]:
     ref = _reference(ckpt)
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(3, VOCAB_SIZE, (n,), generator=g).tolist() for n in PROMPT_LENS]
-    return prompts, [_hf_greedy(ref, p, 12) for p in prompts]
+    return prompts, [hf_greedy(ref, p, 12) for p in prompts]
 
 
 def test_greedy_with_drafts_equals_plain_and_transformers(ckpt, greedy_want) -> None:
