@@ -451,13 +451,6 @@ class ClusterConfig(_Strict):
                     f"{mcfg.model_type} is a hybrid (linear-attention) model: disaggregated "
                     "serving needs its recurrent state transferred from prefill to decode, "
                     "which is not built; serve it offline (LLM / mtpserve generate)")
-            if mcfg.mla is not None and max(self.prefill.tp_size, self.decode.tp_size) > 1:
-                # KV transfer splits the cache by heads; MLA's latent has none (every rank
-                # holds it whole), which the transfer cannot express yet.
-                raise ValueError(
-                    f"{mcfg.model_type} (MLA) with prefill.tp_size={self.prefill.tp_size}, "
-                    f"decode.tp_size={self.decode.tp_size}: MLA is served with TP 1 only "
-                    "(the KV transfer of its replicated latent is not built)")
             heads = hf.get("num_attention_heads")
             kv_heads = hf.get("num_key_value_heads", heads)
             for role, tp in (("prefill", self.prefill.tp_size), ("decode", self.decode.tp_size)):

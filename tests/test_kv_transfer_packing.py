@@ -91,8 +91,10 @@ def test_payload_carries_kv_and_extras_in_one_buffer(with_extras):
 
 def test_head_range_and_invalid_tp():
     assert [head_range(8, 4, r) for r in range(4)] == [(0, 2), (2, 4), (4, 6), (6, 8)]
-    with pytest.raises(ValueError, match="must divide"):
-        head_range(2, 4, 0)  # tp > num_kv_heads
+    # tp > heads: replicated, rank r holds head r*H//tp (MLA's one-"head" latent)
+    assert [head_range(2, 4, r) for r in range(4)] == [(0, 1), (0, 1), (1, 2), (1, 2)]
+    with pytest.raises(ValueError, match="must be a multiple"):
+        head_range(2, 3, 0)
     with pytest.raises(ValueError, match="must divide"):
         head_range(6, 4, 0)
     with pytest.raises(ValueError, match="not in a TP group"):
@@ -124,4 +126,4 @@ def test_pull_plans_cover_every_head_exactly_once():
             ]
             assert heads == list(range(8)), (src_tp, dst_tp)
     with pytest.raises(ValueError):
-        pull_plan(4, 1, 8, 0)
+        pull_plan(4, 1, 6, 0)

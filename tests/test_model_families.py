@@ -395,12 +395,16 @@ def test_disaggregated_equals_offline(ckpt, family) -> None:
         shutdown(p, d)
 
 
-def test_mla_refused_with_tp_in_cluster_config(ckpt) -> None:
+def test_mla_accepted_with_tp_in_cluster_config(ckpt) -> None:
+    """MLA under TP in a cluster: the latent is replicated on every rank and re-sharding
+    copies it whole (tests/test_mla_transfer.py, tests/test_pd_families.py); a TP size that
+    does not divide the heads is still refused."""
     from mtpserve.cluster.config import ClusterConfig
 
-    with pytest.raises(ValueError, match="MLA is served with TP 1 only"):
-        ClusterConfig(model=str(ckpt("deepseek_v3", "deepseek_v3", num_mtp=1)),
-                      decode={"tp_size": 2})
+    path = str(ckpt("deepseek_v3", "deepseek_v3", num_mtp=1))
+    ClusterConfig(model=path, prefill={"tp_size": 2}, decode={"tp_size": 4})
+    with pytest.raises(ValueError, match="decode.tp_size=3 must divide"):
+        ClusterConfig(model=path, decode={"tp_size": 3})
 
 
 @pytest.mark.parametrize("family", ["glm4_moe", "deepseek_v3"])

@@ -8,8 +8,10 @@ Protocol (pull, driven by the decode side):
 3. `pull(request, heads)`: pull message → reply with shapes (or an error: unknown request) →
    packed KV blocks for those heads + MTP extras as raw bytes → ack. Control messages go
    through the store, bulk bytes through the group, one ordered stream per pair.
-4. The sender releases a hold (`on_release`) when all its heads are acked, on TTL expiry or on
-   failure. Any timeout breaks the channel; the next pull rebuilds it under a new generation.
+4. The sender releases a hold (`on_release`) when all its heads are acked (a replicated
+   cache's by every decode rank that pulls it from this rank), on TTL expiry, on a `drop`
+   or on failure. Any timeout breaks the channel; the next pull rebuilds it under a new
+   generation.
 5. `probe(address, num_bytes)`: probe message → ok reply → `num_bytes` raw bytes, on the same
    pair and timed like a pull (request → last byte), so benchmarks can compare achieved KV
    bandwidth (receiver stats: bytes_received / pull_seconds) with the channel's raw rate.

@@ -48,9 +48,10 @@ class Exchange:
         with_extras: bool,
         buffer: torch.Tensor | None = None,
         skip_blocks: int = 0,
+        copies: int = 1,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """(kv, extras) of the request's `heads`, acked; see `KVReceiver.pull` for `buffer`
-        and `skip_blocks`."""
+        """(kv, extras) of the request's `heads`, acked; see `KVReceiver.pull` for `buffer`,
+        `skip_blocks` and `copies`."""
         channel = self.channel
         head_start, head_end = heads
         what = f"request {request_id!r}"
@@ -59,7 +60,7 @@ class Exchange:
             return self._left(f"the pull of {what}", what)
 
         header = {"head_start": head_start, "head_end": head_end, "extras": with_extras,
-                  "skip_blocks": skip_blocks}
+                  "skip_blocks": skip_blocks, "copies": copies}
         t0 = time.perf_counter()  # request -> last byte, the same span a probe times
         channel.put({"op": "pull", "request_id": request_id, **header})
         reply = channel.take(left(), f"the reply to the pull of {what}")

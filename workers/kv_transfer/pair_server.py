@@ -118,7 +118,9 @@ class PairServer:
         head_start, head_end = int(msg["head_start"]), int(msg["head_end"])
         # Leading blocks the decode replica already caches (prefix caching): not sent.
         skip = int(msg.get("skip_blocks", 0))
-        held, error = sender._begin_pull(request_id, head_start, head_end)
+        # Decode ranks pulling these heads from this rank (> 1: a replicated cache).
+        copies = max(1, int(msg.get("copies", 1)))
+        held, error = sender._begin_pull(request_id, head_start, head_end, copies)
         if held is not None and not 0 <= skip < len(held.block_ids):
             sender._finish_pull(request_id, held, range(0), False, 0)
             held, error = None, f"cannot skip {skip} of {len(held.block_ids)} blocks"

@@ -27,7 +27,7 @@ from mtpserve.workers.kv_transfer.channel import (
 )
 from mtpserve.workers.kv_transfer.deadlines import call_bounded, remaining
 from mtpserve.workers.kv_transfer.exchanges import Exchange, IdlePairClosed
-from mtpserve.workers.kv_transfer.mailbox import MAILBOX, post
+from mtpserve.workers.kv_transfer.mailbox import MAILBOX, post, post_to_senders
 
 _CLOSE_TIMEOUT_S = 1.0  # a goodbye to a frozen sender must not hang our shutdown for long
 _T = TypeVar("_T")
@@ -97,6 +97,7 @@ class KVReceiver:
         self.backend = backend
         self._device = torch.device(device)
         self._interface = interface
+        self._secret = secret
         self._auth = KVAuth(secret)  # senders with the deployment's secret refuse unsigned
         self._lock = threading.Lock()
         self._links: dict[str, _Link] = {}
@@ -118,6 +119,7 @@ class KVReceiver:
         with_extras: bool = True,
         buffer: torch.Tensor | None = None,
         skip_blocks: int = 0,
+        copies: int = 1,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Fetch global KV heads [head_start, head_end) of a held request and ack it.
 
@@ -126,15 +128,25 @@ class KVReceiver:
         (uint8 on this device) the bytes land in its prefix when they fit, so a caller that
         pulls one request after another allocates nothing; the results are then views into
         `buffer`, valid until the caller reuses it. `skip_blocks`: leading blocks this side
-        already holds (its prefix cache); only the blocks after them travel.
+        already holds (its prefix cache); only the blocks after them travel. `copies`: how
+        many decode ranks pull these heads from this sender (a replicated cache, see
+        resharding.py); the sender keeps the hold until that many acks came.
         """
         heads = (head_start, head_end)
         what = f"the pull of request {request_id!r} from {sender_address}"
 
         def op(exchange: Exchange, link: _Link) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-            return exchange.pull(request_id, heads, with_extras, buffer, skip_blocks)
+            return exchange.pull(request_id, heads, with_extras, buffer, skip_blocks, copies)
 
         return self._exchange(sender_address, what, timeout_s, op, "failures")
+
+    def drop(self, sender_address: str, request_id: str, timeout_s: float = 5.0) -> bool:
+        """Tell a sender that this decode group will not pull its hold of `request_id` (a
+        replica of a replicated cache that another prefill rank served): a signed `drop` in
+        its mailbox, posted on a store client of its own (a link's client may be waiting on a
+        pull). True if the post went through within `timeout_s`."""
+        return post_to_senders([sender_address], {"op": "drop", "request_id": request_id},
+                               timeout_s, self._secret)
 
     def probe(self, sender_address: str, num_bytes: int, timeout_s: float = 30.0) -> dict[str, Any]:
         """Raw bandwidth of the channel KV pulls use: `num_bytes` bytes, no packing, no ack.

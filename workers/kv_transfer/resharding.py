@@ -1,11 +1,24 @@
 """KV-head re-sharding between prefill and decode tensor-parallel groups.
 
-With TP size `tp`, rank r holds the global KV heads [r*H/tp, (r+1)*H/tp). A decode rank pulls
-exactly its own head range, from every prefill rank whose range overlaps it.
+With TP size `tp` over a cache of H heads, rank r holds the global KV heads
+[r*H/tp, (r+1)*H/tp). A cache with fewer heads than ranks is replicated: rank r holds head
+r*H//tp, the same head as the tp/H - 1 ranks next to it. MLA's latent is such a cache (one
+"head", `ModelConfig.num_cache_heads` == 1): every rank holds the whole latent, as vLLM and
+SGLang shard MLA (heads split in the projections, the compressed cache replicated). GQA never
+gets there (TP must divide its KV heads, `cluster/config.py`).
+
+A decode rank pulls exactly its own heads. Each head range comes from one of the prefill ranks
+holding it: the j-th decode replica of a head pulls from the (j mod n)-th of the n prefill
+replicas, so the prefill side's load is spread and every byte travels once per decode rank
+that needs it. A pull tells its sender how many decode ranks pull those heads from it
+(`HeadPull.copies`): the sender keeps the hold until that many acks came. Prefill replicas
+that no decode rank pulls from (prefill TP > decode TP over a replicated cache) are told to
+drop their holds once the pull succeeded (`unpulled_sources`).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -16,27 +29,51 @@ import torch
 if TYPE_CHECKING:
     from mtpserve.workers.kv_transfer.receiver import KVReceiver
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class HeadPull:
-    """Pull global KV heads [head_start, head_end) from prefill rank `src_rank`."""
+    """Pull global KV heads [head_start, head_end) from prefill rank `src_rank`; `copies`
+    decode ranks pull the same heads from it (1 unless the cache is replicated)."""
 
     src_rank: int
     head_start: int
     head_end: int
+    copies: int = 1
 
 
 def head_range(num_kv_heads: int, tp_size: int, rank: int) -> tuple[int, int]:
-    """Global KV heads [start, end) held by `rank` of a TP group of `tp_size`."""
+    """Global KV heads [start, end) held by `rank` of a TP group of `tp_size` (one head,
+    replicated, when the group has more ranks than the cache has heads)."""
     if tp_size < 1 or not 0 <= rank < tp_size:
         raise ValueError(f"rank {rank} is not in a TP group of size {tp_size}")
-    if tp_size > num_kv_heads or num_kv_heads % tp_size != 0:
-        raise ValueError(
-            f"TP size {tp_size} must divide the {num_kv_heads} KV heads "
-            "(KV-head replication for TP > num_kv_heads is not supported)"
-        )
+    if tp_size > num_kv_heads:
+        if tp_size % num_kv_heads:
+            raise ValueError(f"TP size {tp_size} must be a multiple of the {num_kv_heads} "
+                             "KV heads it replicates")
+        head = rank * num_kv_heads // tp_size
+        return head, head + 1
+    if num_kv_heads % tp_size:
+        raise ValueError(f"TP size {tp_size} must divide the {num_kv_heads} KV heads")
     per_rank = num_kv_heads // tp_size
     return rank * per_rank, (rank + 1) * per_rank
+
+
+def holders(num_kv_heads: int, tp_size: int, head: int) -> list[int]:
+    """Ranks of a TP group of `tp_size` that hold global KV head `head`, in rank order."""
+    return [r for r in range(tp_size)
+            if head_range(num_kv_heads, tp_size, r)[0] <= head < head_range(
+                num_kv_heads, tp_size, r)[1]]
+
+
+def _source(num_kv_heads: int, src_tp: int, dst_tp: int, dst_rank: int, head: int
+            ) -> tuple[int, int]:
+    """(prefill rank that decode rank `dst_rank` pulls `head` from, decode ranks that pull
+    `head` from that same prefill rank)."""
+    src, dst = holders(num_kv_heads, src_tp, head), holders(num_kv_heads, dst_tp, head)
+    j = dst.index(dst_rank) % len(src)
+    return src[j], sum(1 for i in range(len(dst)) if i % len(src) == j)
 
 
 def pull_plan(num_kv_heads: int, src_tp: int, dst_tp: int, dst_rank: int) -> list[HeadPull]:
@@ -44,15 +81,34 @@ def pull_plan(num_kv_heads: int, src_tp: int, dst_tp: int, dst_rank: int) -> lis
 
     Ordered by head, so concatenating the pulled slices along the head axis gives the decode
     rank's local KV. src_tp < dst_tp: one pull of a sub-range; == : one full pull; > : several.
+    A replicated cache: one pull of the rank's head from one of its prefill replicas.
     """
-    dst_start, dst_end = head_range(num_kv_heads, dst_tp, dst_rank)
-    plan = []
-    for src_rank in range(src_tp):
-        src_start, src_end = head_range(num_kv_heads, src_tp, src_rank)
-        start, end = max(dst_start, src_start), min(dst_end, src_end)
-        if start < end:
-            plan.append(HeadPull(src_rank, start, end))
+    plan: list[HeadPull] = []
+    for head in range(*head_range(num_kv_heads, dst_tp, dst_rank)):
+        src, copies = _source(num_kv_heads, src_tp, dst_tp, dst_rank, head)
+        last = plan[-1] if plan else None
+        if last and last.src_rank == src and last.head_end == head and last.copies == copies:
+            plan[-1] = HeadPull(src, last.head_start, head + 1, copies)
+        else:
+            plan.append(HeadPull(src, head, head + 1, copies))
     return plan
+
+
+def unpulled_sources(num_kv_heads: int, src_tp: int, dst_tp: int, dst_rank: int) -> list[int]:
+    """Prefill ranks that no decode rank pulls from and whose holds decode rank `dst_rank`
+    drops (each such rank is assigned to one decode rank that needs its head). Empty unless
+    the cache is replicated and src_tp > dst_tp."""
+    pulled = {p.src_rank for r in range(dst_tp)
+              for p in pull_plan(num_kv_heads, src_tp, dst_tp, r)}
+    mine = []
+    for s in range(src_tp):
+        if s in pulled:
+            continue
+        head = head_range(num_kv_heads, src_tp, s)[0]
+        src, dst = holders(num_kv_heads, src_tp, head), holders(num_kv_heads, dst_tp, head)
+        if dst[src.index(s) % len(dst)] == dst_rank:
+            mine.append(s)
+    return mine
 
 
 def pull_slices(
@@ -74,7 +130,8 @@ def pull_slices(
     before each pull (see `KVReceiver.pull`), so a consumer may swap it between steps.
     """
     deadline = time.monotonic() + timeout_s
-    plan = pull_plan(num_kv_heads, len(sender_addresses), dst_tp, dst_rank)
+    src_tp = len(sender_addresses)
+    plan = pull_plan(num_kv_heads, src_tp, dst_tp, dst_rank)
     for i, step in enumerate(plan):
         kv, extras = receiver.pull(
             sender_addresses[step.src_rank],
@@ -85,8 +142,16 @@ def pull_slices(
             with_extras=i == 0,
             buffer=buffer(),
             skip_blocks=skip_blocks,
+            copies=step.copies,
         )
         yield step, kv, extras
+    # A replicated cache's prefill replicas that nobody pulls from (best effort: their TTL
+    # frees them otherwise).
+    for src in unpulled_sources(num_kv_heads, src_tp, dst_tp, dst_rank):
+        if not receiver.drop(sender_addresses[src], request_id,
+                             max(deadline - time.monotonic(), 1.0)):
+            logger.warning("could not drop the unpulled hold of %r on prefill rank %d; its "
+                           "TTL frees it", request_id, src)
 
 
 def pull_resharded(

@@ -72,7 +72,10 @@ class Held:
     num_heads: int
     extras: dict[str, torch.Tensor]  # MTP seed state, replicated across ranks
     deadline: float  # time.monotonic()
-    acked_heads: set[int] = field(default_factory=set)
+    # Acks per global head; a replicated cache's head is pulled by `copies` decode ranks
+    # (the pulls say how many, resharding.py), so the hold waits for that many acks of each.
+    acks: dict[int, int] = field(default_factory=dict)
+    copies: int = 1
     in_flight: int = 0
     failed: bool = False
     # (payload, kv view, extras meta) of all held heads + extras, packed right after the hold,
@@ -402,9 +405,10 @@ class KVSender:
     # -- called by pair threads (pair_server.py) -------------------------------------------------
 
     def _begin_pull(
-        self, request_id: str, head_start: int, head_end: int
+        self, request_id: str, head_start: int, head_end: int, copies: int = 1
     ) -> tuple[Held | None, str | None]:
-        """(the hold, None) with a transfer of it now in flight, or (None, why it is refused)."""
+        """(the hold, None) with a transfer of it now in flight, or (None, why it is refused).
+        `copies`: how many decode ranks pull these heads from this rank (see `Held.acks`)."""
         with self._lock:
             held = self._holds.get(request_id)
             if held is None:
@@ -416,6 +420,7 @@ class KVSender:
                 )
             else:
                 held.in_flight += 1  # _finish_pull ends it
+                held.copies = max(held.copies, copies)
                 return held, None
             self._stats["pulls_rejected"] += 1
         return None, error
@@ -437,12 +442,14 @@ class KVSender:
         with self._lock:
             held.in_flight -= 1
             if acked:
-                held.acked_heads.update(heads)
+                for h in heads:
+                    held.acks[h] = held.acks.get(h, 0) + 1
                 self._stats["transfers"] += 1
                 self._stats["bytes_sent"] += nbytes
             else:
                 held.failed = True  # the decode group cannot use the request any more
-            done = len(held.acked_heads) == held.num_heads
+            done = all(held.acks.get(h, 0) >= held.copies
+                       for h in range(held.head_start, held.head_start + held.num_heads))
             self._lock.notify_all()  # an expiry that waited for this transfer may be due
             if (done or held.failed) and held.in_flight == 0:
                 if self._holds.get(request_id) is held:
