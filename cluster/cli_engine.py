@@ -39,6 +39,9 @@ def add_commands(sub: argparse._SubParsersAction, bench: argparse._SubParsersAct
     p.add_argument("--json", action="store_true", help="one JSON object per prompt")
     p.add_argument("--keep-special-tokens", action="store_true",
                    help="keep special tokens (EOS) in the text; the server drops them")
+    p.add_argument("--token-healing", action=argparse.BooleanOptionalAction, default=None,
+                   help="heal the prompt's trailing token(s) as the server does; default: the "
+                   "model's (on for the embedded model: a line-break tail only)")
     p.set_defaults(func=_generate)
 
     p = bench.add_parser("engine", help="engine tokens/s vs transformers.generate, per k")
@@ -122,7 +125,8 @@ def _generate(args: argparse.Namespace) -> int:
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                             min_tokens=args.min_tokens, stop_token_ids=args.stop_token_ids,
                             logprobs=args.logprobs)
-    for res in llm.generate(prompts, params, skip_special_tokens=not args.keep_special_tokens):
+    for res in llm.generate(prompts, params, skip_special_tokens=not args.keep_special_tokens,
+                            token_healing=args.token_healing):
         if args.json:
             print(json.dumps(res.to_json()))
         else:

@@ -28,6 +28,7 @@ from mtpserve.router.protocol import (
 from mtpserve.router.types import Orchestrator
 from mtpserve.workers.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from mtpserve.workers.messages import ERROR_REQUEST, GenerateRequest, TokenChunk, TokenLogprobs
+from mtpserve.workers.structured.healing import strip_healed
 
 logger = logging.getLogger(__name__)
 
@@ -128,12 +129,7 @@ class Choice:
         text = self.detokenizer.add(chunk.token_ids)
         if chunk.finished:
             text += self.detokenizer.flush()
-        if self.strip_prefix and text:
-            n = min(len(text), len(self.strip_prefix))
-            if text[:n] == self.strip_prefix[:n]:
-                text, self.strip_prefix = text[n:], self.strip_prefix[n:]
-            else:  # cannot happen under the prefix constraint; never eat real output
-                self.strip_prefix = ""
+        text, self.strip_prefix = strip_healed(text, self.strip_prefix)
         out = self.stops.feed(text)
         if self.stops.stopped:
             self.finish_reason = "stop"

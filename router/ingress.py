@@ -43,6 +43,8 @@ class OpenAIIngress:
 
     def __serve_build_asgi_app__(self):
         from mtpserve.router.api import IngressState, create_app
+        from mtpserve.router.structured import preload_healing
+        from mtpserve.workers.structured.healing import model_default
 
         lim = self.cfg.limits
         self._app = create_app(IngressState(
@@ -57,7 +59,9 @@ class OpenAIIngress:
                           retry_after_s=lim.retry_after_s),
             enable_kv_probe=self.cfg.admin.enable_kv_probe,
             kv_probe_max_bytes=self.cfg.admin.kv_probe_max_bytes,
+            token_healing=model_default(self.cfg.model),
         ))
+        preload_healing(self._app.state.ingress)
         return self._app
 
     def drain(self) -> int:

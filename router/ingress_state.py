@@ -45,6 +45,7 @@ class IngressState:
     limits: Limits = field(default_factory=Limits)
     enable_kv_probe: bool = False
     kv_probe_max_bytes: int = 16 << 20
+    token_healing: bool = False  # heal when a request leaves it unset (the model's default)
 
 
 def ingress_state(request: Request) -> IngressState:

@@ -14,7 +14,7 @@ import threading
 from typing import Any
 
 from mtpserve.router.errors import APIError
-from mtpserve.workers.structured.healing import HealingTable
+from mtpserve.workers.structured.healing import HealingTable, heal_prompt, may_heal
 from mtpserve.workers.structured.spec import MAX_SPEC_CHARS, GrammarError, StructuredSpec
 
 COMPILE_TIMEOUT_S = 10.0
@@ -150,10 +150,19 @@ async def check_compiles(state: Any, spec: StructuredSpec | None, param: str) ->
 
 def healing_default(state: Any) -> bool:
     """Token healing when a request leaves `token_healing` unset: the ingress state's
-    `token_healing` attribute (default off). Served with it on, completions of newline-ending
-    prompts differ from the offline `LLM.generate` of the same text, which does not heal:
-    turning it on for the embedded model waits for the offline path to heal the same way."""
+    `token_healing`, which the Serve ingress sets from the model's default
+    (`workers.structured.healing.model_default`; on for the embedded model). The offline
+    `LLM.generate` heals the same way, so served and offline text stay equal."""
     return bool(getattr(state, "token_healing", False))
+
+
+def preload_healing(state: Any) -> None:
+    """Build the healing table (xgrammar's vocabulary bytes, ~2 s with its import) on a
+    background thread when the server heals by default, so the first newline-ending prompt
+    does not stall the event loop building it."""
+    if healing_default(state):
+        threading.Thread(target=healing_table, args=(state,), name="healing-table",
+                         daemon=True).start()
 
 
 def heal(state: Any, ids: list[int], any_tail: bool = True
@@ -161,12 +170,8 @@ def heal(state: Any, ids: list[int], any_tail: bool = True
     """(healed prompt ids, the prefix constraint, its text) or (ids, None, ""). Without
     `any_tail` (the default setting, not the client's explicit request) only a tail of
     whitespace holding a line break is healed: the editor's prompt the default exists for,
-    while other prompts keep their exact tokens."""
-    healed, tail = healing_table(state).heal(ids)
-    if not tail or not (any_tail or (b"\n" in tail and not tail.strip())):
+    while other prompts keep their exact tokens (and never load the vocabulary's bytes)."""
+    if not ids or not may_heal(state.tokenizer.decode(ids[-1:]), any_tail):
         return ids, None, ""
-    try:
-        text = tail.decode("utf-8")
-    except UnicodeDecodeError:  # a token split inside a character: leave the prompt alone
-        return ids, None, ""
-    return healed, StructuredSpec.prefix(tail), text
+    h = heal_prompt(healing_table(state), ids, any_tail)
+    return h.ids, (StructuredSpec.prefix(h.tail) if h.healed else None), h.text

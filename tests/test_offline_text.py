@@ -1,6 +1,6 @@
 """Offline and served read the same: `LLM.generate` / `mtpserve generate` text is what the
-server's incremental detokenizer streams (special tokens such as EOS dropped), unless asked to
-keep them."""
+server's choice streams (special tokens such as EOS dropped, unless asked to keep them), token
+healing included: the embedded model heals a line-break tail by default, offline as served."""
 
 from __future__ import annotations
 
@@ -8,21 +8,58 @@ import json
 import subprocess
 import sys
 
-from mtpserve.workers.detokenizer import IncrementalDetokenizer
-from mtpserve.workers.llm import LLM, detokenize
+from mtpserve.router.generation import Choice
+from mtpserve.workers.llm import LLM, GenerationResult, detokenize
+from mtpserve.workers.messages import GenerateRequest, TokenChunk
 from mtpserve.workers.sampling_params import SamplingParams
+from mtpserve.workers.structured.healing import model_default
 
-# Prompts ending in a newline: the default model often ends them with EOS at once.
+# Prompts ending in a newline: without healing the default model often ends them at once.
 PROMPTS = ["def add(a, b):\n", "import os\n", "class Stack:\n", "x = 1\n", "for i in range(3):\n"]
+
+
+def served_text(tok, r: GenerationResult) -> str:
+    """What the server's `Choice` streams for r's tokens, one token per chunk: the prompt it
+    ran (healed) as the detokenizer's context, the re-spelled tail stripped."""
+    ran = r.prompt_token_ids[:len(r.prompt_token_ids) - r.num_healed_tokens]
+    choice = Choice(0, GenerateRequest("r", ran, SamplingParams()), tok, [])
+    choice.strip_prefix = r.healed_text
+    ids = r.output_token_ids
+    return "".join(choice.feed(TokenChunk([t], finished=i == len(ids) - 1,
+                                          finish_reason=r.finish_reason if i == len(ids) - 1
+                                          else None))
+                   for i, t in enumerate(ids))
 
 
 def test_offline_text_is_the_served_stream(default_model) -> None:
     llm = LLM(str(default_model), num_speculative_tokens=2)
     tok = llm.tokenizer
+    assert llm.token_healing  # the embedded model's default (config.json)
+    eos = tok.eos_token_id
     for r in llm.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0)):
-        served = IncrementalDetokenizer(tok, r.prompt_token_ids)
-        streamed = "".join(served.add([t]) for t in r.output_token_ids) + served.flush()
-        assert r.text == streamed
+        assert r.num_healed_tokens >= 1 and "\n" in r.healed_text, r
+        assert r.prompt.endswith(r.healed_text)
+        assert r.output_token_ids[0] != eos  # the first token re-spells the tail
+        assert r.text == served_text(tok, r)
+        # An untokenized continuation: the healed prompt and the output decode to the prompt's
+        # text followed by `text`.
+        ran = r.prompt_token_ids[:len(r.prompt_token_ids) - r.num_healed_tokens]
+        assert tok.decode(ran + r.output_token_ids, skip_special_tokens=True) == r.prompt + r.text
+    off = llm.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0),
+                       token_healing=False)
+    assert all(r.num_healed_tokens == 0 and r.text == served_text(tok, r) for r in off)
+    ids = [tok.encode(p) for p in PROMPTS]
+    assert [r.output_token_ids for r in off] == [
+        r.output_token_ids for r in llm.generate(ids, SamplingParams(max_tokens=24,
+                                                                     temperature=0))]
+
+
+def test_healing_default_is_the_models(default_model, tmp_path) -> None:
+    assert model_default(default_model) is True
+    assert model_default(tmp_path) is False  # no config.json
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+    assert model_default(tmp_path) is False
+    assert model_default({"mtpserve": {"token_healing": True}}) is True
 
 
 def test_special_tokens_are_dropped_unless_kept(default_model) -> None:
@@ -33,7 +70,7 @@ def test_special_tokens_are_dropped_unless_kept(default_model) -> None:
     assert detokenize(tok, prompt, out, skip_special_tokens=False).endswith(tok.eos_token)
 
 
-def test_cli_generate_json_text_has_no_special_tokens(default_model) -> None:
+def test_cli_generate_json_text_heals_and_has_no_special_tokens(default_model) -> None:
     def run(*extra: str) -> dict:
         out = subprocess.run(
             [sys.executable, "-m", "mtpserve.cluster.cli", "generate", "--model",
@@ -42,9 +79,15 @@ def test_cli_generate_json_text_has_no_special_tokens(default_model) -> None:
             check=True)
         return json.loads(out.stdout.strip().splitlines()[-1])
 
-    plain, kept = run(), run("--keep-special-tokens")
-    assert plain["output_token_ids"] == kept["output_token_ids"]
+    healed, kept = run(), run("--keep-special-tokens", "--no-token-healing")
     llm = LLM(str(default_model), num_speculative_tokens=0)
-    prompt = llm.tokenizer.encode(PROMPTS[0])
-    assert plain["text"] == detokenize(llm.tokenizer, prompt, plain["output_token_ids"])
-    assert kept["text"] == detokenize(llm.tokenizer, prompt, plain["output_token_ids"], False)
+    tok = llm.tokenizer
+    prompt = tok.encode(PROMPTS[0])
+    assert healed["prompt_token_ids"] == kept["prompt_token_ids"] == prompt
+    assert healed["num_healed_tokens"] == 1 and kept["num_healed_tokens"] == 0
+    assert healed["text"] == detokenize(tok, prompt[:-1], healed["output_token_ids"]
+                                        )[len(healed["healed_text"]):]
+    assert kept["text"] == detokenize(tok, prompt, kept["output_token_ids"], False)
+    # The offline API gives the CLI's tokens (greedy, k = 2 there and 0 here: exact).
+    ref = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=8, temperature=0))[0]
+    assert ref.output_token_ids == healed["output_token_ids"] and ref.text == healed["text"]
