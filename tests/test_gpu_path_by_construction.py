@@ -1,10 +1,10 @@
 """The GPU hot path (issue 33 item 7), checked on CPU wherever its control flow runs there:
 `auto` never gives CUDA the padded gather; host inputs reach the device through one staged
-copy (same values); the draft chain copies its tokens to the host once per chain, not per
-step; KV pool sizing arithmetic and its profiling control flow; the gpu_check comparison of
-compiled graphs against eager logits. What needs a GPU (syncs counted by CUDA sync debug
-mode, graph replays, the sizing on a real device) is measured by `benchmarks/gpu_check.py`'s
-hot-path part."""
+copy (same values); the draft chain leaves its tokens on the device (one host sync per round:
+tests/test_host_syncs.py); KV pool sizing arithmetic and its profiling control flow; the
+gpu_check comparison of compiled graphs against eager logits. What needs a GPU (syncs counted
+by CUDA sync debug mode, graph replays, the sizing on a real device) is measured by
+`benchmarks/gpu_check.py`'s hot-path part."""
 
 from __future__ import annotations
 
@@ -196,10 +196,13 @@ class _HostReads(TorchFunctionMode):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_draft_chain_reads_its_tokens_once(tiny_qwen3, temperature) -> None:
-    """k = 3 drafts for two requests: with the device feed, one read of the tokens per chain
-    (not one per draft step) and the same drafts and q rows as the per-step host feed."""
+def test_draft_chain_leaves_its_tokens_on_the_device(tiny_qwen3, temperature) -> None:
+    """k = 3 drafts for two requests: with the device feed the chain reads nothing on the
+    host (its drafts stay on the device for the next round, tests/test_host_syncs.py); read
+    afterwards they come back in one copy, the same drafts and q rows as the per-step host
+    feed, which copies every step's tokens."""
     import mtpserve.workers.spec_decode.mtp_proposer as mp
+    from mtpserve.workers.host_sync import HOST_SYNCS
 
     results = []
     for feed in (True, False):
@@ -221,16 +224,22 @@ def test_draft_chain_reads_its_tokens_once(tiny_qwen3, temperature) -> None:
             items.append(MTPExtend(r, 0, r.prompt_token_ids[1:] + [7],
                                    [b * 9 + s for s in range(n)], num_drafts=3 - b))
         reads = _HostReads(mp.__file__)
+        before = HOST_SYNCS.snapshot()
         with reads:
             prop.extend(items)
-        results.append(([r.draft_token_ids for r in reqs],
-                        [r.draft_probs for r in reqs], reads.count))
-    (drafts, probs, reads_dev), (drafts_host, probs_host, reads_host) = results
+        chain = HOST_SYNCS.snapshot() - before
+        assert reads.count == 0  # every read goes through workers/host_sync.py
+        assert [r.num_drafts for r in reqs] == [3, 2]
+        drafts = [r.draft_token_ids for r in reqs]
+        read = HOST_SYNCS.snapshot() - before - chain
+        results.append((drafts, [r.draft_probs for r in reqs], dict(chain), dict(read)))
+    (drafts, probs, chain_dev, read_dev), (drafts_host, probs_host, chain_host, _) = results
     assert drafts == drafts_host and [len(d) for d in drafts] == [3, 2]
     for a, b in zip(probs, probs_host, strict=True):
         assert (a is None and b is None) or torch.equal(a, b)
-    assert reads_dev == 1
-    assert reads_host == 3  # per step: what the device feed removes
+    assert chain_dev == {} and read_dev == {"drafts": 1}  # both requests in one copy
+    # The host feed: steps 2 and 3 read their inputs, then the chain's drafts.
+    assert chain_host == {"draft step (host feed)": 2, "drafts": 1}
 
 
 @pytest.mark.slow

@@ -37,6 +37,7 @@ from mtpserve.workers.round_limits import RoundLimits
 from mtpserve.workers.round_outcomes import RoundOutcomes
 from mtpserve.workers.sampling_params import SamplingParams
 from mtpserve.workers.scheduler import PrefillChunk, Scheduler
+from mtpserve.workers.spec_decode import device_drafts
 from mtpserve.workers.spec_decode.mtp_proposer import MTPProposer
 from mtpserve.workers.spec_decode.rejection_sampler import RejectionSampler
 from mtpserve.workers.spec_decode.sampling import sampling_fault
@@ -325,11 +326,7 @@ class Engine:
         wrote in the same forward), so a chunk riding along a decode round pads the verify
         rows only to W, not to the chunk's length."""
         for r in reqs:  # drafting is capped the same way; this only guards transferred drafts
-            room = max(self.limits.room(r), 0)
-            if len(r.draft_token_ids) > room:
-                r.draft_token_ids = r.draft_token_ids[:room]
-                if r.draft_probs is not None:
-                    r.draft_probs = r.draft_probs[:room]
+            device_drafts.truncate(r, max(self.limits.room(r), 0))
         if not chunks and reqs:
             fused = self.outcomes.greedy_round(reqs)
             if fused is not None:
@@ -337,7 +334,7 @@ class Engine:
                 for r in finished:
                     self._finish(r)
                 return outputs
-        S = max((len(r.draft_token_ids) for r in reqs), default=-1) + 1  # verify row length
+        S = max((r.num_drafts for r in reqs), default=-1) + 1  # verify row length
         lens = [c.end - c.start for c in chunks]
         if not reqs:
             W = max(lens)  # pure prefill: one row per chunk, as before
@@ -346,7 +343,15 @@ class Engine:
             W = max(S, -(-sum(lens) // len(reqs))) if chunks else S
             # The runner pads to the longest row: W must be one (flat rows are b * W + s).
             W = min(W, max([S, *lens]))
-        input_ids = [[r.output_token_ids[-1]] + r.draft_token_ids for r in reqs]
+        # Verify rows [last, d1..dk] on the device (drafts the last chain left there stay
+        # there: the round's one host sync brings them back with its accepted ids).
+        inputs = (device_drafts.verify_inputs(reqs, S - 1, self.runner.kv_cache.buffers[0].device)
+                  if reqs else None)
+        feed = (inputs is not None and self.proposer.device_feed
+                and any(r.device_drafts is not None for r in reqs))
+        # With the device feed the host rows only give the row lengths.
+        input_ids = [[r.output_token_ids[-1]] + ([0] * r.num_drafts if feed
+                                                 else r.draft_token_ids) for r in reqs]
         starts = [r.num_computed_tokens for r in reqs]
         tables = [r.block_ids for r in reqs]
         chunk_rows: list[list[int]] = []  # flat main rows of each chunk token

@@ -24,6 +24,7 @@ from mtpserve.workers.engine_config import (
     kv_blocks_for_memory,
     resolve_attention_backend,
 )
+from mtpserve.workers.host_sync import to_host
 from mtpserve.workers.kv_cache import KVCache
 from mtpserve.workers.model.attention_metadata import AttentionMetadata, stage, stage_lists
 from mtpserve.workers.model.config import ModelConfig
@@ -54,9 +55,10 @@ class ForwardBatch:
     # Hybrid models, main forwards: each row's state slot (workers/state_pool.py); None: the
     # scratch slot (one row only).
     state_slots: list[int] | None = None
-    # [B, S'] ids already on the model's device (a draft step's argmax): they overwrite the
-    # first S' columns of `input_ids`, which then only need the right row lengths. Lets the
-    # draft chain feed its tokens forward without a device -> host round trip per step.
+    # [B', S'] ids already on the model's device (a draft step's argmax, a round's verify
+    # rows): they overwrite the first S' columns of the first B' rows of `input_ids`, which
+    # then only need the right row lengths. Lets drafts feed the next forward without a
+    # device -> host round trip.
     device_ids: torch.Tensor | None = None
 
 
@@ -156,6 +158,8 @@ class Runner(Protocol):
     def greedy_round(self, input_ids: list[list[int]], starts: list[int],
                      tables: list[list[int]], room: list[int]
                      ) -> tuple[list[int], list[int], list[list[int]]] | None: ...
+
+    def keep_states(self, rows: list[int], positions: list[int]) -> None: ...
 
 
 class ModelRunner:
@@ -338,7 +342,8 @@ class ModelRunner:
         accepted, bonus, drafts = self._run_graph(inp, room_t)
         n = len(input_ids)
         # The round's one host sync: its accepted ids, bonus tokens and next drafts.
-        rows = torch.cat([accepted[:n, None], bonus[:n, None], drafts[:n]], 1).tolist()
+        (rows,) = to_host([torch.cat([accepted[:n, None], bonus[:n, None], drafts[:n]], 1)],
+                          "accepted ids")
         return ([r[0] for r in rows], [r[1] for r in rows], [r[2:] for r in rows])
 
     def _prev_hidden(self, batch: ForwardBatch, Sp: int, Bp: int) -> torch.Tensor:
@@ -381,7 +386,7 @@ class ModelRunner:
         of after its last token; nothing is recomputed (the forward kept every position's)."""
         if not rows or not self._linear_states:
             return
-        r, p = torch.tensor([rows, positions], dtype=torch.long).to(self.device)
+        r, p = stage_lists([rows, positions], self.device)
         for st in self._linear_states.values():
             st.keep(r, p)
 
@@ -405,15 +410,16 @@ class ModelRunner:
             self.attention_backend,
             ride_along=[ids, positions, torch.tensor(batch.logit_rows, dtype=torch.long)])
         ids, positions, logit_rows = attn.staged
-        if batch.device_ids is not None:
-            ids[:, : batch.device_ids.shape[1]] = batch.device_ids
+        if batch.device_ids is not None:  # the first rows (a round's verify rows)
+            d = batch.device_ids
+            ids[: d.shape[0], : d.shape[1]] = d
         caches = self.kv_cache.buffers
         if self.state_cache is not None and batch.kind == "main":
             caches = list(caches)
             slots = batch.state_slots or [self.state_cache.scratch_slot]
             assert len(slots) == B and len(set(slots)) == B, "one row per state slot"
-            host = torch.tensor([slots, batch.start_positions, lens], dtype=torch.long)
-            d_slots, d_starts, d_lens = host.to(self.device)
+            d_slots, d_starts, d_lens = stage_lists([slots, batch.start_positions, lens],
+                                                    self.device)
             self._linear_states = self.state_cache.views(d_slots, d_starts == 0, d_lens)
             for i, st in self._linear_states.items():
                 caches[i] = st

@@ -49,7 +49,11 @@ class Request:
     num_cached_tokens: int = 0
     num_computed_tokens: int = 0
     num_speculative_tokens: int = 0  # k for this request (engine k capped by params)
-    draft_token_ids: list[int] = field(default_factory=list)
+    # The drafts on the host (`draft_token_ids`), or still on the device where the draft
+    # chain left them (`device_drafts`, a workers.spec_decode.device_drafts.DraftRow): the
+    # next round reads them there and learns their values with its accepted ids.
+    _draft_token_ids: list[int] = field(default_factory=list, repr=False)
+    device_drafts: Any = field(default=None, repr=False)
     draft_probs: torch.Tensor | None = None  # [k, V] q of each draft (sampling only)
     num_rounds: int = 0
     drafted_per_position: list[int] = field(default_factory=list)
@@ -73,6 +77,26 @@ class Request:
         k = self.num_speculative_tokens
         self.drafted_per_position = self.drafted_per_position or [0] * k
         self.accepted_per_position = self.accepted_per_position or [0] * k
+
+    @property
+    def draft_token_ids(self) -> list[int]:
+        """The drafts on the host. Drafts still on the device are copied first, with every
+        request of the chain that drafted them (one host sync): readers off the hot path (a
+        prefill replica shipping them, grammar matchers, a TP group's host batches)."""
+        if self.device_drafts is not None:
+            self.device_drafts.resolve()
+        return self._draft_token_ids
+
+    @draft_token_ids.setter
+    def draft_token_ids(self, ids: list[int]) -> None:
+        self._draft_token_ids = ids
+        self.device_drafts = None
+
+    @property
+    def num_drafts(self) -> int:
+        """How many drafts the next round verifies (known on the host wherever they are)."""
+        d = self.device_drafts
+        return d.count if d is not None else len(self._draft_token_ids)
 
     @property
     def reproducible(self) -> bool:

@@ -22,6 +22,8 @@ import torch
 
 from mtpserve.workers.adaptive_k import AdaptiveK
 from mtpserve.workers.block_manager import BlockManager
+from mtpserve.workers.host_sync import to_host
+from mtpserve.workers.model.attention_metadata import stage_lists
 from mtpserve.workers.outputs import RequestOutput, request_output, token_logprobs
 from mtpserve.workers.request import Request
 from mtpserve.workers.round_limits import RoundLimits
@@ -59,11 +61,11 @@ class RoundOutcomes:
         """The round as one compiled graph (ModelRunner.greedy_round) when every row is greedy
         with the same k and nothing per-token applies (logprobs, a min_tokens mask, adaptive
         k); None otherwise, or when no graph fits. Same tokens and drafts as step by step."""
-        K = len(reqs[0].draft_token_ids)
+        K = reqs[0].num_drafts  # not draft_token_ids: that would copy device drafts here
         if (not getattr(self.runner, "fuses_greedy_rounds", False) or K == 0
                 or self.adaptive.enabled
                 or self.num_mtp_modules != 1
-                or any(len(r.draft_token_ids) != K or self.limits.k(r) != K or not r.params.greedy
+                or any(r.num_drafts != K or self.limits.k(r) != K or not r.params.greedy
                        or r.params.logprobs is not None or r.constraint is not None
                        or r.num_output_tokens < r.params.min_tokens for r in reqs)):
             return None
@@ -113,8 +115,10 @@ class RoundOutcomes:
         # A recompute (preempted / resumed request) stops one token short of the end and
         # samples nothing: its last emitted token is verified next round with fresh drafts.
         fresh = [i for i, j in enumerate(last) if not chunks[j].request.output_token_ids]
-        first = dict(zip(fresh, self.sample(logits[fresh], [chunks[last[i]].request
-                                                             for i in fresh]), strict=True))
+        rows = logits if len(fresh) == len(last) else logits[stage_lists([fresh],
+                                                                          logits.device)[0]]
+        first = dict(zip(fresh, self.sample(rows, [chunks[last[i]].request for i in fresh]),
+                         strict=True))
         for c in chunks:
             c.request.num_computed_tokens = c.end
         outputs: list[RequestOutput] = []
@@ -141,28 +145,39 @@ class RoundOutcomes:
                                          drafts))
         return outputs, extends
 
-    def verify(self, reqs: list[Request], raw: torch.Tensor, S: int, W: int
-                ) -> tuple[list[RequestOutput], list[MTPExtend], list[Request]]:
-        """Rejection-sample a round (raw [R * S, V]: row b * S + s; main rows b * W + s) and
-        update the requests. Returns outputs, MTP extends and the requests that finished."""
+    def verify(self, reqs: list[Request], raw: torch.Tensor, S: int, W: int,
+               inputs: torch.Tensor) -> tuple[list[RequestOutput], list[MTPExtend],
+                                              list[Request]]:
+        """Rejection-sample a round (raw [R * S, V]: row b * S + s; main rows b * W + s;
+        inputs [R, S] on the device: each row's last token and drafts, 0 past its count,
+        from `device_drafts.verify_inputs`) and update the requests. The round's one host
+        sync brings its accepted ids, its recovered / bonus tokens and, for drafts that were
+        still on the device, their values. Returns outputs, MTP extends and the requests
+        that finished."""
         # Row (b, s) decides the token at position n_b + 1 + s; min_tokens masks it like q.
         first_pos = [r.num_computed_tokens + 1 for r in reqs]
         logits = suppress_tokens(raw, [self.limits.banned(r, first_pos[b] + s)
                                        for b, r in enumerate(reqs) for s in range(S)])
         if self.guide is not None:
             logits = self.guide.mask_verify(logits, reqs, S)
-        result = self.sampler(logits.view(len(reqs), S, -1), [r.draft_token_ids for r in reqs],
-                              [r.draft_probs for r in reqs], [r.params for r in reqs],
-                              [r.seed for r in reqs], first_pos)
+        counts = [r.num_drafts for r in reqs]
+        acc, extra = self.sampler.on_device(
+            logits.view(len(reqs), S, -1), inputs[:, 1:], counts, [r.draft_probs for r in reqs],
+            [r.params for r in reqs], [r.seed for r in reqs], first_pos)
+        on_device = any(r.device_drafts is not None for r in reqs)
+        host = to_host([acc, extra, inputs[:, 1:]] if on_device else [acc, extra],
+                       "accepted ids")
+        accepted, final = host[0], host[1]
         outputs, extends = [], []
         emitted_rows: list[list[int]] = []
         for b, r in enumerate(reqs):
-            k_used = len(r.draft_token_ids)
+            k_used = counts[b]
+            drafts = host[2][b][:k_used] if on_device else r.draft_token_ids
             n = r.num_computed_tokens
-            emitted = self.limits.append(r, result.output_token_ids[b])
+            emitted = self.limits.append(r, drafts[: accepted[b]] + [final[b]])
             emitted_rows.append(emitted)
             # Drafts cut off by EOS / a stop token / the length limit were never emitted.
-            a = min(result.num_accepted[b], len(emitted))
+            a = min(accepted[b], len(emitted))
             self.count_round(r, k_used, a, emitted)
             r.draft_token_ids, r.draft_probs = [], None
             if r.finished:
@@ -194,8 +209,10 @@ class RoundOutcomes:
         tokens = logits.argmax(dim=-1)
         rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
         if rows:
-            p = processed_probs(logits[rows], [reqs[i].params for i in rows])
+            (idx,) = stage_lists([rows], logits.device)
+            p = processed_probs(logits if len(rows) == len(reqs) else logits[idx],
+                                [reqs[i].params for i in rows])
             u = uniforms_for([reqs[i].seed for i in rows], [pos[i] for i in rows], SLOT_FINAL,
                              logits.device)
-            tokens[torch.tensor(rows, device=tokens.device)] = sample_with_uniforms(p, u)
-        return tokens.tolist()
+            tokens[idx] = sample_with_uniforms(p, u)
+        return to_host([tokens], "first tokens")[0]

@@ -59,8 +59,8 @@ def keyed_uniforms(
     """Uniforms in (0, 1), float64, one per broadcast element of (seed, position, slot)."""
     h = _mix(seeds.to(torch.int64))
     h = _mix(h ^ positions.to(torch.int64))
-    slot = slots if isinstance(slots, torch.Tensor) else torch.tensor(slots, device=h.device)
-    h = _mix(h ^ slot.to(torch.int64))
+    # An int slot stays a Python scalar: a 0-d tensor made on the device would be a copy.
+    h = _mix(h ^ (slots.to(torch.int64) if isinstance(slots, torch.Tensor) else slots))
     # Top 53 bits -> (0, 1): never exactly 0 or 1, so u * x < y tests stay strict.
     return (_shr(h, 11).to(torch.float64) + 0.5) * (1.0 / (1 << 53))
 
@@ -69,6 +69,7 @@ def uniforms_for(
     seeds: list[int], positions: list[int], slot: int, device: torch.device | str = "cpu"
 ) -> torch.Tensor:
     """[N] uniforms for row i at (seeds[i], positions[i], slot)."""
-    s = torch.tensor(seeds, dtype=torch.int64, device=device)
-    p = torch.tensor(positions, dtype=torch.int64, device=device)
+    from mtpserve.workers.model.attention_metadata import stage_lists
+
+    s, p = stage_lists([seeds, positions], device)
     return keyed_uniforms(s, p, slot)

@@ -25,9 +25,11 @@ from dataclasses import dataclass
 
 import torch
 
+from mtpserve.workers.host_sync import to_host
 from mtpserve.workers.model.attention_metadata import stage_lists
 from mtpserve.workers.model_runner import ForwardBatch
 from mtpserve.workers.request import Request
+from mtpserve.workers.spec_decode import device_drafts
 from mtpserve.workers.spec_decode.keyed_random import SLOT_DRAFT, keyed_uniforms
 from mtpserve.workers.spec_decode.sampling import (
     processed_probs,
@@ -93,9 +95,14 @@ class MTPProposer:
     def _draft_loop(self, reqs: list[Request], counts: list[int], logits: torch.Tensor,
                     prev_rows: list[int]) -> None:
         """Drafts 1..counts[i] of each request. Each step's tokens stay on the device and
-        feed the next step (`ForwardBatch.device_ids`); they reach the host in one copy after
-        the last step, not one `.tolist()` sync per step. Nothing on the host depends on
-        their values in between (positions, keys and banned ids depend on the depth only)."""
+        feed the next step (`ForwardBatch.device_ids`), and the chain's drafts stay there
+        after it (workers/spec_decode/device_drafts.py): the next round verifies them from
+        the device and its one host copy brings their values along with its accepted ids.
+        Nothing on the host depends on their values in between (positions, keys and banned
+        ids depend on the depth only). A runner without device feed (a TP group, whose
+        ranks take host batches) copies each step's tokens to the host."""
+        if not reqs:
+            return
         active = list(range(len(reqs)))
         # q rows ([V] each) per request, stacked once at the end: growing draft_probs with a
         # cat per step would copy O(k^2 V) floats per request per round.
@@ -116,7 +123,8 @@ class MTPProposer:
             if len(nxt) < len(active):
                 (keep,) = stage_lists([nxt], tokens.device)
                 tokens = tokens[keep]
-            host_ids = None if self.device_feed else [[t] for t in tokens.tolist()]
+            host_ids = (None if self.device_feed
+                        else [[t] for t in to_host([tokens], "draft step (host feed)")[0]])
             active = [active[j] for j in nxt]
             batch_reqs = [reqs[i] for i in active]
             module = min(step - 1, self.num_modules - 1)
@@ -136,18 +144,27 @@ class MTPProposer:
                 device_ids=tokens.view(-1, 1) if self.device_feed else None,
             ))
             prev_rows = list(range(len(batch_reqs)))
-        # The draft chain's one device -> host copy: every step's tokens together.
-        flat = torch.cat([t for _, t in steps]).tolist()
-        n = 0
-        for active, t in steps:
-            for i, tok in zip(active, flat[n: n + t.numel()], strict=True):
-                reqs[i].draft_token_ids.append(tok)
-            n += t.numel()
+        device_drafts.attach(reqs, self._chain_matrix(steps, len(reqs)), counts)
+        if not self.device_feed:  # host batches: the drafts are needed there next round
+            reqs[0].device_drafts.resolve()
         for r, q in zip(reqs, qs, strict=True):
             if q:
                 r.draft_probs = torch.stack(q)  # [k, V]
         if self.guide is not None:
             self.guide.end_drafts(reqs)
+
+    @staticmethod
+    def _chain_matrix(steps: list[tuple[list[int], torch.Tensor]], n: int) -> torch.Tensor:
+        """[n, steps] long on the device: column s holds step s's tokens at the rows of the
+        requests that drafted at that step (0 elsewhere), without leaving the device."""
+        if all(len(active) == n for active, _ in steps):
+            return torch.stack([t for _, t in steps], dim=1)
+        dev = steps[0][1].device
+        out = torch.zeros(n, len(steps), dtype=torch.long, device=dev)
+        idx = stage_lists([active for active, _ in steps], dev)
+        for s, ((_, t), rows) in enumerate(zip(steps, idx, strict=True)):
+            out[rows, s] = t
+        return out
 
     def _take_drafts(self, reqs: list[Request], logits: torch.Tensor, depth: int
                      ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
@@ -168,10 +185,12 @@ class MTPProposer:
         q_rows: list[torch.Tensor | None] = [None] * len(reqs)
         if not all(greedy):
             rows = [i for i, g in enumerate(greedy) if not g]
-            q = processed_probs(logits[rows], [reqs[i].params for i in rows])  # [n, V]
             seeds, p, slots, idx = stage_lists(
                 [[reqs[i].seed for i in rows], [pos[i] for i in rows],
                  [SLOT_DRAFT + depth] * len(rows), rows], logits.device)
+            # Rows picked by a staged index: a Python list index is a synchronous copy.
+            sel = logits if len(rows) == len(reqs) else logits[idx]
+            q = processed_probs(sel, [reqs[i].params for i in rows])  # [n, V]
             sampled = sample_with_uniforms(q, keyed_uniforms(seeds, p, slots))
             tokens[idx] = sampled
             for j, i in enumerate(rows):

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from mtpserve.workers.host_sync import to_host
+from mtpserve.workers.model.attention_metadata import stage_lists
 from mtpserve.workers.sampling_params import SamplingParams
 from mtpserve.workers.spec_decode.keyed_random import (
     MAX_DEPTH,
@@ -25,8 +27,6 @@ from mtpserve.workers.spec_decode.keyed_random import (
     keyed_uniforms,
 )
 from mtpserve.workers.spec_decode.sampling import processed_probs, sample_with_uniforms
-
-PLACEHOLDER_TOKEN_ID = -1
 
 
 @dataclass
@@ -45,86 +45,97 @@ class RejectionSampler:
         seeds: list[int],
         positions: list[int],  # absolute position of the token decided at row s = 0
     ) -> VerifyResult:
-        R = target_logits.shape[0]
+        """The round's result on the host (one copy): `on_device` with host drafts."""
+        R, K = target_logits.shape[0], target_logits.shape[1] - 1
+        counts = [len(d) for d in draft_token_ids]
+        (drafts,) = stage_lists([[t for d in draft_token_ids for t in d + [0] * (K - len(d))]],
+                                target_logits.device)
+        acc, extra = self.on_device(target_logits, drafts.view(R, K), counts, draft_probs,
+                                    params, seeds, positions)
+        acc_h, extra_h = to_host([acc, extra], "accepted ids")
+        return VerifyResult([d[:a] + [t] for d, a, t in zip(draft_token_ids, acc_h, extra_h,
+                                                            strict=True)], acc_h)
+
+    def on_device(
+        self,
+        target_logits: torch.Tensor,  # [R, K+1, V] float32 at [last, d1..dK]
+        drafts: torch.Tensor,  # [R, K] long on the device; row b's first counts[b] are its own
+        counts: list[int],  # drafts per row (k_b <= K)
+        draft_probs: list[torch.Tensor | None],  # row b: [k_b, V] q (sampled rows), or None
+        params: list[SamplingParams],
+        seeds: list[int],
+        positions: list[int],  # absolute position of the token decided at row s = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(accepted drafts [R], recovered / bonus token [R]), long on the logits' device; the
+        host learns them in the caller's one copy. Per-row host inputs reach the device in
+        one staged non-blocking copy, so nothing here waits for the device."""
+        R, K1 = target_logits.shape[0], target_logits.shape[1]
+        K, dev = K1 - 1, target_logits.device
         # Draw slots are SLOT_* + depth: deeper rounds would reuse another slot's uniforms.
-        assert target_logits.shape[1] - 1 <= MAX_DEPTH, "k above the keyed-RNG slot range"
-        out: list[list[int]] = [[] for _ in range(R)]
-        num_accepted = [0] * R
+        assert K <= MAX_DEPTH, "k above the keyed-RNG slot range"
         g_rows = [b for b in range(R) if params[b].greedy]
         s_rows = [b for b in range(R) if not params[b].greedy]
-        if g_rows:
-            self._greedy(target_logits, draft_token_ids, g_rows, out, num_accepted)
-        if s_rows:
-            self._sampled(target_logits, draft_token_ids, draft_probs, params, seeds, positions,
-                          s_rows, out, num_accepted)
-        return VerifyResult(out, num_accepted)
+        k_rows, seed, pos0, g_idx, s_idx = stage_lists(
+            [counts, [seeds[b] for b in s_rows], [positions[b] for b in s_rows], g_rows,
+             s_rows], dev)
+        # Past a row's own k nothing is accepted (its drafts there are padding).
+        valid = torch.arange(K, device=dev).unsqueeze(0) < k_rows.unsqueeze(1)  # [R, K]
+        if not s_rows:  # the usual all-greedy batch: no scatter
+            return self._greedy(target_logits, drafts, valid)
+        if not g_rows:
+            return self._sampled(target_logits, drafts, valid, k_rows, counts, draft_probs,
+                                 params, seed, pos0)
+        acc = torch.empty(R, dtype=torch.long, device=dev)
+        extra = torch.empty(R, dtype=torch.long, device=dev)
+        a, t = self._greedy(target_logits[g_idx], drafts[g_idx], valid[g_idx])
+        acc[g_idx], extra[g_idx] = a, t
+        a, t = self._sampled(target_logits[s_idx], drafts[s_idx], valid[s_idx], k_rows[s_idx],
+                             [counts[b] for b in s_rows], [draft_probs[b] for b in s_rows],
+                             [params[b] for b in s_rows], seed, pos0)
+        acc[s_idx], extra[s_idx] = a, t
+        return acc, extra
 
     @staticmethod
-    def _drafts(draft_token_ids: list[list[int]], rows: list[int], K: int, dev) -> torch.Tensor:
-        """[len(rows), K] drafts, PLACEHOLDER past each row's own k."""
-        return torch.tensor(
-            [draft_token_ids[b] + [PLACEHOLDER_TOKEN_ID] * (K - len(draft_token_ids[b]))
-             for b in rows], dtype=torch.long, device=dev).view(len(rows), K)
-
-    @staticmethod
-    def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
-        """logits[rows] ([len(rows), K+1, V]) without copying when `rows` is every row (the
-        usual all-greedy or all-sampled batch: the copy would be R * (K+1) * V floats)."""
-        if rows == list(range(logits.shape[0])):
-            return logits
-        return logits[torch.tensor(rows, device=logits.device)]
-
-    @staticmethod
-    def _draft_q(draft_token_ids, draft_probs, rows: list[int], K: int, V: int, dtype, dev
-                 ) -> torch.Tensor:
+    def _draft_q(draft_probs: list[torch.Tensor | None], counts: list[int], K: int, V: int,
+                 dtype, dev) -> torch.Tensor:
         """[S, K, V] q of each row's drafts, zero past its own k. A sampled row's drafts must
         come with the q they were drawn from: a missing q would accept every draft p allows."""
         qs = []
-        for b in rows:
-            k_b = len(draft_token_ids[b])
-            assert k_b == 0 or (draft_probs[b] is not None and draft_probs[b].shape[0] == k_b), (
+        for x, k_b in zip(draft_probs, counts, strict=True):
+            assert k_b == 0 or (x is not None and x.shape[0] == k_b), (
                 "sampled drafts without their q")
-            qs.append(draft_probs[b] if k_b else None)
+            qs.append(x if k_b else None)
         if all(x is not None and x.shape[0] == K for x in qs):
             return torch.stack(qs).to(dev, dtype)  # every row drafted K: one copy
-        q = torch.zeros(len(rows), K, V, dtype=dtype, device=dev)
+        q = torch.zeros(len(qs), K, V, dtype=dtype, device=dev)
         for j, x in enumerate(qs):
             if x is not None:
                 q[j, : x.shape[0]] = x.to(dev, dtype)
         return q
 
-    def _greedy(self, logits, draft_token_ids, rows, out, num_accepted) -> None:
+    @staticmethod
+    def _greedy(logits, drafts, valid) -> tuple[torch.Tensor, torch.Tensor]:
         K = logits.shape[1] - 1
-        dev = logits.device
-        target = self._rows(logits, rows).argmax(dim=-1)  # [G, K+1]
-        drafts = self._drafts(draft_token_ids, rows, K, dev)  # [G, K]
-        acc = (drafts == target[:, :K]).long().cumprod(dim=1).sum(dim=1)  # [G]
-        extra = target.gather(1, acc.unsqueeze(1))  # [G, 1]
-        host = torch.cat([acc.unsqueeze(1), extra], dim=1).tolist()  # one transfer
-        for (a, t), b in zip(host, rows, strict=True):
-            out[b] = draft_token_ids[b][:a] + [t]
-            num_accepted[b] = a
+        target = logits.argmax(dim=-1)  # [G, K+1]
+        acc = ((drafts == target[:, :K]) & valid).long().cumprod(dim=1).sum(dim=1)  # [G]
+        return acc, target.gather(1, acc.unsqueeze(1)).squeeze(1)
 
-    def _sampled(self, logits, draft_token_ids, draft_probs, params, seeds, positions, rows,
-                 out, num_accepted) -> None:
-        S, K1, V = len(rows), logits.shape[1], logits.shape[2]
+    def _sampled(self, logits, drafts, valid, k_rows, counts, draft_probs, params, seed, pos0
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        S, K1, V = logits.shape
         K, dev = K1 - 1, logits.device
-        p = processed_probs(self._rows(logits, rows).reshape(-1, V),
-                            [params[b] for b in rows for _ in range(K1)]).view(S, K1, V)
-        seed = torch.tensor([seeds[b] for b in rows], dtype=torch.int64, device=dev)  # [S]
-        pos0 = torch.tensor([positions[b] for b in rows], dtype=torch.int64, device=dev)  # [S]
-        k_rows = torch.tensor([len(draft_token_ids[b]) for b in rows], device=dev)  # [S]
+        p = processed_probs(logits.reshape(-1, V),
+                            [pp for pp in params for _ in range(K1)]).view(S, K1, V)
         acc = torch.zeros(S, dtype=torch.long, device=dev)
         if K > 0:
-            q = self._draft_q(draft_token_ids, draft_probs, rows, K, V, p.dtype, dev)  # [S,K,V]
-            drafts = self._drafts(draft_token_ids, rows, K, dev)  # [S, K]
+            q = self._draft_q(draft_probs, counts, K, V, p.dtype, dev)  # [S, K, V]
             depth = torch.arange(K, device=dev).unsqueeze(0)  # [1, K], draft i = depth + 1
             u = keyed_uniforms(seed.unsqueeze(1), pos0.unsqueeze(1) + depth,
                                SLOT_ACCEPT + 1 + depth)  # [S, K]
             safe = drafts.clamp(min=0).unsqueeze(-1)
             p_d = p[:, :K].gather(2, safe).squeeze(-1).double()
             q_d = q.gather(2, safe).squeeze(-1).double()
-            ok = (u * q_d < p_d) & (depth < k_rows.unsqueeze(1))  # u < p/q, no division by 0
+            ok = (u * q_d < p_d) & valid  # u < p/q, no division by 0
             acc = ok.long().cumprod(dim=1).sum(dim=1)
             # Recovered (first rejection) or bonus (all kept) distribution at row acc.
             p_at = p.gather(1, acc.view(-1, 1, 1).expand(-1, 1, V)).squeeze(1)  # [S, V]
@@ -137,8 +148,4 @@ class RejectionSampler:
             dist = torch.where(use_p.unsqueeze(1), p_at, resid)
         else:
             dist = p[:, 0]
-        extra = sample_with_uniforms(dist, keyed_uniforms(seed, pos0 + acc, SLOT_FINAL))
-        host = torch.stack([acc, extra], dim=1).tolist()  # one transfer
-        for (a, t), b in zip(host, rows, strict=True):
-            out[b] = draft_token_ids[b][:a] + [t]
-            num_accepted[b] = a
+        return acc, sample_with_uniforms(dist, keyed_uniforms(seed, pos0 + acc, SLOT_FINAL))

@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import torch
 
+from mtpserve.workers.model.attention_metadata import stage, stage_lists
 from mtpserve.workers.sampling_params import SamplingParams
 
 
 def processed_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """softmax(filter(logits / T)) per row. logits [N, V] float32 -> probs [N, V]."""
+    """softmax(filter(logits / T)) per row. logits [N, V] float32 -> probs [N, V]. Per-row
+    settings reach the device in staged non-blocking copies (a pageable copy would sync)."""
     dev = logits.device
-    temps = torch.tensor([max(p.temperature, 1e-5) for p in params], dtype=logits.dtype,
-                         device=dev)
+    (temps,) = stage([torch.tensor([max(p.temperature, 1e-5) for p in params],
+                                   dtype=logits.dtype)], dev)
     logits = logits / temps.unsqueeze(1)
     top_ks = [p.top_k if p.top_k > 0 else 0 for p in params]
     top_ps = [p.top_p for p in params]
@@ -29,14 +31,16 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[fl
     V, dev = logits.shape[-1], logits.device
     sorted_logits, idx = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(V, device=dev).unsqueeze(0)
-    k = torch.tensor([k if k > 0 else V for k in top_ks], device=dev).unsqueeze(1)
+    (k,) = stage_lists([[k if k > 0 else V for k in top_ks]], dev)
+    k = k.unsqueeze(1)
     remove = ranks >= k
     probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
     # Keep the smallest prefix whose mass reaches top_p (the top token always survives). Only
     # rows with top_p < 1: a float32 cumsum reaches 1.0 before the tail, and `>= 1.0` would
     # drop that tail from rows that asked for no top-p (and make them depend on the batch).
     cum_before = probs.cumsum(dim=-1) - probs
-    tp = torch.tensor(top_ps, dtype=probs.dtype, device=dev).unsqueeze(1)  # [N, 1]
+    (tp,) = stage([torch.tensor(top_ps, dtype=probs.dtype)], dev)
+    tp = tp.unsqueeze(1)  # [N, 1]
     remove |= (cum_before >= tp) & (tp < 1.0)
     sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, idx, sorted_logits)
@@ -53,8 +57,8 @@ def suppress_tokens(logits: torch.Tensor, banned: list[list[int]]) -> torch.Tens
         return logits
     cols = [t for b in banned for t in b]
     out = logits.clone()
-    out[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = (
-        float("-inf"))
+    d_rows, d_cols = stage_lists([rows, cols], logits.device)
+    out[d_rows, d_cols] = float("-inf")
     return out
 
 
