@@ -372,11 +372,12 @@ class Engine:
             kind="main", input_ids=input_ids, start_positions=starts, block_tables=tables,
             logit_rows=logit_rows + [chunk_rows[j][-1] for j in last],
             state_slots=self._state_slots(reqs, chunks, len(input_ids)),
+            device_ids=inputs if feed else None,
         ))  # [R * S + len(last), V]
         n_verify = len(logit_rows)
         outputs, extends, done = [], [], []
         if reqs:
-            outputs, extends, done = self.outcomes.verify(reqs, raw[:n_verify], S, W)
+            outputs, extends, done = self.outcomes.verify(reqs, raw[:n_verify], S, W, inputs)
             if self.hybrid:  # keep each row's state at its last accepted token
                 keep = [(b, r.num_computed_tokens - 1 - starts[b]) for b, r in enumerate(reqs)
                         if not r.finished and r.num_computed_tokens - starts[b] < len(
