@@ -443,14 +443,13 @@ class ClusterConfig(_Strict):
             # Refuses an unsupported family, rope type or math-changing key by name, here,
             # before any replica starts (a replica would only fail while loading).
             mcfg = ModelConfig.from_dict(hf)
-            if mcfg.is_hybrid:
-                # The cluster serves prefill -> decode; a hybrid model's recurrent state would
-                # have to travel with its KV, which is not built: refuse rather than serve it
-                # wrong (offline `mtpserve generate` / `LLM` serve it).
+            if mcfg.is_hybrid and max(self.prefill.tp_size, self.decode.tp_size) > 1:
+                # Its recurrent state travels with the KV (workers/kv_transfer/states.py);
+                # Gated DeltaNet layers are not sharded across TP ranks yet.
                 raise ValueError(
-                    f"{mcfg.model_type} is a hybrid (linear-attention) model: disaggregated "
-                    "serving needs its recurrent state transferred from prefill to decode, "
-                    "which is not built; serve it offline (LLM / mtpserve generate)")
+                    f"{mcfg.model_type} (hybrid linear attention) with prefill.tp_size="
+                    f"{self.prefill.tp_size}, decode.tp_size={self.decode.tp_size}: hybrid "
+                    "models are served with TP 1 only (Gated DeltaNet is not sharded)")
             heads = hf.get("num_attention_heads")
             kv_heads = hf.get("num_key_value_heads", heads)
             for role, tp in (("prefill", self.prefill.tp_size), ("decode", self.decode.tp_size)):

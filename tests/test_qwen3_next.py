@@ -3,7 +3,8 @@ one MTP layer under `mtp.*`) against transformers' own classes on a tiny random 
 saved by `Qwen3NextForCausalLM`: logits (chunked prefill longer than the delta rule's chunk,
 then recurrent decode, through the state slots), MTP draft logits vs `MtpModel`, greedy
 k = 0..3 == plain == transformers, rejection at every draft position, seeded sampling
-batch-independent, state slots all free after each test, prefix caching refused, P/D refused.
+batch-independent, state slots all free after each test, prefix caching refused, TP refused
+(P/D: tests/test_hybrid_pd.py).
 """
 
 from __future__ import annotations
@@ -129,7 +130,7 @@ def test_config_and_check_output(ckpt, capsys) -> None:
                  f"state per request: {3 * per_layer} bytes",
                  "MTP module 0 (qwen3_next naming): GQA + moe block",
                  "gated shared expert 48", "prefix caching: off for hybrid models",
-                 "disaggregated serving: refused for hybrid models"):
+                 "disaggregated serving: the state slot travels with the KV"):
         assert line in out, line
 
 
@@ -301,14 +302,13 @@ def test_seeded_sampling_is_batch_independent_and_abort_frees_slots(ckpt) -> Non
     _assert_slots_free(llm)
 
 
-def test_disaggregated_roles_and_cluster_config_refuse_hybrid(ckpt) -> None:
+def test_cluster_config_serves_hybrid_disaggregated_with_tp1_only(ckpt) -> None:
+    """P/D moves the state slot (tests/test_hybrid_pd.py); TP > 1 is refused by name."""
     from mtpserve.cluster.config import ClusterConfig
-    from mtpserve.workers.engine import Engine, EngineConfig, EngineError
 
-    with pytest.raises(EngineError, match="recurrent state from prefill to decode"):
-        Engine(EngineConfig(model=str(ckpt), role="prefill", num_kv_blocks=32))
-    with pytest.raises(ValueError, match="hybrid"):
-        ClusterConfig(model=str(ckpt))
+    ClusterConfig(model=str(ckpt))
+    with pytest.raises(ValueError, match="hybrid linear attention"):
+        ClusterConfig(model=str(ckpt), decode={"tp_size": 2})
 
 
 def test_preemption_recomputes_the_state_exactly(ckpt, greedy_want) -> None:

@@ -119,10 +119,6 @@ class Engine:
         from mtpserve.workers.model.gated_deltanet import RECURRENT_MAX
         from mtpserve.workers.state_pool import HybridBlockManager
 
-        if config.role != "both":
-            raise EngineError(f"role {config.role!r}: {mcfg.model_type} is a hybrid "
-                              "(linear-attention) model and moving its recurrent state from "
-                              "prefill to decode is not built")
         if config.num_speculative_tokens + 1 > RECURRENT_MAX:
             raise EngineError(f"hybrid models verify at most {RECURRENT_MAX - 1} drafts")
         if config.prefix_caching:

@@ -36,6 +36,10 @@ class KVCache:
             for i in range(cfg.num_attention_layers)
         ]
         self.layers = [b[:, :num_blocks] for b in self.buffers]
+        # What KV transfer packs and scatters: the layers that hold KV (all but a hybrid
+        # model's linear-attention placeholders, whose state travels apart).
+        self.transfer_layers = [lay for i, lay in enumerate(self.layers)
+                                if cfg.layer(i).attention != "linear"]
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.scratch_block = num_blocks

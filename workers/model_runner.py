@@ -161,6 +161,8 @@ class Runner(Protocol):
 
     def keep_states(self, rows: list[int], positions: list[int]) -> None: ...
 
+    def keep_states(self, rows: list[int], positions: list[int]) -> None: ...
+
 
 class ModelRunner:
     """The `Runner` of one process: the model (or its TP shard), its paged KV cache and, when

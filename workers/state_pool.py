@@ -37,6 +37,7 @@ class StateCache:
                  device: torch.device) -> None:
         lin = cfg.linear
         assert lin is not None
+        self.linear = lin
         self.layers = cfg.linear_layers
         self.num_slots = num_slots
         self.scratch_slot = num_slots

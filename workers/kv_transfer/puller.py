@@ -28,6 +28,7 @@ from mtpserve.workers import hop_trace
 from mtpserve.workers.kv_transfer.packing import scatter_blocks
 from mtpserve.workers.kv_transfer.receiver import KVReceiver
 from mtpserve.workers.kv_transfer.resharding import head_range, pull_slices
+from mtpserve.workers.kv_transfer.states import install_states, split_states
 
 logger = logging.getLogger(__name__)
 
@@ -59,9 +60,11 @@ class KVPuller:
         on_done: Callable[[], None] | None = None,
         name: str = "decode",
         max_concurrent: int = DEFAULT_MAX_CONCURRENT,
+        state_cache: Any = None,  # hybrid models: this rank's workers.state_pool.StateCache
     ) -> None:
         self.receiver = receiver
         self.kv_layers = kv_layers
+        self.state_cache = state_cache
         self.tp_size, self.rank = tp_size, rank
         self.on_done = on_done
         self._device = kv_layers[0].device
@@ -165,26 +168,44 @@ class KVPuller:
         `lane`'s buffer and stream; returns the extras."""
         local0 = head_range(job.num_kv_heads, self.tp_size, self.rank)[0]
         extras: dict[str, torch.Tensor] = {}
+        slot = getattr(job, "state_slot", None)
+        states: list[tuple[int, dict[str, torch.Tensor]]] = []  # hybrid: (rank, shard)
         steps = pull_slices(
             self.receiver, job.sender_addresses, job.hold_id or job.request_id, job.num_kv_heads,
             self.tp_size, self.rank, timeout_s, buffer=lambda: lane.buffer,
-            skip_blocks=job.skip_blocks,
+            skip_blocks=job.skip_blocks, extras_every_step=slot is not None,
         )
         for i, (step, kv, got) in enumerate(steps):
             lane.keep_buffer(kv)
             heads = slice(step.head_start - local0, step.head_end - local0)
+            if slot is not None:  # hybrid: this prefill rank's state shard, apart from extras
+                got_states, got = split_states(got)
             if lane.stream is not None:
                 # Scatter on this lane's own stream, not after the engine's step in flight:
                 # the blocks were free when allocated (the engine frees blocks only after its
                 # step's host sync), so no kernel of the engine touches them.
                 with torch.cuda.stream(lane.stream):
                     scatter_blocks(self.kv_layers, job.block_ids[: kv.shape[2]], kv, heads)
+                    if slot is not None:
+                        states.append((step.src_rank, _copied(got_states, self.state_cache)))
                 lane.stream.synchronize()  # the buffer is reused by this lane's next pull
             else:
                 scatter_blocks(self.kv_layers, job.block_ids[: kv.shape[2]], kv, heads)
+                if slot is not None:
+                    states.append((step.src_rank, _copied(got_states, self.state_cache)))
             if i == 0:  # replicated across prefill ranks; copied out of the reused buffer
                 extras = {k: v.to("cpu", copy=True) for k, v in got.items()}
+        if slot is not None:
+            # Like the blocks, the slot is this request's alone until it is activated.
+            install_states(self.state_cache, slot, states, job.prefill_tp_size,
+                           self.tp_size, self.rank)
         return extras
+
+
+def _copied(states: dict[str, torch.Tensor], cache: Any) -> dict[str, torch.Tensor]:
+    """State entries copied out of the lane's reused buffer onto the state pool's device."""
+    device = cache.conv[cache.layers[0]].device
+    return {k: v.to(device, copy=True) for k, v in states.items()}
 
 
 class _Lane:

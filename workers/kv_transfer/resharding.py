@@ -121,13 +121,16 @@ def pull_slices(
     timeout_s: float = 30.0,
     buffer: Callable[[], torch.Tensor | None] = lambda: None,
     skip_blocks: int = 0,
+    extras_every_step: bool = False,
 ) -> Iterator[tuple[HeadPull, torch.Tensor, dict[str, torch.Tensor]]]:
     """Pull this decode rank's KV heads of a request, one `pull_plan` step at a time.
 
     Yields (step, kv [n_layers, 2, n_blocks, block_size, h, head_dim], extras) in head order.
     Extras are replicated across prefill ranks, so only the first step fetches them (later
-    steps yield {}). Pulls run one after another under one deadline; `buffer()` is read
-    before each pull (see `KVReceiver.pull`), so a consumer may swap it between steps.
+    steps yield {}) unless `extras_every_step` (hybrid models: each prefill rank's extras
+    hold its own shard of the recurrent state, kv_transfer/states.py). Pulls run one after
+    another under one deadline; `buffer()` is read before each pull (see `KVReceiver.pull`),
+    so a consumer may swap it between steps.
     """
     deadline = time.monotonic() + timeout_s
     src_tp = len(sender_addresses)
@@ -139,7 +142,7 @@ def pull_slices(
             step.head_start,
             step.head_end,
             timeout_s=max(deadline - time.monotonic(), 1e-3),
-            with_extras=i == 0,
+            with_extras=i == 0 or extras_every_step,
             buffer=buffer(),
             skip_blocks=skip_blocks,
             copies=step.copies,

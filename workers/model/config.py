@@ -146,8 +146,8 @@ class ModelConfig:
                          f"({len(self.linear_layers)} linear layers; one state slot per "
                          "running request)")
             lines.append("prefix caching: off for hybrid models (no state checkpoints)")
-            lines.append("disaggregated serving: refused for hybrid models (the state transfer "
-                         "is not built; `mtpserve up` fails); offline LLM / generate serve it")
+            lines.append("disaggregated serving: the state slot travels with the KV "
+                         "(prefill -> decode); TP 1 only")
         for m in range(self.num_mtp_modules):
             spec = self.layer(self.num_hidden_layers + m)
             lines.append(f"MTP module {m} ({self.mtp_naming} naming): "

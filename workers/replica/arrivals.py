@@ -150,7 +150,10 @@ class KVArrivals(_RankPoller):
         cached = req.num_registered_blocks  # this replica's prefix cache holds them
         return PullKV(req.request_id, list(p.sender_addresses), list(req.block_ids[cached:]),
                       p.num_kv_heads, self.timeout_s, skip_blocks=cached,
-                      hold_id=p.request_id)
+                      hold_id=p.request_id,
+                      state_slot=(self.engine.block_manager.state_slot(req)
+                                  if self.engine.hybrid else None),
+                      prefill_tp_size=p.prefill_tp_size)
 
 
 class _Renewer:

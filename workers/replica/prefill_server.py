@@ -101,7 +101,8 @@ class PrefillServer(EngineReplica):
         if r.draft_probs is not None:
             extras["draft_probs"] = r.draft_probs.float().contiguous()
         slots = draft_slots(r)  # committed prompt + the k-1 speculative MTP entries
-        self.driver.run(HoldKV(rid, list(r.block_ids), slots, extras))
+        state_slot = engine.block_manager.state_slot(r) if engine.hybrid else None
+        self.driver.run(HoldKV(rid, list(r.block_ids), slots, extras, state_slot))
         return KVTransferParams(
             request_id=rid, sender_addresses=self.kv_addresses,
             prefill_tp_size=self.driver.tp_size,

@@ -60,6 +60,7 @@ class EngineReplica:
             kv_cache_memory_fraction=cfg.engine.kv_cache_memory_fraction
             * min(1.0, side.gpus_per_rank or 1.0),
             kv_secret=getattr(kv, "secret", None),
+            num_state_slots=getattr(side, "max_num_seqs", 64),
         )
         self.driver, self.workers, self.kv_addresses = start_group(
             spec, side.cpus_per_rank, side.gpus_per_rank)

@@ -16,6 +16,9 @@ class HoldKV:
     block_ids: list[int]
     num_tokens: int
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Hybrid models: the request's state slot; every rank adds its shard of the recurrent
+    # state to the extras it holds (workers/kv_transfer/states.py).
+    state_slot: int | None = None
 
 
 @dataclass
@@ -45,6 +48,10 @@ class PullKV:
     timeout_s: float
     skip_blocks: int = 0
     hold_id: str | None = None  # the prefill's name for the held KV (None: request_id)
+    # Hybrid models: the slot the pulled recurrent state goes to (kv_transfer/states.py);
+    # `prefill_tp_size` the holder's TP size, which the state shards follow.
+    state_slot: int | None = None
+    prefill_tp_size: int = 1
 
 
 @dataclass
@@ -78,6 +85,15 @@ class GreedyRound:
     starts: list[int]
     tables: list[list[int]]
     room: list[int]
+
+
+@dataclass
+class KeepStates:
+    """Hybrid models, after a verify forward: every rank keeps each row's recurrent state at
+    its last accepted token (`ModelRunner.keep_states`)."""
+
+    rows: list[int]
+    positions: list[int]
 
 
 @dataclass

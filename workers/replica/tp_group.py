@@ -30,6 +30,7 @@ from mtpserve.workers.engine_config import compile_enabled
 from mtpserve.workers.kv_transfer import KVReceiver, KVSender
 from mtpserve.workers.kv_transfer.auth import Secret
 from mtpserve.workers.kv_transfer.puller import KVPuller
+from mtpserve.workers.kv_transfer.states import state_extras
 from mtpserve.workers.model import shm_collectives
 from mtpserve.workers.model.decode_graph import GraphKey
 from mtpserve.workers.model.parallel import set_tp
@@ -47,6 +48,7 @@ from mtpserve.workers.replica.tp_commands import (
     GreedyRound,
     HoldKV,
     InjectFault,
+    KeepStates,
     ProbeKV,
     PullOutcome,
     ReleaseKV,
@@ -97,6 +99,7 @@ class RankSpec:
     compile_cache_dir: str | None = None  # EngineConfig.compile_cache_dir
     attention_backend: str = "auto"  # EngineConfig.attention_backend
     kv_cache_memory_fraction: float = 0.9  # EngineConfig.kv_cache_memory_fraction
+    num_state_slots: int = 64  # hybrid models: the engine's max_num_seqs (one per request)
     # The deployment's KV secret (cluster.app builds it; its repr is redacted): senders
     # accept only pairs, drops and renewals signed with it. None: no KV auth (tests).
     kv_secret: Secret | None = None
@@ -179,7 +182,8 @@ class RankCore:
                                   draft_vocab_size=spec.draft_vocab_size,
                                   attention_backend=resolve_attention_backend(
                                       spec.attention_backend, spec.device),
-                                  kv_cache_memory_fraction=spec.kv_cache_memory_fraction)
+                                  kv_cache_memory_fraction=spec.kv_cache_memory_fraction,
+                                  num_state_slots=spec.num_state_slots)
         cfg = self.runner.config
         self.head_start = rank * cfg.num_cache_heads // spec.tp_size
         self._lock = threading.Lock()
@@ -207,9 +211,11 @@ class RankCore:
             self.receiver = KVReceiver(backend=spec.kv_backend, device=kv_device,
                                        interface=spec.kv_interface, name=f"decode-r{rank}",
                                        max_links=spec.kv_max_pairs, secret=spec.kv_secret)
-            self.puller = KVPuller(self.receiver, self.runner.kv_cache.layers, spec.tp_size,
-                                   rank, on_done=self._wake, name=f"decode-r{rank}",
-                                   max_concurrent=spec.kv_max_concurrent_pulls)
+            self.puller = KVPuller(self.receiver, self.runner.kv_cache.transfer_layers,
+                                   spec.tp_size, rank, on_done=self._wake,
+                                   name=f"decode-r{rank}",
+                                   max_concurrent=spec.kv_max_concurrent_pulls,
+                                   state_cache=self.runner.state_cache)
 
     @property
     def kv_address(self) -> str | None:
@@ -239,8 +245,11 @@ class RankCore:
 
     def handle_object(self, cmd: Any) -> Any:
         if isinstance(cmd, HoldKV):
-            self.sender.hold(cmd.request_id, self.runner.kv_cache.layers, cmd.block_ids,
-                             cmd.num_tokens, self.head_start, cmd.extras)
+            extras = cmd.extras
+            if cmd.state_slot is not None:  # hybrid: this rank's shard of the state
+                extras = {**extras, **state_extras(self.runner.state_cache, cmd.state_slot)}
+            self.sender.hold(cmd.request_id, self.runner.kv_cache.transfer_layers,
+                             cmd.block_ids, cmd.num_tokens, self.head_start, extras)
             self.holds.append(cmd.request_id)
             return None
         if isinstance(cmd, ReleaseKV):
@@ -259,6 +268,8 @@ class RankCore:
         if isinstance(cmd, WarmGraph):
             with torch.inference_mode():
                 return self.runner.graphs.warm_bucket(cmd.key)
+        if isinstance(cmd, KeepStates):
+            return self.runner.keep_states(cmd.rows, cmd.positions)
         if isinstance(cmd, GreedyRound):
             return self.runner.greedy_round(cmd.input_ids, cmd.starts, cmd.tables, cmd.room)
         if isinstance(cmd, ProbeKV):  # rank 0 only; never broadcast
@@ -437,6 +448,11 @@ class TPDriver:
         if not self.runner.fuses_greedy_rounds:
             return None
         return self._collective(GreedyRound(input_ids, starts, tables, room))
+
+    def keep_states(self, rows: list[int], positions: list[int]) -> None:
+        """Hybrid models: every rank keeps its state shard at the rows' accepted tokens."""
+        if rows:
+            self.run(KeepStates(rows, positions))
 
     def _collective(self, cmd: Any) -> Any:
         """`run` for a command whose work runs model collectives: if rank 0 raises half-way,

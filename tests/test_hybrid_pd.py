@@ -1,0 +1,183 @@
+"""Hybrid (Qwen3-Next) models served disaggregated: the prefill ships each request's
+recurrent + conv state (its state slot) with the full-attention layers' KV over the pair's
+gloo channel; the decode rank installs it in the slot its engine gave the request.
+
+The real PrefillServer / DecodeServer classes (Serve's wrappers peeled off, TP 1 -> 1,
+loopback gloo, as tests/test_disagg_datapath.py) on the tiny random Qwen3-Next checkpoint of
+tests/test_qwen3_next.py: disaggregated greedy (k = 2, prompts past the delta rule's 64-token
+chunk and the prefill chunk) == the offline engine == transformers; seeded sampling ==
+offline; every KV block and state slot free on both sides afterwards. The state re-sharding
+between TP layouts is checked on tensors (`install_states`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from helpers import greedy, hf_greedy, make_engine, run_to_completion
+from test_qwen3_next import make_qwen3_next_checkpoint
+from tiny_tokenizer import VOCAB_SIZE
+
+from mtpserve.cluster.config import ClusterConfig
+from mtpserve.workers.kv_transfer.states import install_states, state_extras
+from mtpserve.workers.messages import GenerateRequest
+from mtpserve.workers.model.config import ModelConfig
+from mtpserve.workers.sampling_params import SamplingParams
+from mtpserve.workers.state_pool import StateCache
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    return make_qwen3_next_checkpoint(tmp_path_factory.mktemp("hybrid_pd") / "ckpt")
+
+
+def make_servers(model: Path, k: int = 2, **extra):
+    from mtpserve.workers.replica.decode_server import DecodeServer
+    from mtpserve.workers.replica.prefill_server import PrefillServer
+
+    cfg = ClusterConfig(
+        model=str(model), block_size=4,
+        prefill={"num_kv_blocks": 96, "cpus_per_rank": 1, "max_num_batched_tokens": 40},
+        decode={"num_kv_blocks": 96, "cpus_per_rank": 1, "max_num_seqs": 4},
+        speculation={"num_speculative_tokens": k, "adaptive": False},
+        kv_transfer={"timeout_s": 20, "hold_ttl_s": 30, "host": "127.0.0.1"},
+        **extra,
+    )
+    return PrefillServer.func_or_class(cfg), DecodeServer.func_or_class(cfg)
+
+
+def shutdown(*servers) -> None:
+    for s in servers:
+        s.engine.shutdown()
+        s.driver.shutdown()
+
+
+async def run_one(p, d, req: GenerateRequest) -> list[int]:
+    """The orchestrator's flow: prefill, first token, decode stream."""
+    first, params = await p.prefill(req)
+    tokens = list(first.token_ids)
+    if params is None:
+        return tokens
+    async for chunk in d.generate(req, params):
+        assert chunk.error is None, chunk.error
+        tokens += chunk.token_ids
+    return tokens
+
+
+def run_all(p, d, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    async def main():
+        return await asyncio.gather(*(run_one(p, d, GenerateRequest(f"r{i}", x, params))
+                                      for i, x in enumerate(prompts)))
+
+    return asyncio.run(main())
+
+
+def wait_all_free(p, d, deadline_s: float = 5.0) -> tuple[dict, dict]:
+    """Both engines' stats once nothing is held (the prefill frees a hold when the decode
+    side acks it, on its sender thread: the last release may land just after the stream)."""
+    end = time.monotonic() + deadline_s
+    while True:
+        ps, ds = p.engine.engine.stats(), d.engine.engine.stats()
+        if (ps["used_blocks"] == ds["used_blocks"] == 0
+                and ps["state_slots_used"] == ds["state_slots_used"] == 0):
+            return ps, ds
+        if time.monotonic() > end:
+            return ps, ds
+        time.sleep(0.01)
+
+
+PROMPT_LENS = (7, 75, 19)  # 75: past the 64-token delta-rule chunk and the 40-token prefill
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(4)
+    return [torch.randint(3, VOCAB_SIZE, (n,), generator=g).tolist() for n in PROMPT_LENS]
+
+
+def test_disaggregated_greedy_equals_offline_and_transformers(ckpt, prompts) -> None:
+    ref = transformers.Qwen3NextForCausalLM.from_pretrained(ckpt).eval()
+    want = [hf_greedy(ref, x, 12) for x in prompts]
+    offline = run_to_completion(make_engine(ckpt, 2, num_kv_blocks=96, block_size=4,
+                                            max_num_batched_tokens=40), prompts, greedy(12))
+    assert offline == want
+    p, d = make_servers(ckpt)
+    try:
+        assert run_all(p, d, prompts, greedy(12)) == want
+        ps, ds = wait_all_free(p, d)
+        for side in (ps, ds):
+            assert side["used_blocks"] == 0 and side["state_slots_used"] == 0, side
+            assert side["state_slots_total"] > 0
+        assert p.driver.core.holds == [] and d.driver.core.inflight == []
+        p.engine.engine.block_manager.check_integrity([])
+        d.engine.engine.block_manager.check_integrity([])
+        # The first decode round verified the drafts the prefill shipped.
+        assert d.engine.engine.totals["drafted"] > 0
+    finally:
+        shutdown(p, d)
+
+
+def test_disaggregated_seeded_sampling_equals_offline(ckpt, prompts) -> None:
+    params = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.95, seed=123,
+                            ignore_eos=True)
+    want = run_to_completion(make_engine(ckpt, 2, num_kv_blocks=96, block_size=4,
+                                         max_num_batched_tokens=40), prompts, params)
+    p, d = make_servers(ckpt)
+    try:
+        assert run_all(p, d, prompts, params) == want
+        ps, ds = wait_all_free(p, d)
+        assert ps["state_slots_used"] == ds["state_slots_used"] == 0
+    finally:
+        shutdown(p, d)
+
+
+def _shard(cache: StateCache, slot: int, tp: int, rank: int) -> dict[str, torch.Tensor]:
+    """Rank `rank` of `tp`'s state extras cut from a TP-1 slot: the conv window's q, k and v
+    channels and the recurrent state's value heads, each split in `tp` equal parts (the
+    layout a sharded Gated DeltaNet holds)."""
+    lin = cache.linear
+    key = lin.num_key_heads * lin.key_head_dim
+    out = {}
+    for name, t in state_extras(cache, slot).items():
+        if name.startswith("state.conv."):
+            parts = torch.split(t, [key, key, t.shape[0] - 2 * key])
+            out[name] = torch.cat([c.chunk(tp)[rank] for c in parts])
+        else:
+            out[name] = t.chunk(tp)[rank]
+    return out
+
+
+@pytest.mark.parametrize(("src_tp", "dst_tp"), [(1, 1), (1, 2), (2, 1), (2, 2)])
+def test_state_resharding_between_tp_layouts(ckpt, src_tp: int, dst_tp: int) -> None:
+    """A random state, sharded as prefill TP `src_tp` holds it, installed by every decode rank
+    of `dst_tp` from the prefill ranks `pull_plan` names == that rank's shard of the same
+    state; a wrong set of prefill ranks is refused."""
+    from mtpserve.workers.kv_transfer.resharding import pull_plan
+
+    cfg = ModelConfig.from_pretrained(ckpt)
+    whole = StateCache(cfg, 2, torch.float32, torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    for i in whole.layers:
+        whole.conv[i].copy_(torch.randn(whole.conv[i].shape, generator=g))
+        whole.recurrent[i].copy_(torch.randn(whole.recurrent[i].shape, generator=g))
+    src = [_shard(whole, 1, src_tp, r) for r in range(src_tp)]
+    for rank in range(dst_tp):
+        plan = pull_plan(cfg.num_cache_heads, src_tp, dst_tp, rank)
+        dst = StateCache(cfg, 2, torch.float32, torch.device("cpu"))
+        for i in dst.layers:  # the decode rank's slot holds only its own shard
+            dst.conv[i] = dst.conv[i][:, : dst.conv[i].shape[1] // dst_tp].contiguous()
+            dst.recurrent[i] = dst.recurrent[i][:, : cfg.linear.num_value_heads // dst_tp]
+        install_states(dst, 0, [(s.src_rank, src[s.src_rank]) for s in plan], src_tp,
+                       dst_tp, rank)
+        want = _shard(whole, 1, dst_tp, rank)
+        for i in dst.layers:
+            assert torch.equal(dst.conv[i][0], want[f"state.conv.{i}"])
+            assert torch.equal(dst.recurrent[i][0], want[f"state.rec.{i}"])
+    if src_tp == 2 and dst_tp == 1:
+        with pytest.raises(ValueError, match="do not cover"):
+            install_states(dst, 0, [(1, src[1])], src_tp, dst_tp, 0)
