@@ -1,6 +1,7 @@
 """`mtpserve up`: starts a local Ray cluster and the app, prints the URL once /health answers,
-serves requests, and on SIGTERM drains (a running stream finishes, new requests get 503) and
-stops Ray and every process it started."""
+serves requests (the openai SDK's structured-output and tool examples among them), and on
+SIGTERM drains (a running stream finishes, new requests get 503) and stops Ray and every
+process it started."""
 
 from __future__ import annotations
 
@@ -10,11 +11,14 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
 from sse_stream import StreamingCompletion
+from test_structured_api import OPENAI_EXAMPLES
 
 pytestmark = pytest.mark.ray
 
@@ -34,7 +38,16 @@ def _session_members(sid: int) -> list[int]:
 DRAIN_TOKENS = 160
 
 
-def test_up_serves_and_stops_cleanly(default_model) -> None:
+@dataclass
+class Up:
+    url: str
+    proc: subprocess.Popen
+
+
+@pytest.fixture(scope="module")
+def up(default_model) -> Iterator[Up]:
+    """`mtpserve up` with the default config (the embedded model, MTP on), serving once it
+    printed its URL; the module's tests share it and the last one stops it."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -53,41 +66,57 @@ def test_up_serves_and_stops_cleanly(default_model) -> None:
             if "is serving" in line or not line:
                 break
         assert f"http://127.0.0.1:{port}/v1" in line, line
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
-                       json={"prompt": "import os\n", "max_tokens": 8, "temperature": 0},
-                       timeout=120)
-        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
-        assert len(_session_members(proc.pid)) > 3  # raylet, GCS, replicas, ...
-        # SIGTERM drains: a stream running at the signal finishes, new requests are refused.
-        stream = StreamingCompletion(f"http://127.0.0.1:{port}", "import os\n", DRAIN_TOKENS)
-        stream.start()
-        deadline = time.monotonic() + 120
-        while stream.num_events < 3 and stream.error is None:
-            assert time.monotonic() < deadline, "the stream did not start"
-            time.sleep(0.05)
-        proc.send_signal(signal.SIGTERM)
-        refused = None
-        while refused is None and time.monotonic() < deadline and not stream.done:
-            try:
-                r = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
-                               json={"prompt": "x", "max_tokens": 2}, timeout=10)
-                if r.status_code == 503:
-                    refused = r
-            except httpx.HTTPError:
-                break
-            time.sleep(0.05)
-        stream.join(timeout=120)
-        assert stream.error is None and stream.done, stream.error
-        assert len(stream.token_ids) == DRAIN_TOKENS
-        assert refused is not None and refused.json()["error"]["code"] == "service_unavailable"
-        assert proc.wait(timeout=120) == 0
-        end = time.monotonic() + 60
-        while _session_members(proc.pid) and time.monotonic() < end:
-            time.sleep(0.5)
-        assert _session_members(proc.pid) == []
+        yield Up(f"http://127.0.0.1:{port}", proc)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("example", list(OPENAI_EXAMPLES))
+def test_openai_structured_output_and_tool_examples(up, example: str) -> None:
+    """The openai SDK's structured-output and tool-calling examples, unchanged, against the
+    real CLI's cluster (prefill -> decode, speculation on): outputs validate."""
+    import openai
+
+    client = openai.OpenAI(base_url=up.url + "/v1", api_key="none", max_retries=0,
+                           timeout=300)
+    OPENAI_EXAMPLES[example](client)
+
+
+def test_up_serves_and_stops_cleanly(up) -> None:  # stops `up`: keep it the module's last user
+    proc, url = up.proc, up.url
+    r = httpx.post(f"{url}/v1/completions",
+                   json={"prompt": "import os\n", "max_tokens": 8, "temperature": 0},
+                   timeout=120)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+    assert len(_session_members(proc.pid)) > 3  # raylet, GCS, replicas, ...
+    # SIGTERM drains: a stream running at the signal finishes, new requests are refused.
+    stream = StreamingCompletion(url, "import os\n", DRAIN_TOKENS)
+    stream.start()
+    deadline = time.monotonic() + 120
+    while stream.num_events < 3 and stream.error is None:
+        assert time.monotonic() < deadline, "the stream did not start"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    refused = None
+    while refused is None and time.monotonic() < deadline and not stream.done:
+        try:
+            r = httpx.post(f"{url}/v1/completions",
+                           json={"prompt": "x", "max_tokens": 2}, timeout=10)
+            if r.status_code == 503:
+                refused = r
+        except httpx.HTTPError:
+            break
+        time.sleep(0.05)
+    stream.join(timeout=120)
+    assert stream.error is None and stream.done, stream.error
+    assert len(stream.token_ids) == DRAIN_TOKENS
+    assert refused is not None and refused.json()["error"]["code"] == "service_unavailable"
+    assert proc.wait(timeout=120) == 0
+    end = time.monotonic() + 60
+    while _session_members(proc.pid) and time.monotonic() < end:
+        time.sleep(0.5)
+    assert _session_members(proc.pid) == []
 
 
 def test_up_refuses_a_config_the_cluster_cannot_place(tmp_path) -> None:

@@ -6,6 +6,7 @@ client), streamed tool calls, token healing, `/tokenize` + `/detokenize`, and th
 
 from __future__ import annotations
 
+import functools
 import json
 
 import httpx
@@ -81,17 +82,19 @@ def _person_format() -> dict:
             "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
 
 
-@pytest.mark.parametrize("seed", [None, 1, 2])
-def test_json_schema_output_validates(client, seed) -> None:
+# The openai SDK's structured-output and tool-calling examples, as a client writes them; run
+# here in-process and by tests/test_cli_up.py against `mtpserve up` (default config, MTP on).
+def json_schema_example(client: openai.OpenAI, seed: int | None = None) -> None:
     kw = {"temperature": 0} if seed is None else {"temperature": 1.0, "seed": seed}
     r = client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=80,
                                        response_format=_person_format(), **kw)
     c = r.choices[0]
     assert c.finish_reason == "stop", c
     jsonschema.validate(json.loads(c.message.content), PERSON)
+    assert r.model_extra["mtp_stats"]["num_drafted"] > 0  # generated under speculation
 
 
-def test_json_object_output_parses(client) -> None:
+def json_object_example(client: openai.OpenAI) -> None:
     r = client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=60,
                                        temperature=0, response_format={"type": "json_object"})
     c = r.choices[0]
@@ -113,7 +116,7 @@ def test_structured_outputs_on_completions(http) -> None:
         assert choice["finish_reason"] == "stop" and check(choice["text"]), (so, choice)
 
 
-def test_named_and_required_tool_calls_validate(client) -> None:
+def tool_call_example(client: openai.OpenAI) -> None:
     for choice in ({"type": "function", "function": {"name": "get_weather"}}, "required"):
         r = client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=80,
                                            temperature=0, tools=[WEATHER, ADD],
@@ -128,7 +131,7 @@ def test_named_and_required_tool_calls_validate(client) -> None:
         assert call.id.startswith("call_") and call.type == "function"
 
 
-def test_streamed_tool_call_assembles_to_the_whole_one(client) -> None:
+def streamed_tool_call_example(client: openai.OpenAI) -> None:
     kw = dict(model=MODEL, messages=MSGS, max_tokens=80, temperature=0, tools=[WEATHER],
               tool_choice={"type": "function", "function": {"name": "get_weather"}})
     whole = client.chat.completions.create(**kw).choices[0].message.tool_calls[0]
@@ -245,20 +248,22 @@ def test_token_healing_default_heals_line_breaks_only(http, server_state) -> Non
         assert ids("import os\n") == ids("import os\n", token_healing=True)
         assert ids("def hello") == ids("def hello", token_healing=False)
     finally:
-        server_state.token_healing = None
+        server_state.token_healing = False
 
 
-def test_openai_sdk_parse_and_pydantic_tools_run_unchanged(client) -> None:
+def sdk_parse_example(client: openai.OpenAI) -> None:
     """The SDK's own structured-output and tool helpers: `parse` with a pydantic model (strict
-    json_schema) and `pydantic_function_tool`."""
+    json_schema; `beta.chat.completions.parse` is what the SDK's guide writes) and
+    `pydantic_function_tool`."""
     from pydantic import BaseModel, Field
 
     class Person(BaseModel):
         name: str = Field(max_length=10)
         age: int = Field(ge=0, le=150)
 
-    r = client.chat.completions.parse(model=MODEL, messages=MSGS, response_format=Person,
-                                      temperature=0, max_tokens=60)
+    r = client.beta.chat.completions.parse(model=MODEL, messages=MSGS,
+                                           response_format=Person, temperature=0,
+                                           max_tokens=60)
     assert isinstance(r.choices[0].message.parsed, Person)
 
     class GetWeather(BaseModel):
@@ -270,3 +275,19 @@ def test_openai_sdk_parse_and_pydantic_tools_run_unchanged(client) -> None:
         tool_choice={"type": "function", "function": {"name": "GetWeather"}})
     (call,) = r.choices[0].message.tool_calls
     assert isinstance(call.function.parsed_arguments, GetWeather)
+
+
+OPENAI_EXAMPLES = {
+    "json_schema_greedy": json_schema_example,
+    "json_schema_seed_1": functools.partial(json_schema_example, seed=1),
+    "json_schema_seed_2": functools.partial(json_schema_example, seed=2),
+    "json_object": json_object_example,
+    "named_and_required_tool_calls": tool_call_example,
+    "streamed_tool_call": streamed_tool_call_example,
+    "sdk_parse_pydantic": sdk_parse_example,
+}
+
+
+@pytest.mark.parametrize("example", list(OPENAI_EXAMPLES))
+def test_openai_examples_run_unchanged(client, example: str) -> None:
+    OPENAI_EXAMPLES[example](client)
