@@ -443,13 +443,17 @@ class ClusterConfig(_Strict):
             # Refuses an unsupported family, rope type or math-changing key by name, here,
             # before any replica starts (a replica would only fail while loading).
             mcfg = ModelConfig.from_dict(hf)
-            if mcfg.is_hybrid and max(self.prefill.tp_size, self.decode.tp_size) > 1:
-                # Its recurrent state travels with the KV (workers/kv_transfer/states.py);
-                # Gated DeltaNet layers are not sharded across TP ranks yet.
-                raise ValueError(
-                    f"{mcfg.model_type} (hybrid linear attention) with prefill.tp_size="
-                    f"{self.prefill.tp_size}, decode.tp_size={self.decode.tp_size}: hybrid "
-                    "models are served with TP 1 only (Gated DeltaNet is not sharded)")
+            if mcfg.linear is not None:
+                # Gated DeltaNet shards by key heads (value heads and states follow them);
+                # its state travels with the KV, re-sharded (workers/kv_transfer/states.py).
+                lin = mcfg.linear
+                for role, tp in (("prefill", self.prefill.tp_size),
+                                 ("decode", self.decode.tp_size)):
+                    if lin.num_key_heads % tp or lin.num_value_heads % tp:
+                        raise ValueError(
+                            f"{role}.tp_size={tp} must divide the hybrid model's "
+                            f"{lin.num_key_heads} linear key heads and "
+                            f"{lin.num_value_heads} linear value heads")
             heads = hf.get("num_attention_heads")
             kv_heads = hf.get("num_key_value_heads", heads)
             for role, tp in (("prefill", self.prefill.tp_size), ("decode", self.decode.tp_size)):

@@ -3,8 +3,8 @@ one MTP layer under `mtp.*`) against transformers' own classes on a tiny random 
 saved by `Qwen3NextForCausalLM`: logits (chunked prefill longer than the delta rule's chunk,
 then recurrent decode, through the state slots), MTP draft logits vs `MtpModel`, greedy
 k = 0..3 == plain == transformers, rejection at every draft position, seeded sampling
-batch-independent, state slots all free after each test, prefix caching refused, TP refused
-(P/D: tests/test_hybrid_pd.py).
+batch-independent, state slots all free after each test, prefix caching refused (P/D:
+tests/test_hybrid_pd.py; TP: tests/test_hybrid_tp.py).
 """
 
 from __future__ import annotations
@@ -130,7 +130,8 @@ def test_config_and_check_output(ckpt, capsys) -> None:
                  f"state per request: {3 * per_layer} bytes",
                  "MTP module 0 (qwen3_next naming): GQA + moe block",
                  "gated shared expert 48", "prefix caching: off for hybrid models",
-                 "disaggregated serving: the state slot travels with the KV"):
+                 "disaggregated serving: the state slot travels with the KV (prefill -> decode, "
+                 "re-sharded by heads"):
         assert line in out, line
 
 
@@ -302,13 +303,15 @@ def test_seeded_sampling_is_batch_independent_and_abort_frees_slots(ckpt) -> Non
     _assert_slots_free(llm)
 
 
-def test_cluster_config_serves_hybrid_disaggregated_with_tp1_only(ckpt) -> None:
-    """P/D moves the state slot (tests/test_hybrid_pd.py); TP > 1 is refused by name."""
+def test_cluster_config_serves_hybrid_disaggregated_with_tp_dividing_linear_heads(
+        ckpt) -> None:
+    """P/D moves the state slot (tests/test_hybrid_pd.py), TP shards it by heads
+    (tests/test_hybrid_tp.py); a TP size that does not divide the linear heads is refused."""
     from mtpserve.cluster.config import ClusterConfig
 
-    ClusterConfig(model=str(ckpt))
-    with pytest.raises(ValueError, match="hybrid linear attention"):
-        ClusterConfig(model=str(ckpt), decode={"tp_size": 2})
+    ClusterConfig(model=str(ckpt), decode={"tp_size": 2})
+    with pytest.raises(ValueError, match="linear key heads"):
+        ClusterConfig(model=str(ckpt), prefill={"tp_size": 4})
 
 
 def test_preemption_recomputes_the_state_exactly(ckpt, greedy_want) -> None:

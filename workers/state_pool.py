@@ -23,14 +23,16 @@ import torch
 from mtpserve.workers.block_manager import BlockManager
 from mtpserve.workers.model.config import ModelConfig
 from mtpserve.workers.model.gated_deltanet import LinearState
+from mtpserve.workers.model.parallel import get_tp
 from mtpserve.workers.request import Request
 
 logger = logging.getLogger(__name__)
 
 
 class StateCache:
-    """The state tensors of one rank: per linear layer, conv [slots + 1, conv_dim, K - 1] in
-    the model dtype and recurrent [slots + 1, Hv, Dk, Dv] in fp32; slot `scratch_slot` (the
+    """The state tensors of one rank: per linear layer, conv [slots + 1, conv_dim / tp, K - 1]
+    in the model dtype and recurrent [slots + 1, Hv / tp, Dk, Dv] in fp32 (this rank's heads,
+    workers/model/gated_deltanet.py); slot `scratch_slot` (the
     last) serves rows that name none (a runner driven without an engine, memory profiling)."""
 
     def __init__(self, cfg: ModelConfig, num_slots: int, dtype: torch.dtype,
@@ -42,9 +44,10 @@ class StateCache:
         self.num_slots = num_slots
         self.scratch_slot = num_slots
         n = num_slots + 1
-        self.conv = {i: torch.zeros(n, lin.conv_dim, lin.conv_kernel - 1, dtype=dtype,
+        tp = get_tp().size  # this rank's heads: conv channels and value heads split by rank
+        self.conv = {i: torch.zeros(n, lin.conv_dim // tp, lin.conv_kernel - 1, dtype=dtype,
                                     device=device) for i in self.layers}
-        self.recurrent = {i: torch.zeros(n, lin.num_value_heads, lin.key_head_dim,
+        self.recurrent = {i: torch.zeros(n, lin.num_value_heads // tp, lin.key_head_dim,
                                          lin.value_head_dim, dtype=torch.float32,
                                          device=device) for i in self.layers}
 

@@ -147,7 +147,7 @@ class ModelConfig:
                          "running request)")
             lines.append("prefix caching: off for hybrid models (no state checkpoints)")
             lines.append("disaggregated serving: the state slot travels with the KV "
-                         "(prefill -> decode); TP 1 only")
+                         "(prefill -> decode, re-sharded by heads when TP sizes differ)")
         for m in range(self.num_mtp_modules):
             spec = self.layer(self.num_hidden_layers + m)
             lines.append(f"MTP module {m} ({self.mtp_naming} naming): "

@@ -21,7 +21,16 @@ one after the row's last real token.
 Forms: rows of more than `RECURRENT_MAX` tokens (prefill chunks) use the chunked form; shorter
 ones (decode and verify rows [last, d1..dk]) use the recurrent form and keep the state after
 every position (`LinearState.snap_*`), so after acceptance the engine keeps the state at the
-last accepted token (`LinearState.keep`) without recomputing anything. The CUDA fast path
+last accepted token (`LinearState.keep`) without recomputing anything.
+
+Tensor parallelism (as vLLM shards Qwen3-Next): rank r of `tp` holds key heads
+[r Hk/tp, (r+1) Hk/tp) and the value heads they serve. The input projections are column
+parallel (the fused `in_proj_qkvz` / `in_proj_ba` group their outputs per key head, so a
+contiguous slice is a set of whole key heads; Qwen3.5's `in_proj_qkv` is cut per q | k | v
+component), the conv weight and its state are cut per component (the rank's conv channels are
+[q_r | k_r | v_r]), `dt_bias`, `A_log` and the recurrent state by value head, `out_proj` is
+row parallel (one all-reduce per layer); the gated norm works per head and stays replicated.
+The recurrence needs no collective: heads never mix. The CUDA fast path
 (e.g. flash-linear-attention kernels) would slot in behind `chunk_gated_delta_rule` /
 `recurrent_gated_delta_rule`; it is not built, torch runs everywhere.
 """
@@ -35,7 +44,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtpserve.workers.model.families.base import LinearAttentionConfig
-from mtpserve.workers.model.parallel import ReplicatedLinear, _plain_loader, get_tp
+from mtpserve.workers.model.parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    _divide,
+    _plain_loader,
+    get_tp,
+)
 
 RECURRENT_MAX = 16  # rows up to this many tokens run the recurrent form (and keep snapshots)
 
@@ -144,44 +159,63 @@ class GatedRMSNorm(nn.Module):
         return out.to(dt)
 
 
+def components_loader(sizes: list[int]):
+    """A weight loader for a checkpoint tensor whose dim 0 concatenates components of `sizes`
+    (q | k | v channels, or one component): this rank keeps its 1/tp of each, concatenated."""
+
+    def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        tp = get_tp()
+        if loaded.shape[0] != sum(sizes) or loaded.shape[1:] != param.shape[1:]:
+            raise ValueError(f"shape mismatch: expected ({sum(sizes)}, "
+                             f"*{tuple(param.shape[1:])}), got {tuple(loaded.shape)}")
+        parts = [part.narrow(0, tp.rank * (n // tp.size), n // tp.size)
+                 for part, n in zip(torch.split(loaded, sizes), sizes, strict=True)]
+        param.data.copy_(torch.cat(parts))
+
+    return load
+
+
 class GatedDeltaNet(nn.Module):
     """`linear_attn.*` of a Qwen3-Next layer (checkpoint names kept: in_proj_qkvz, in_proj_ba,
     or Qwen3.5's in_proj_qkv, in_proj_z, in_proj_b, in_proj_a; conv1d, dt_bias, A_log, norm,
-    out_proj). Replicated on every rank: hybrid models are
-    refused with TP > 1 (sharding the states by value heads is not built)."""
+    out_proj), this rank's heads of it under TP (module docstring)."""
 
     def __init__(self, hidden: int, lin: LinearAttentionConfig, eps: float) -> None:
         super().__init__()
-        if get_tp().size > 1:
-            raise NotImplementedError("Gated DeltaNet layers with TP > 1 are not supported")
+        tp = get_tp().size
         self.lin = lin
-        self.key_dim = lin.num_key_heads * lin.key_head_dim
-        self.value_dim = lin.num_value_heads * lin.value_head_dim
-        if lin.fused_projections:  # Qwen3-Next
-            self.in_proj_qkvz = ReplicatedLinear(hidden, 2 * self.key_dim + 2 * self.value_dim)
-            self.in_proj_ba = ReplicatedLinear(hidden, 2 * lin.num_value_heads)
-        else:  # Qwen3.5
-            self.in_proj_qkv = ReplicatedLinear(hidden, 2 * self.key_dim + self.value_dim)
-            self.in_proj_z = ReplicatedLinear(hidden, self.value_dim)
-            self.in_proj_b = ReplicatedLinear(hidden, lin.num_value_heads)
-            self.in_proj_a = ReplicatedLinear(hidden, lin.num_value_heads)
+        self.num_key_heads = _divide(lin.num_key_heads, tp, "linear_num_key_heads")
+        self.num_value_heads = _divide(lin.num_value_heads, tp, "linear_num_value_heads")
+        key_dim = lin.num_key_heads * lin.key_head_dim  # the whole model's
+        value_dim = lin.num_value_heads * lin.value_head_dim
+        self.key_dim, self.value_dim = key_dim // tp, value_dim // tp  # this rank's
+        if lin.fused_projections:  # Qwen3-Next: outputs grouped per key head
+            self.in_proj_qkvz = ColumnParallelLinear(hidden, [2 * key_dim + 2 * value_dim])
+            self.in_proj_ba = ColumnParallelLinear(hidden, [2 * lin.num_value_heads])
+        else:  # Qwen3.5: q | k | v in one tensor, z, b, a apart
+            self.in_proj_qkv = ColumnParallelLinear(hidden, [2 * key_dim + value_dim])
+            self.in_proj_qkv.weight.weight_loader = components_loader(
+                [key_dim, key_dim, value_dim])
+            self.in_proj_z = ColumnParallelLinear(hidden, [value_dim])
+            self.in_proj_b = ColumnParallelLinear(hidden, [lin.num_value_heads])
+            self.in_proj_a = ColumnParallelLinear(hidden, [lin.num_value_heads])
         self.conv1d = nn.Module()
-        self.conv1d.weight = nn.Parameter(torch.empty(lin.conv_dim, 1, lin.conv_kernel))
-        self.conv1d.weight.weight_loader = _plain_loader
-        self.dt_bias = nn.Parameter(torch.ones(lin.num_value_heads))
-        self.dt_bias.weight_loader = _plain_loader
-        self.A_log = nn.Parameter(torch.zeros(lin.num_value_heads))
-        self.A_log.weight_loader = _plain_loader
+        self.conv1d.weight = nn.Parameter(torch.empty(lin.conv_dim // tp, 1, lin.conv_kernel))
+        self.conv1d.weight.weight_loader = components_loader([key_dim, key_dim, value_dim])
+        self.dt_bias = nn.Parameter(torch.ones(self.num_value_heads))
+        self.dt_bias.weight_loader = components_loader([lin.num_value_heads])
+        self.A_log = nn.Parameter(torch.zeros(self.num_value_heads))
+        self.A_log.weight_loader = components_loader([lin.num_value_heads])
         self.norm = GatedRMSNorm(lin.value_head_dim, eps)
-        self.out_proj = ReplicatedLinear(self.value_dim, hidden)
+        self.out_proj = RowParallelLinear(value_dim, hidden)
 
     def _split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Projections -> q, k [B, S, Hk, Dk], v, z [B, S, Hv, Dv], b, a [B, S, Hv] (the
         checkpoint interleaves them per key head: transformers' fix_query_key_value_ordering)."""
         lin = self.lin
         B, S, _ = x.shape
-        Hk, Dk, Dv = lin.num_key_heads, lin.key_head_dim, lin.value_head_dim
-        Hv = lin.num_value_heads
+        Hk, Dk, Dv = self.num_key_heads, lin.key_head_dim, lin.value_head_dim
+        Hv = self.num_value_heads
         if not lin.fused_projections:  # q | k | v contiguous, z, b, a apart (Qwen3.5)
             q, k, v = torch.split(self.in_proj_qkv(x), [self.key_dim, self.key_dim,
                                                          self.value_dim], dim=-1)
@@ -212,7 +246,7 @@ class GatedDeltaNet(nn.Module):
         conv = F.silu(F.conv1d(full.to(w.dtype), w, groups=full.shape[1]))[:, :, -S:]
         conv = conv.to(x.dtype).transpose(1, 2)
         q, k, v = torch.split(conv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        Hv, Hk = lin.num_value_heads, lin.num_key_heads
+        Hv, Hk = self.num_value_heads, self.num_key_heads
         q = q.reshape(B, S, Hk, lin.key_head_dim)
         k = k.reshape(B, S, Hk, lin.key_head_dim)
         v = v.reshape(B, S, Hv, lin.value_head_dim)

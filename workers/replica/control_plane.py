@@ -32,9 +32,9 @@ _HIDDEN = {None: 0, "main": 1, "mtp": 2}
 # run different forwards, so the encoder refuses to run until it is taught the new field.
 _ENCODED_FIELDS = ("kind", "input_ids", "start_positions", "block_tables", "logit_rows",
                    "module", "hidden_from", "hidden_rows", "state_slots", "device_ids")
-# Fields a TP group never sees set: hybrid models (state slots) are refused under TP, and the
-# driver asks for host ids (`accepts_device_ids` is False), so these stay on one process.
-_LOCAL_ONLY = ("state_slots", "device_ids")
+# Fields a TP group never sees set: the driver asks for host ids (`accepts_device_ids` is
+# False), so these stay on one process.
+_LOCAL_ONLY = ("device_ids",)
 
 
 def encode_batch(b: ForwardBatch) -> list[int]:
@@ -45,7 +45,9 @@ def encode_batch(b: ForwardBatch) -> list[int]:
         "a TP forward with single-process fields set")
     B = len(b.input_ids)
     has_hidden = 1 if b.hidden_rows else 0
-    out = [_KINDS[b.kind], b.module, _HIDDEN[b.hidden_from], B, len(b.logit_rows), has_hidden]
+    has_slots = 1 if b.state_slots is not None else 0  # hybrid models: a state slot per row
+    out = [_KINDS[b.kind], b.module, _HIDDEN[b.hidden_from], B, len(b.logit_rows), has_hidden,
+           has_slots]
     for i in range(B):
         out += [len(b.input_ids[i]), len(b.block_tables[i]),
                 len(b.hidden_rows[i]) if has_hidden else 0]
@@ -55,13 +57,15 @@ def encode_batch(b: ForwardBatch) -> list[int]:
     out += chain.from_iterable(b.block_tables)
     if has_hidden:
         out += chain.from_iterable(b.hidden_rows)
+    if has_slots:
+        out += b.state_slots
     return out
 
 
 def decode_batch(x: list[int]) -> ForwardBatch:
-    kind, module, hidden, B, n_logits, has_hidden = x[:6]
-    lens = x[6 : 6 + 3 * B]
-    pos = 6 + 3 * B
+    kind, module, hidden, B, n_logits, has_hidden, has_slots = x[:7]
+    lens = x[7 : 7 + 3 * B]
+    pos = 7 + 3 * B
 
     def take(n: int) -> list[int]:
         nonlocal pos
@@ -73,12 +77,13 @@ def decode_batch(x: list[int]) -> ForwardBatch:
     input_ids = [take(lens[3 * i]) for i in range(B)]
     block_tables = [take(lens[3 * i + 1]) for i in range(B)]
     hidden_rows = [take(lens[3 * i + 2]) for i in range(B)] if has_hidden else []
+    state_slots = take(B) if has_slots else None
     assert pos == len(x), "malformed ForwardBatch encoding"
     return ForwardBatch(
         kind=[k for k, v in _KINDS.items() if v == kind][0], input_ids=input_ids,
         start_positions=starts, block_tables=block_tables, logit_rows=logit_rows,
         module=module, hidden_from=[k for k, v in _HIDDEN.items() if v == hidden][0],
-        hidden_rows=hidden_rows,
+        hidden_rows=hidden_rows, state_slots=state_slots,
     )
 
 
