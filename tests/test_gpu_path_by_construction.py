@@ -253,3 +253,25 @@ def test_gpu_check_graph_vs_eager_on_cpu(tiny_qwen3) -> None:
     rows = graph_vs_eager(runner, tolerance=1e-4)
     checked = [r for r in rows if "ok" in r]
     assert checked and all(r["ok"] for r in checked), rows
+
+
+def test_graph_memory_record_reserves_what_was_measured(tmp_path) -> None:
+    """The first start reserves the default guess; a capture's measurement (the largest kept)
+    is what later starts reserve, plus the margin; no folder, or a torn file: the default."""
+    from mtpserve.workers.graph_memory import (
+        DEFAULT_GRAPH_RESERVE,
+        MARGIN,
+        GraphMemoryRecord,
+        record_key,
+    )
+
+    key = record_key(tmp_path / "no-model", "bfloat16", 16, "flex", 1, 0, "H200", "2.x")
+    assert key != record_key(tmp_path / "no-model", "float32", 16, "flex", 1, 0, "H200", "2.x")
+    rec = GraphMemoryRecord(tmp_path / "cache")
+    assert rec.reserve(key) == DEFAULT_GRAPH_RESERVE
+    rec.store(key, 300 << 20)
+    rec.store(key, 200 << 20)  # a smaller capture does not lower the record
+    assert GraphMemoryRecord(tmp_path / "cache").reserve(key) == int((300 << 20) * MARGIN)
+    assert GraphMemoryRecord(None).reserve(key) == DEFAULT_GRAPH_RESERVE
+    (tmp_path / "cache" / "graph-memory.json").write_text("{torn")
+    assert rec.reserve(key) == DEFAULT_GRAPH_RESERVE

@@ -17,6 +17,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from mtpserve.workers import graph_memory
 from mtpserve.workers.engine_config import (
     DEFAULT_NUM_KV_BLOCKS,
     KVMemoryBudget,
@@ -27,6 +28,7 @@ from mtpserve.workers.engine_config import (
 from mtpserve.workers.host_sync import to_host
 from mtpserve.workers.kv_cache import KVCache
 from mtpserve.workers.model.attention_metadata import AttentionMetadata, stage, stage_lists
+from mtpserve.workers.model.compile_cache import default_cache_dir
 from mtpserve.workers.model.config import ModelConfig
 from mtpserve.workers.model.cuda_graphs import CUDAGraphs
 from mtpserve.workers.model.decode_graph import DecodeGraphs, GraphInputs, GraphKey
@@ -85,8 +87,9 @@ def column_major_linears(model: torch.nn.Module) -> None:
 
 
 # Kept for the CUDA graphs captured after the KV pool exists (their pool holds each bucket's
-# intermediates); gpu_check prints the pool's measured size next to it.
-DEFAULT_GRAPH_RESERVE = 1 << 30
+# intermediates) on a first start; later starts reserve what was measured
+# (workers/graph_memory.py).
+DEFAULT_GRAPH_RESERVE = graph_memory.DEFAULT_GRAPH_RESERVE
 
 
 class DeviceMemory(Protocol):
@@ -161,8 +164,6 @@ class Runner(Protocol):
 
     def keep_states(self, rows: list[int], positions: list[int]) -> None: ...
 
-    def keep_states(self, rows: list[int], positions: list[int]) -> None: ...
-
 
 class ModelRunner:
     """The `Runner` of one process: the model (or its TP shard), its paged KV cache and, when
@@ -229,10 +230,22 @@ class ModelRunner:
         if cuda_graphs is None:
             cuda_graphs = self.device.type == "cuda"
         self.kv_budget: KVMemoryBudget | None = None
+        # CUDA graphs' memory: measured at each capture (warmup_graphs), recorded next to the
+        # compiled graphs and reserved from it by the next start's KV sizing.
+        self.graph_memory_bytes = 0
+        self._graph_record = self._graph_key = None
+        if cuda_graphs and self.device.type == "cuda":
+            self._graph_record = graph_memory.GraphMemoryRecord(
+                default_cache_dir() if compile_cache_dir is None else compile_cache_dir)
+            self._graph_key = graph_memory.record_key(
+                model_path, dtype, block_size, self.attention_backend, get_tp().size,
+                get_tp().rank, torch.cuda.get_device_name(self.device), torch.__version__)
+        if graph_reserve_bytes is None:
+            graph_reserve_bytes = (self._graph_record.reserve(self._graph_key)
+                                   if self._graph_record is not None else 0)
+        self.graph_reserve_bytes = graph_reserve_bytes
         if num_blocks is None:
             if self.device.type == "cuda":
-                if graph_reserve_bytes is None:
-                    graph_reserve_bytes = DEFAULT_GRAPH_RESERVE if cuda_graphs else 0
                 num_blocks = self.size_kv_pool(kv_cache_memory_fraction, dtype,
                                                profile_tokens, graph_reserve_bytes,
                                                staging_bytes)
@@ -317,9 +330,18 @@ class ModelRunner:
         done = self.graphs.warmup(batch_sizes, query_lens, max_context, n, log, deadline,
                                   cached_only, restart_budget_s, run_bucket)
         if self.cuda_graphs is not None:  # capturing costs milliseconds per bucket
+            # Measured as reserved (not allocated) bytes: after capture the graphs' private
+            # pool keeps their intermediates reserved though no tensor holds them.
+            torch.cuda.synchronize(self.device)
+            before = torch.cuda.memory_reserved(self.device)
             captured = self.cuda_graphs.capture_pending()
+            torch.cuda.synchronize(self.device)
+            self.graph_memory_bytes += max(0, torch.cuda.memory_reserved(self.device) - before)
+            if captured and self._graph_record is not None:
+                self._graph_record.store(self._graph_key, self.graph_memory_bytes)
             if log and captured:
-                log(f"captured {captured} CUDA graph(s)")
+                log(f"captured {captured} CUDA graph(s): {self.graph_memory_bytes / 2**20:.0f} "
+                    f"MiB of graph memory (reserved {self.graph_reserve_bytes / 2**20:.0f} MiB)")
         return done
 
     @property
