@@ -58,14 +58,24 @@ _IDLE_WAIT_S = 0.5
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, poller: Poller | None = None) -> None:
+    """`sink` (an engine core in its own process, workers/replica/engine_core_proc.py): chunks
+    of requests registered with `register` go to `sink(rid, chunk)` on the engine thread
+    instead of an asyncio queue, and `on_tick` runs after each batch of actions and each step,
+    so the sink can ship what piled up as one message per wake-up."""
+
+    def __init__(self, engine: Engine, poller: Poller | None = None,
+                 sink: Callable[[str, TokenChunk], None] | None = None,
+                 on_tick: Callable[[], None] | None = None) -> None:
         self.engine = engine
         self.poller = poller
+        self.sink = sink
+        self.on_tick = on_tick
         # Called on the engine thread after each step with (engine, outputs, seconds): metrics
         # and autoscaling signals (workers/replica/metrics.py EngineRecorder).
         self.step_observers: list[Callable[[Engine, list[RequestOutput], float], None]] = []
         self._actions: queue.Queue[Callable[[], None]] = queue.Queue()
-        self._listeners: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        # None: the request streams to `sink`.
+        self._listeners: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue] | None] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self._thread.start()
@@ -113,6 +123,18 @@ class AsyncEngine:
         self._publish(rid, TokenChunk([], finished=True, finish_reason="error", error=message,
                                       error_kind=kind))
 
+    def register(self, rid: str) -> None:
+        """Engine thread: stream `rid`'s chunks to `sink` (before its request is added)."""
+        self._listeners[rid] = None
+
+    def unregister(self, rid: str) -> None:
+        """Engine thread: its consumer left (it is aborted separately)."""
+        self._listeners.pop(rid, None)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
     def shutdown(self) -> None:
         self._stop.set()
         self._actions.put(lambda: None)
@@ -147,22 +169,9 @@ class AsyncEngine:
         try:
             # Inside the try: a caller cancelled while the add is queued still aborts it.
             await self.acall(register_and_add)
-            while True:
-                chunks: list[TokenChunk] = [await q.get()]
-                # A consumer slower than the engine gets what piled up as one chunk (one
-                # message through Serve, the ingress and the proxy instead of one per round).
-                while not chunks[-1].finished and not q.empty():
-                    chunks.append(q.get_nowait())
-                # A failure stays a chunk of its own: the tokens before it were emitted.
-                failed = chunks.pop() if (len(chunks) > 1 and chunks[-1].finish_reason
-                                          in ("error", "abort")) else None
-                for chunk in (merge_chunks(chunks), failed):
-                    if chunk is None:
-                        continue
-                    finished = chunk.finished
-                    yield chunk
-                    if finished:
-                        return
+            async for chunk in coalesced(q):
+                finished = chunk.finished
+                yield chunk
         finally:
             if not finished:
                 self._listeners.pop(rid, None)
@@ -173,6 +182,7 @@ class AsyncEngine:
     def _loop(self) -> None:
         stalled = False  # the last step could schedule nothing: wait for a change
         while not self._stop.is_set():
+            self._tick()  # what a poll or a failure published, before any wait
             due = self.poller.next_poll_in() if self.poller is not None else None
             runnable = self.engine.has_unfinished() and not stalled
             if runnable or due == 0:
@@ -181,6 +191,7 @@ class AsyncEngine:
                 timeout = min(due, _IDLE_WAIT_S) if due is not None else _IDLE_WAIT_S
             if self._run_actions(timeout):
                 stalled = False
+                self._tick()
             if self.poller is not None:
                 due = self.poller.next_poll_in()
                 if due is not None and due <= 0:
@@ -205,6 +216,14 @@ class AsyncEngine:
             stalled = not outputs and self.engine.scheduler.idle
             for out in outputs:
                 self._publish(out.request_id, stamp(to_chunk(out), "engine", out.request_id))
+            self._tick()
+
+    def _tick(self) -> None:
+        if self.on_tick is not None:
+            try:
+                self.on_tick()
+            except Exception:  # the sink's channel broke: its owner notices and stops us
+                logger.exception("engine tick hook failed")
 
     def _observe(self, outputs: list[RequestOutput], seconds: float) -> None:
         for fn in self.step_observers:
@@ -227,11 +246,12 @@ class AsyncEngine:
                 return True
 
     def _publish(self, rid: str, chunk: TokenChunk) -> None:
-        target = self._listeners.get(rid)
-        if target is None:
+        if rid not in self._listeners:
             return
-        if chunk.finished:
-            self._listeners.pop(rid, None)
+        target = self._listeners.pop(rid) if chunk.finished else self._listeners[rid]
+        if target is None:
+            self.sink(rid, chunk)
+            return
         loop, q = target
         loop.call_soon_threadsafe(q.put_nowait, chunk)
 
@@ -242,8 +262,27 @@ class AsyncEngine:
                                           error=message, error_kind=ERROR_ENGINE))
 
 
+async def coalesced(q: asyncio.Queue) -> AsyncIterator[TokenChunk]:
+    """A request's chunks from its queue until the finished one. A consumer slower than the
+    engine gets what piled up as one chunk (one message through Serve, the ingress and the
+    proxy instead of one per round); a failure stays a chunk of its own (the tokens before it
+    were emitted)."""
+    while True:
+        chunks: list[TokenChunk] = [await q.get()]
+        while not chunks[-1].finished and not q.empty():
+            chunks.append(q.get_nowait())
+        failed = chunks.pop() if (len(chunks) > 1 and chunks[-1].finish_reason
+                                  in ("error", "abort")) else None
+        for chunk in (merge_chunks(chunks), failed):
+            if chunk is None:
+                continue
+            yield chunk
+            if chunk.finished:
+                return
+
+
 def _noop() -> None:
     pass
 
 
-__all__ = ["AsyncEngine", "EngineError", "to_chunk"]
+__all__ = ["AsyncEngine", "EngineError", "coalesced", "to_chunk"]

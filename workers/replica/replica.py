@@ -1,15 +1,20 @@
-"""What the prefill and decode Serve deployments share: a TP group driving an engine on a
-background thread, plus health and stats for routing and autoscaling."""
+"""What the prefill and decode Serve deployments share: an engine core (a TP group driving an
+engine on a background thread, in this process or in a child process: `engine_core`), plus
+health and stats for routing and autoscaling."""
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 
-from mtpserve.workers.async_engine import AsyncEngine, Poller
-from mtpserve.workers.engine import Engine, EngineConfig
-from mtpserve.workers.replica.addresses import resolve_kv_endpoint
-from mtpserve.workers.replica.tp_group import RankSpec
+from mtpserve.workers.replica.engine_core import (
+    HOSTS,
+    ReplicaUnavailableError,
+    ThreadCore,
+    rank_spec,
+    role_settings,
+)
 from mtpserve.workers.replica.tp_workers import start_group
 
 logger = logging.getLogger(__name__)
@@ -23,67 +28,39 @@ def fault_injection_enabled() -> bool:
     return os.environ.get("MTPSERVE_ENABLE_FAULT_INJECTION") == "1"
 
 
-class ReplicaUnavailableError(RuntimeError):
-    """This replica's TP group failed: it refuses new work until Serve replaces it (the
-    orchestrator retries such a refusal on another replica, as for a dead one)."""
-
-
 class EngineReplica:
     """Base of the prefill and decode deployments.
 
     `cfg` is the cluster's validated config (`mtpserve.cluster.config.ClusterConfig`), passed
     in by the app builder and read by attribute: the shells never import the cluster layer
-    (dependencies point one way, docs/architecture.md)."""
+    (dependencies point one way, docs/architecture.md).
+
+    `self.core` is the engine core (workers/replica/engine_core.py): named commands in,
+    token chunks out. With `engine_core: thread` it runs here and `driver`, `engine`
+    (`AsyncEngine`), `poller` and `recorder` are its parts, for tests to inspect; with
+    `engine_core: process` they live in the child process and are None here."""
 
     role: str
 
     def __init__(self, cfg) -> None:
-        side = cfg.prefill if self.role == "prefill" else cfg.decode
+        side = role_settings(cfg, self.role)
         self.cfg = cfg
-        kv = cfg.kv_transfer
-        host, interface = resolve_kv_endpoint(
-            getattr(kv, "host", None) or os.environ.get("MTPSERVE_KV_HOST"),
-            getattr(kv, "interface", None))
-        spec = RankSpec(
-            model=cfg.model, role=self.role, tp_size=side.tp_size,
-            num_kv_blocks=side.num_kv_blocks, block_size=cfg.block_size, dtype=cfg.dtype,
-            device=cfg.device, kv_backend=kv.backend, kv_host=host, kv_interface=interface,
-            kv_timeout_s=kv.timeout_s, kv_hold_ttl_s=kv.hold_ttl_s,
-            kv_max_concurrent_pulls=kv.max_concurrent_pulls, kv_max_pairs=kv.max_pairs_per_rank,
-            kv_send_buffer_budget_mib=kv.send_buffer_budget_mib,
-            kv_store_port_range=kv.store_port_range,
-            num_threads=max(1, int(side.cpus_per_rank)),
-            draft_vocab_size=cfg.speculation.draft_vocab_size, compile=cfg.engine.compile,
-            compile_cache_dir=cfg.engine.compile_cache_dir,
-            attention_backend=cfg.engine.attention_backend,
-            # Of the rank's share of its GPU: two ranks at 0.5 GPU each split one device.
-            kv_cache_memory_fraction=cfg.engine.kv_cache_memory_fraction
-            * min(1.0, side.gpus_per_rank or 1.0),
-            kv_secret=getattr(kv, "secret", None),
-            num_state_slots=getattr(side, "max_num_seqs", 64),
-        )
+        self.replica_id = replica_tag()  # prefill: put in every KVTransferParams (`release`)
+        self.engine_core = getattr(side, "engine_core", "thread")
+        self.driver = self.engine = self.poller = self.recorder = None
+        if self.engine_core == "process":
+            from mtpserve.workers.replica.engine_core_proc import ProcessCore
+            from mtpserve.workers.replica.metrics import replica_key
+
+            self.core = ProcessCore(cfg, self.role, self.replica_id)
+            self.workers, self.kv_addresses = self.core.workers, self.core.kv_addresses
+            self._pusher = start_core_pusher(self.core, replica_key(self.role))
+            return
         self.driver, self.workers, self.kv_addresses = start_group(
-            spec, side.cpus_per_rank, side.gpus_per_rank)
-        engine = Engine(EngineConfig(
-            model=cfg.model, dtype=cfg.dtype, device=cfg.device,
-            num_speculative_tokens=cfg.speculation.num_speculative_tokens,
-            adaptive_k=cfg.speculation.adaptive and self.role == "decode",
-            block_size=cfg.block_size,
-            # The pool the ranks built (sized from memory on CUDA when not configured).
-            num_kv_blocks=self.driver.runner.kv_cache.num_blocks,
-            max_num_seqs=getattr(side, "max_num_seqs", 64),
-            max_num_batched_tokens=getattr(side, "max_num_batched_tokens", 512),
-            max_model_len=cfg.max_model_len, role=self.role, compile=cfg.engine.compile,
-            warmup_budget_s=cfg.engine.warmup_budget_s,
-            warmup_restart_budget_s=cfg.engine.warmup_restart_budget_s,
-            compile_cache_dir=cfg.engine.compile_cache_dir,
-            attention_backend=cfg.engine.attention_backend,
-            prefix_caching=cfg.prefix_caching.enabled,
-        ), runner=self.driver)  # warms up the decode graphs before Serve sees it ready
-        self.poller = self._make_poller()
-        self.poller.engine = engine
-        self.engine = AsyncEngine(engine, self.poller)
-        self.driver.core.on_event = self.engine.wake  # transfer threads wake the engine
+            rank_spec(cfg, self.role), side.cpus_per_rank, side.gpus_per_rank)
+        host = HOSTS[self.role](cfg, self.driver, self.kv_addresses, self.replica_id)
+        self.core = ThreadCore(host)
+        self.engine, self.poller, self.recorder = host.engine, host.poller, host.recorder
 
     async def prefix_summary(self) -> dict | None:
         """The cached block hashes this replica publishes in its routing stats (None with
@@ -91,39 +68,67 @@ class EngineReplica:
         pc = self.cfg.prefix_caching
         if not pc.enabled or pc.routing != "cache_aware":
             return None
-        return await self.engine.acall(
-            lambda e: e.block_manager.summary(pc.published_blocks))
-
-    def _make_poller(self) -> Poller:
-        raise NotImplementedError
+        return await self.core.call("prefix_summary", pc.published_blocks)
 
     def _check_alive(self) -> None:
-        if self.driver.failed or self.driver.core.failed:
-            raise ReplicaUnavailableError("this replica's TP group failed; it is being replaced")
+        core = getattr(self, "core", None)
+        if (self.driver.failed or self.driver.core.failed) if core is None else core.failed:
+            raise ReplicaUnavailableError("this replica's TP group or engine core failed; it "
+                                          "is being replaced")
 
     async def stats(self) -> dict:
-        s = await self.engine.acall(lambda e: e.stats())
+        s = await self.core.call("stats")
         s["replica"] = replica_tag()  # which replica answered (Serve routes each call to one)
         s["node_id"], s["node_address"] = replica_node()  # the address only for admins
         return s
 
     async def check_health(self) -> None:
         """Ping every TP rank over the control group (on the engine thread, with a deadline);
-        raises if a rank died, hangs or reported a failure, so Serve replaces the replica."""
-        await self.engine.ping(lambda e: self.driver.ping(), HEALTH_DEADLINE_S)
+        raises if a rank died, hangs or reported a failure, or the engine core process died
+        or stopped its heartbeat, so Serve replaces the replica."""
+        await self.core.ping(HEALTH_DEADLINE_S)
 
     async def _fault(self, delay_s: float, count: int) -> None:
-        from mtpserve.workers.replica.tp_commands import InjectFault
-
         if not fault_injection_enabled():
             raise RuntimeError("fault injection is disabled (MTPSERVE_ENABLE_FAULT_INJECTION)")
-        await self.engine.acall(lambda e: self.driver.run(InjectFault(delay_s, count)))
+        await self.core.call("fault", delay_s, count)
+
+    def shutdown(self) -> None:
+        """Stop the engine core (a child process is stopped and waited for)."""
+        pusher = getattr(self, "_pusher", None)
+        if pusher is not None:
+            pusher.set()
+        core = getattr(self, "core", None)
+        if core is not None:
+            core.shutdown()
 
     def __del__(self) -> None:
         try:
-            self.engine.shutdown()
+            self.shutdown()
         except Exception:
             pass
+
+
+def start_core_pusher(core, key: str, interval_s: float = 1.0) -> threading.Event:
+    """`engine_core: process`: push the core's metrics snapshot to the hub every
+    `interval_s` (the recorder lives in the core; the shell has the Ray connection)."""
+    stop = threading.Event()
+
+    def loop() -> None:
+        import ray
+
+        from mtpserve.workers.replica.metrics import hub
+
+        while not stop.wait(interval_s):
+            if not ray.is_initialized() or core.dead:
+                continue
+            try:
+                hub().push.remote(core.call_sync("metrics", key, timeout_s=5.0))
+            except Exception:  # monitoring must never take the replica down
+                logger.debug("metrics push failed", exc_info=True)
+
+    threading.Thread(target=loop, name="metrics-push", daemon=True).start()
+    return stop
 
 
 def replica_node() -> tuple[str | None, str | None]:

@@ -72,6 +72,27 @@ class Rendezvous:
         return self._server is None
 
 
+def spawn_workers(spec: RankSpec, cpus_per_rank: float, gpus_per_rank: float
+                  ) -> tuple[RankSpec, list, list, Rendezvous]:
+    """Ranks 1..tp-1 as actors in this replica's bundles 1..tp-1, joining the rendezvous
+    store this process hosts. Returns (the spec with its `init_method`, the actors, their
+    pending `init` results: KV sender addresses, the rendezvous to close once every rank
+    joined). Rank 0 joins from here (`start_group`) or from an engine core process."""
+    # All bundles of a replica are STRICT_PACKed on one node, so loopback reaches them.
+    rendezvous = Rendezvous()
+    spec = replace(spec, init_method=rendezvous.init_method)
+    pg = get_current_placement_group()
+    workers = []
+    for rank in range(1, spec.tp_size):
+        strategy = (PlacementGroupSchedulingStrategy(
+            placement_group=pg, placement_group_bundle_index=rank,
+            placement_group_capture_child_tasks=True) if pg is not None else None)
+        workers.append(TPWorker.options(
+            num_cpus=cpus_per_rank, num_gpus=gpus_per_rank, scheduling_strategy=strategy,
+        ).remote(spec, rank))
+    return spec, workers, [w.init.remote() for w in workers], rendezvous
+
+
 def start_group(spec: RankSpec, cpus_per_rank: float, gpus_per_rank: float,
                 startup_timeout_s: float = STARTUP_TIMEOUT_S
                 ) -> tuple[TPDriver, list, list[str | None]]:
@@ -83,19 +104,7 @@ def start_group(spec: RankSpec, cpus_per_rank: float, gpus_per_rank: float,
     if tp == 1:
         core = RankCore(spec, 0)
         return TPDriver(core), [], [core.kv_address]
-    # All bundles of a replica are STRICT_PACKed on one node, so loopback reaches them.
-    rendezvous = Rendezvous()
-    spec = replace(spec, init_method=rendezvous.init_method)
-    pg = get_current_placement_group()
-    workers = []
-    for rank in range(1, tp):
-        strategy = (PlacementGroupSchedulingStrategy(
-            placement_group=pg, placement_group_bundle_index=rank,
-            placement_group_capture_child_tasks=True) if pg is not None else None)
-        workers.append(TPWorker.options(
-            num_cpus=cpus_per_rank, num_gpus=gpus_per_rank, scheduling_strategy=strategy,
-        ).remote(spec, rank))
-    pending = [w.init.remote() for w in workers]
+    spec, workers, pending, rendezvous = spawn_workers(spec, cpus_per_rank, gpus_per_rank)
     # Rank 0 joins the group on a helper thread so that the wait below is bounded.
     pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tp-rank0-init")
     rank0 = pool.submit(RankCore, spec, 0, rendezvous.client())
