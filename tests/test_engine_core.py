@@ -1,0 +1,218 @@
+"""The engine core in its own process (`engine_core: process`, workers/replica/engine_core_proc.py):
+the real PrefillServer / DecodeServer classes (Serve's wrappers peeled off, no Ray) with their
+cores in child processes.
+
+Covers: disaggregated greedy and seeded outputs == the offline engine (the same as with the core
+on a thread); the named commands (stats, autoscaling, routing, health, release); a dead core ends
+its streams with an engine error at once, fails the health check and refuses work, and the
+request resumes token-exact elsewhere; a stopped (stuck) core fails the health check; replica
+shutdown stops its core; `kill -9` of the replica leaves no orphan core.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers import make_engine, run_to_completion
+from test_disagg_datapath import greq, prompts
+
+from mtpserve.cluster.config import ClusterConfig
+from mtpserve.workers.messages import ERROR_ENGINE, GenerateRequest
+from mtpserve.workers.sampling_params import SamplingParams
+
+
+def core_config(model, mode: str = "process", k: int = 2) -> ClusterConfig:
+    return ClusterConfig(
+        model=str(model),
+        prefill={"num_kv_blocks": 64, "cpus_per_rank": 1, "engine_core": mode},
+        decode={"num_kv_blocks": 256, "cpus_per_rank": 1, "max_num_seqs": 8,
+                "engine_core": mode},
+        speculation={"num_speculative_tokens": k, "adaptive": False},
+        kv_transfer={"timeout_s": 20, "hold_ttl_s": 30, "host": "127.0.0.1"},
+    )
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_qwen3):
+    from mtpserve.workers.replica.decode_server import DecodeServer
+    from mtpserve.workers.replica.prefill_server import PrefillServer
+
+    cfg = core_config(tiny_qwen3)
+    p = PrefillServer.func_or_class(cfg)
+    try:
+        d = DecodeServer.func_or_class(cfg)
+    except BaseException:
+        p.shutdown()
+        raise
+    yield p, d
+    p.shutdown()
+    d.shutdown()
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie, exited but not reaped by its new parent, is not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"
+
+
+async def disagg(p, d, req: GenerateRequest) -> list[int]:
+    first, params = await p.prefill(req)
+    tokens = list(first.token_ids)
+    if params is None:
+        return tokens
+    async for chunk in d.generate(req, params):
+        assert chunk.error is None, chunk.error
+        tokens += chunk.token_ids
+    return tokens
+
+
+def test_process_cores_serve_disaggregated_exactly_as_offline(servers, tiny_qwen3) -> None:
+    p, d = servers
+    me = os.getpid()
+    assert {p.core.pid, d.core.pid}.isdisjoint({me}) and p.core.pid != d.core.pid
+    assert p.driver is None and d.engine is None  # nothing of the engine lives here
+    ps = prompts(6, length=24, seed=35)
+    greedy_reqs = [greq(f"g{i}", x, 12) for i, x in enumerate(ps[:4])]
+    seeded = [SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=100 + i,
+                             ignore_eos=True) for i in range(2)]
+    seeded_reqs = [GenerateRequest(f"s{i}", x, sp) for i, (x, sp) in
+                   enumerate(zip(ps[4:], seeded, strict=True))]
+    want = run_to_completion(make_engine(tiny_qwen3, 2, num_kv_blocks=256), ps,
+                             [r.params for r in greedy_reqs] + seeded)
+
+    async def main():
+        got = await asyncio.gather(*(disagg(p, d, r) for r in greedy_reqs + seeded_reqs))
+        # A first token that ends the request holds nothing (released in the core).
+        one = await p.prefill(greq("one", ps[0], 1))
+        await d.check_health()
+        await p.check_health()
+        return (got, one, await d.core.call("stats"), await p.core.call("stats"),
+                await d.record_autoscaling_stats(), await d.record_routing_stats(),
+                await p.release("never-held"))
+
+    got, one, ds, pst, auto, routing, released = asyncio.run(main())
+    assert got == want
+    assert one[1] is None and len(one[0].token_ids) == 1
+    assert ds["kv_puller"]["pulls"] == 4 + 2 and ds["kv_puller"]["failures"] == 0
+    assert ds["num_waiting_for_kv"] == 0 and ds["used_blocks"] == 0
+    assert pst["kv_sender"]["acked"] == 6
+    assert auto["rounds"] > 0 and "pm_0" in auto  # the recorder runs in the core
+    assert routing["num_requests"] == 0 and routing["prefix"] is not None
+    assert released is False
+    assert not p.core.failed and not d.core.failed
+
+
+def test_a_stopped_core_fails_the_health_check_and_recovers(servers) -> None:
+    _, d = servers
+    os.kill(d.core.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(TimeoutError):
+            asyncio.run(d.core.ping(1.0))
+    finally:
+        os.kill(d.core.pid, signal.SIGCONT)
+    asyncio.run(d.core.ping(30.0))  # answers again: a slow core is not a dead one
+
+
+def test_a_dead_core_ends_its_streams_and_the_request_resumes_token_exact(
+        servers, tiny_qwen3) -> None:
+    from mtpserve.workers.replica.engine_core import ReplicaUnavailableError
+
+    p, d = servers
+    prompt = prompts(1, length=24, seed=7)[0]
+    n = 48
+    want = run_to_completion(make_engine(tiny_qwen3, 2, num_kv_blocks=256), [prompt],
+                             greq("x", prompt, n).params)[0]
+    core_pid = d.core.pid
+
+    async def main():
+        sent: list[int] = []
+        failure = None
+        async for chunk in d.generate(greq("dies", prompt, n)):  # recomputed on decode
+            if chunk.heartbeat:
+                continue
+            if chunk.finish_reason == "error":
+                failure = chunk
+                break
+            sent += chunk.token_ids
+            if sent and alive(core_pid):
+                t_kill = time.monotonic()
+                os.kill(core_pid, signal.SIGKILL)
+        detect_s = time.monotonic() - t_kill
+        with pytest.raises(ReplicaUnavailableError):
+            await d.check_health()
+        with pytest.raises(ReplicaUnavailableError):
+            async for _ in d.generate(greq("refused", prompt, 4)):
+                pass
+        # The orchestrator's migration: prompt + tokens sent, on another replica.
+        left = n - len(sent)
+        resume = GenerateRequest("dies", prompt, SamplingParams(
+            max_tokens=left, temperature=0, ignore_eos=True), resume_token_ids=list(sent))
+        rest: list[int] = []
+        async for chunk in p2_decode.generate(resume):
+            assert chunk.error is None
+            rest += chunk.token_ids
+        return failure, sent, rest, detect_s
+
+    from mtpserve.workers.replica.decode_server import DecodeServer
+
+    p2_decode = DecodeServer.func_or_class(core_config(tiny_qwen3, mode="thread"))
+    try:
+        failure, sent, rest, detect_s = asyncio.run(main())
+    finally:
+        p2_decode.shutdown()
+        p2_decode.driver.shutdown()
+    assert failure is not None and failure.error_kind == ERROR_ENGINE, failure
+    assert 0 < len(sent) < n
+    assert sent + rest == want
+    assert d.core.failed and d.core.proc.returncode == -signal.SIGKILL
+    print(f"dead core detected after {detect_s * 1000:.1f} ms")
+
+
+def test_replica_shutdown_stops_its_core(tiny_qwen3) -> None:
+    from mtpserve.workers.replica.prefill_server import PrefillServer
+
+    p = PrefillServer.func_or_class(core_config(tiny_qwen3))
+    pid = p.core.pid
+    assert alive(pid)
+    p.shutdown()
+    assert p.core.proc.returncode == 0  # stopped politely, not killed
+    assert not alive(pid)
+
+
+ORPHAN_SCRIPT = """
+import sys, threading
+from mtpserve.cluster.config import ClusterConfig
+from mtpserve.workers.replica.engine_core_proc import ProcessCore
+cfg = ClusterConfig(model=sys.argv[1], prefill={"num_kv_blocks": 32, "engine_core": "process"},
+                    kv_transfer={"host": "127.0.0.1"})
+core = ProcessCore(cfg, "prefill", None)
+print(core.pid, flush=True)
+threading.Event().wait()
+"""
+
+
+def test_kill_9_of_the_replica_leaves_no_orphan_core(tiny_qwen3) -> None:
+    shell = subprocess.Popen([sys.executable, "-c", ORPHAN_SCRIPT, str(tiny_qwen3)],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        pid = int(shell.stdout.readline())
+        assert alive(pid)
+        shell.kill()  # SIGKILL: no handler, no atexit, no shutdown of the core
+        shell.wait()
+        deadline = time.monotonic() + 30  # a bound on a hang, not a speed check
+        while alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not alive(pid)
+    finally:
+        if shell.poll() is None:
+            shell.kill()
