@@ -123,3 +123,28 @@ def test_to_host_is_one_counted_copy() -> None:
     assert (a, b, c) == ([3, 1], [[0, 1, 2], [3, 4, 5]], 7)
     assert dict(HOST_SYNCS.snapshot() - before) == {"test": 1}
     assert to_host([torch.zeros(2, 0, dtype=torch.long)], "test") == [[[], []]]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "seeded"])
+def test_a_prompt_finishing_in_a_round_shares_its_sync(tiny_qwen3, temperature) -> None:
+    """Mixed batches: a prompt whose last chunk rides along a decode round gets its first
+    token in the round's one copy; every request's tokens are what it makes alone."""
+    params = SamplingParams(max_tokens=12, temperature=temperature, seed=5, ignore_eos=True)
+    eng = make_engine(tiny_qwen3, 2, num_kv_blocks=256, block_size=4)
+    first = eng.add_request("first", PROMPTS[0], params)
+    eng.step()  # its prefill; it decodes from the next step on
+    late = eng.add_request("late", PROMPTS[2], params)
+    mixed = 0
+    while eng.has_unfinished():
+        chunks = bool(eng.scheduler.waiting or eng.scheduler.prefilling)
+        before = HOST_SYNCS.snapshot()
+        eng.step()
+        assert dict(HOST_SYNCS.snapshot() - before) == {"accepted ids": 1}
+        mixed += chunks
+    assert mixed >= 1 and late.output_token_ids
+    for req, prompt in ((first, PROMPTS[0]), (late, PROMPTS[2])):
+        alone = make_engine(tiny_qwen3, 2, num_kv_blocks=256, block_size=4)
+        r = alone.add_request("alone", prompt, params)
+        while alone.has_unfinished():
+            alone.step()
+        assert req.output_token_ids == r.output_token_ids

@@ -372,8 +372,16 @@ class Engine:
         ))  # [R * S + len(last), V]
         n_verify = len(logit_rows)
         outputs, extends, done = [], [], []
+        first = None  # chunks' first tokens, when they came back with the round's accepted ids
         if reqs:
-            outputs, extends, done = self.outcomes.verify(reqs, raw[:n_verify], S, W, inputs)
+            # A mixed step's first tokens ride along the round's one host sync.
+            dev_first = (self.outcomes.first_tokens(chunks, raw[n_verify:], last)
+                         if chunks else None)
+            outputs, extends, done, ride = self.outcomes.verify(
+                reqs, raw[:n_verify], S, W, inputs,
+                ride_along=[dev_first] if dev_first is not None else None)
+            if chunks:
+                first = ride[0] if dev_first is not None else []
             if self.hybrid:  # keep each row's state at its last accepted token
                 keep = [(b, r.num_computed_tokens - 1 - starts[b]) for b, r in enumerate(reqs)
                         if not r.finished and r.num_computed_tokens - starts[b] < len(
@@ -381,7 +389,7 @@ class Engine:
                 self.runner.keep_states([b for b, _ in keep], [p for _, p in keep])
         if chunks:
             p_out, p_ext = self.outcomes.prefilled_chunks(chunks, raw[n_verify:], last,
-                                                          chunk_rows, W)
+                                                          chunk_rows, W, first)
             outputs += p_out
             extends += p_ext
         for r in done:

@@ -107,18 +107,32 @@ class RoundOutcomes:
             self.totals["constrained_accepted"] += a
         self.adaptive.observe(k_used, a)
 
-    def prefilled_chunks(self, chunks: list[PrefillChunk], logits: torch.Tensor,
-                          last: list[int], chunk_rows: list[list[int]], W: int
-                          ) -> tuple[list[RequestOutput], list[MTPExtend]]:
-        """Bookkeeping after the forward that computed `chunks` (logits [len(last), V]: the
-        rows of the chunks that complete a prompt): first tokens and MTP extends."""
-        # A recompute (preempted / resumed request) stops one token short of the end and
-        # samples nothing: its last emitted token is verified next round with fresh drafts.
+    def first_tokens(self, chunks: list[PrefillChunk], logits: torch.Tensor, last: list[int]
+                     ) -> torch.Tensor | None:
+        """The first tokens of the chunks that complete a fresh prompt (logits [len(last),
+        V]), on the device; None when there are none. A recompute (preempted / resumed
+        request) stops one token short of the end and samples nothing: its last emitted
+        token is verified next round with fresh drafts."""
         fresh = [i for i, j in enumerate(last) if not chunks[j].request.output_token_ids]
+        if not fresh:
+            return None
         rows = logits if len(fresh) == len(last) else logits[stage_lists([fresh],
                                                                           logits.device)[0]]
-        first = dict(zip(fresh, self.sample(rows, [chunks[last[i]].request for i in fresh]),
-                         strict=True))
+        return self.sample_on_device(rows, [chunks[last[i]].request for i in fresh])
+
+    def prefilled_chunks(self, chunks: list[PrefillChunk], logits: torch.Tensor,
+                          last: list[int], chunk_rows: list[list[int]], W: int,
+                          first_tokens: list[int] | None = None
+                          ) -> tuple[list[RequestOutput], list[MTPExtend]]:
+        """Bookkeeping after the forward that computed `chunks` (logits [len(last), V]: the
+        rows of the chunks that complete a prompt): first tokens and MTP extends.
+        `first_tokens`: `first_tokens()`'s values when they came to the host already (with a
+        round's accepted ids); None: sampled and copied here."""
+        fresh = [i for i, j in enumerate(last) if not chunks[j].request.output_token_ids]
+        if first_tokens is None:
+            dev = self.first_tokens(chunks, logits, last)
+            first_tokens = [] if dev is None else to_host([dev], "first tokens")[0]
+        first = dict(zip(fresh, first_tokens, strict=True))
         for c in chunks:
             c.request.num_computed_tokens = c.end
         outputs: list[RequestOutput] = []
@@ -146,14 +160,15 @@ class RoundOutcomes:
         return outputs, extends
 
     def verify(self, reqs: list[Request], raw: torch.Tensor, S: int, W: int,
-               inputs: torch.Tensor) -> tuple[list[RequestOutput], list[MTPExtend],
-                                              list[Request]]:
+               inputs: torch.Tensor, ride_along: list[torch.Tensor] | None = None
+               ) -> tuple[list[RequestOutput], list[MTPExtend], list[Request], list[list]]:
         """Rejection-sample a round (raw [R * S, V]: row b * S + s; main rows b * W + s;
         inputs [R, S] on the device: each row's last token and drafts, 0 past its count,
         from `device_drafts.verify_inputs`) and update the requests. The round's one host
         sync brings its accepted ids, its recovered / bonus tokens and, for drafts that were
-        still on the device, their values. Returns outputs, MTP extends and the requests
-        that finished."""
+        still on the device, their values, and the values of `ride_along` (1-D int tensors on
+        the device: a mixed step's first tokens). Returns outputs, MTP extends, the requests
+        that finished and the ride-along values."""
         # Row (b, s) decides the token at position n_b + 1 + s; min_tokens masks it like q.
         first_pos = [r.num_computed_tokens + 1 for r in reqs]
         logits = suppress_tokens(raw, [self.limits.banned(r, first_pos[b] + s)
@@ -165,14 +180,17 @@ class RoundOutcomes:
             logits.view(len(reqs), S, -1), inputs[:, 1:], counts, [r.draft_probs for r in reqs],
             [r.params for r in reqs], [r.seed for r in reqs], first_pos)
         on_device = any(r.device_drafts is not None for r in reqs)
-        host = to_host([acc, extra, inputs[:, 1:]] if on_device else [acc, extra],
+        rides = list(ride_along or [])
+        host = to_host([acc, extra, *rides] + ([inputs[:, 1:]] if on_device else []),
                        "accepted ids")
         accepted, final = host[0], host[1]
+        ride_values = host[2: 2 + len(rides)]
+        drafts_host = host[-1] if on_device else None
         outputs, extends = [], []
         emitted_rows: list[list[int]] = []
         for b, r in enumerate(reqs):
             k_used = counts[b]
-            drafts = host[2][b][:k_used] if on_device else r.draft_token_ids
+            drafts = drafts_host[b][:k_used] if on_device else r.draft_token_ids
             n = r.num_computed_tokens
             emitted = self.limits.append(r, drafts[: accepted[b]] + [final[b]])
             emitted_rows.append(emitted)
@@ -195,12 +213,16 @@ class RoundOutcomes:
             lp = token_logprobs(raw[b * S : b * S + len(emitted_rows[b])], emitted_rows[b],
                                 r.params.logprobs)
             outputs.append(request_output(r, emitted_rows[b], lp))
-        return outputs, extends, [r for r in reqs if r.finished]
+        return outputs, extends, [r for r in reqs if r.finished], ride_values
 
     def sample(self, logits: torch.Tensor, reqs: list[Request]) -> list[int]:
         """The first token of each request (logits [R, V]), keyed at its position."""
         if not reqs:
             return []
+        return to_host([self.sample_on_device(logits, reqs)], "first tokens")[0]
+
+    def sample_on_device(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """`sample`'s tokens [R], left on the logits' device."""
         pos = [r.num_tokens for r in reqs]
         logits = suppress_tokens(logits, [self.limits.banned(r, p) for r, p in zip(reqs, pos,
                                                                              strict=True)])
@@ -215,4 +237,4 @@ class RoundOutcomes:
             u = uniforms_for([reqs[i].seed for i in rows], [pos[i] for i in rows], SLOT_FINAL,
                              logits.device)
             tokens[idx] = sample_with_uniforms(p, u)
-        return to_host([tokens], "first tokens")[0]
+        return tokens
