@@ -246,7 +246,10 @@ def structured(name: str) -> list[str]:
         "", f"Constrained / unconstrained tokens/s: {tp['ratio_tokens_per_s']}. Token healing "
         f"on the {h['num_prompts']} held-out prompts: immediate end of text "
         f"{h['immediate_eos_without_healing']}/{h['num_prompts']} without, "
-        f"{h['immediate_eos_with_healing']}/{h['num_prompts']} with."]
+        f"{h['immediate_eos_with_healing']}/{h['num_prompts']} with"
+        + (f" the model's default (line-break tails; "
+           f"{h['immediate_eos_healing_any_tail']}/{h['num_prompts']} healing any tail)."
+           if "immediate_eos_healing_any_tail" in h else ".")]
 
 
 @dataclass(frozen=True)
@@ -399,7 +402,8 @@ BENCHMARKS = [
           "of JSON-schema-constrained generation (drafts and verify rows masked by xgrammar) "
           "against unconstrained generation of as many tokens per prompt; and how often the "
           "40 held-out prompts (each ends in a line break) get end of text as their first "
-          "token, without and with token healing.",
+          "token through `LLM.generate` (which heals as the server does), without and with "
+          "token healing.",
           ("structured-cpu.json",), structured),
 ]
 # Scripts in benchmarks/ that are not benchmarks themselves.

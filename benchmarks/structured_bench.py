@@ -7,7 +7,8 @@ unconstrained greedy generation of as many tokens per prompt, same prompts, same
 held-out code prompts; runs alternate, the fastest of each kept), and (2) the rate of
 immediate end of text (EOS as the first generated token) over the 40 held-out prompts
 (`held_out_prompts(40)`, the default model's evaluation split, each cut at a line end)
-without and with token healing.
+through `LLM.generate`: healing off, the model's default (on for the embedded model: a
+line-break tail), and healing any healable tail.
 """
 
 from __future__ import annotations
@@ -19,10 +20,9 @@ import time
 from pathlib import Path
 
 from mtpserve.workers.engine import Engine, EngineConfig
+from mtpserve.workers.llm import LLM
 from mtpserve.workers.paths import default_model_path
 from mtpserve.workers.sampling_params import SamplingParams
-from mtpserve.workers.structured.grammars import GrammarCache
-from mtpserve.workers.structured.healing import HealingTable
 from mtpserve.workers.structured.spec import StructuredSpec
 from mtpserve.workers.tokenizer import load_tokenizer
 from mtpserve.workers.training.prompts import held_out_prompts
@@ -104,27 +104,24 @@ def _valid(text: str) -> bool:
 
 
 def healing(model: str, k: int, num_prompts: int) -> dict:
-    tok = load_tokenizer(model)
+    """Immediate end of text over the held-out prompts through `LLM.generate` (which heals as
+    the server does): healing off, the model's default (line-break tails), any healable tail."""
     texts = held_out_prompts(num_prompts)
-    eng = Engine(EngineConfig(model=model, num_speculative_tokens=k, num_kv_blocks=1024,
-                              max_num_seqs=num_prompts))
-    table = HealingTable(GrammarCache.of_tokenizer(tok, eng.model_config.vocab_size,
-                                                   sorted(eng.eos_ids)).token_bytes)
-    eos = eng.eos_ids
-    plain = [tok.encode(t) for t in texts]
-    off, _ = _run(eng, plain, [SamplingParams(max_tokens=4, temperature=0)] * len(plain), "p")
-    healed, params = [], []
-    for ids in plain:
-        h, tail = table.heal(ids)
-        healed.append(h)
-        params.append(SamplingParams(max_tokens=4, temperature=0,
-                                     structured=StructuredSpec.prefix(tail) if tail else None))
-    on, _ = _run(eng, healed, params, "h")
+    llm = LLM(model, num_speculative_tokens=k, num_kv_blocks=1024, max_num_seqs=num_prompts)
+    eos = llm.engine.eos_ids
+    params = SamplingParams(max_tokens=4, temperature=0)
+    runs = {name: llm.generate(texts, params, token_healing=flag)
+            for name, flag in (("off", False), ("default", None), ("any_tail", True))}
     return {"num_prompts": len(texts),
             "ending_in_newline": sum(t.endswith("\n") for t in texts),
-            "healed": sum(len(h) < len(p) for h, p in zip(healed, plain, strict=True)),
-            "immediate_eos_without_healing": sum(o[0] in eos for o in off),
-            "immediate_eos_with_healing": sum(o[0] in eos for o in on)}
+            "model_default_on": llm.token_healing,
+            "healed": sum(r.num_healed_tokens > 0 for r in runs["default"]),
+            "immediate_eos_without_healing": sum(r.output_token_ids[0] in eos
+                                                 for r in runs["off"]),
+            "immediate_eos_with_healing": sum(r.output_token_ids[0] in eos
+                                              for r in runs["default"]),
+            "immediate_eos_healing_any_tail": sum(r.output_token_ids[0] in eos
+                                                  for r in runs["any_tail"])}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -149,7 +146,8 @@ def main(argv: list[str] | None = None) -> dict:
           f"{tp['json_schema']['valid_json']}")
     print(f"token healing, {h['num_prompts']} held-out prompts ({h['ending_in_newline']} end in "
           f"a newline, {h['healed']} healed): immediate EOS {h['immediate_eos_without_healing']}"
-          f" without, {h['immediate_eos_with_healing']} with")
+          f" without, {h['immediate_eos_with_healing']} with the default, "
+          f"{h['immediate_eos_healing_any_tail']} healing any tail")
     if a.json:
         a.json.write_text(json.dumps(res, indent=2) + "\n")
     return res
