@@ -166,6 +166,10 @@ def main() -> None:
     ap.add_argument("--gil", nargs="+", choices=("released", "held"), default=["released"],
                     help="compiled decode graphs run with the GIL released (default) or held "
                          "(MTPSERVE_AOTI_RELEASE_GIL=0, the stock AOTInductor loader)")
+    ap.add_argument("--engine-core", nargs="+", choices=("thread", "process"),
+                    help="one server per value of prefill/decode.engine_core (the engine core "
+                         "on a thread of the Serve replica or in its own process; default: "
+                         "the config's)")
     ap.add_argument("--burst", type=int, default=16)
     ap.add_argument("--singles", type=int, default=8, help="single arrivals, one at a time")
     ap.add_argument("--bursts", type=int, default=3, help="bursts measured (after a warm-up)")
@@ -177,14 +181,18 @@ def main() -> None:
     a = ap.parse_args()
     os.environ[hop_trace.ENV] = "1"  # `mtpserve up` passes it on to every replica
     results: dict[str, dict] = {}
-    for lanes, gil in ((n, g) for g in a.gil for n in a.lanes):
+    for lanes, gil, core in ((n, g, c) for c in a.engine_core or [None] for g in a.gil
+                             for n in a.lanes):
         name = str(lanes) if gil == "released" else f"{lanes}, GIL held"
+        name += f", core {core}" if core else ""
         os.environ[aoti_runner.ENV] = "1" if gil == "released" else "0"
         over = {"kv_transfer": {"max_concurrent_pulls": lanes},
                 # The whole burst's prompts fit one prefill step (see the module docstring).
                 "prefill": {"max_num_batched_tokens": a.burst * (a.prompt_tokens + 64)},
                 "decode": {"max_num_seqs": max(32, a.burst)},
                 "limits": {"max_queued_requests": max(64, 4 * a.burst)}}
+        if core:
+            over["prefill"]["engine_core"] = over["decode"]["engine_core"] = core
         cfg = variant_config(Path(a.config), over, a.port)
         with running_server(cfg, a.timeout) as start_s:
             results[name] = asyncio.run(measure(f"http://127.0.0.1:{a.port}", a.burst,

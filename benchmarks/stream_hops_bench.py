@@ -7,7 +7,12 @@ decode replica's streaming generator yields it) -> ingress_in (the ingress recei
 the Serve handle) -> sse_out (the ingress wrote the SSE event) -> client (this process read
 it, through Serve's HTTP proxy). Streams 1 and then 4 clients at a time; prints, per hop, the
 p50 / p90 milliseconds over every decode-side chunk, and tokens per chunk (a chunk carries a
-whole round; more when the consumer fell behind and chunks were merged).
+whole round; more when the consumer fell behind and chunks were merged), and the decode-side
+tokens per second of each load.
+
+`--engine-core thread process` starts one server per value of `decode.engine_core` and
+`prefill.engine_core` (the engine core on a thread of the Serve replica, or in its own process),
+one after another in one run, and writes them under `variants`.
 
     python -m mtpserve.benchmarks.stream_hops_bench --json benchmarks/results/stream-hops-cpu.json
 """
@@ -75,29 +80,51 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--engine-core", nargs="+", choices=("thread", "process"),
+                    help="one server per value of prefill/decode.engine_core (default: the "
+                         "config's)")
     ap.add_argument("--json")
     a = ap.parse_args()
     os.environ[ENV] = "1"  # `mtpserve up` passes it on to every replica
-    cfg = variant_config(Path(a.config), {"speculation": {"num_speculative_tokens": a.k,
-                                                          "adaptive": False}}, a.port)
     prompts = held_out_prompts(a.requests, num_chars=512)
-    res: dict = {"config": a.config, "k": a.k, "max_tokens": a.max_tokens}
-    with running_server(cfg, 900):
-        url = f"http://127.0.0.1:{a.port}"
-        asyncio.run(_load(url, prompts[:2], 1, 8))  # untimed: first requests warm the paths
-        for n in a.streams:
-            res[f"streams_{n}"] = summarize(asyncio.run(_load(url, prompts, n, a.max_tokens)))
-    print(f"k={a.k}, {a.requests} requests x {a.max_tokens} tokens per load; ms per hop")
+    head: dict = {"config": a.config, "k": a.k, "max_tokens": a.max_tokens,
+                  "requests": a.requests}
+    variants: dict[str, dict] = {}
+    for core in a.engine_core or [None]:
+        over: dict = {"speculation": {"num_speculative_tokens": a.k, "adaptive": False}}
+        if core is not None:
+            over |= {"prefill": {"engine_core": core}, "decode": {"engine_core": core}}
+        res: dict = {}
+        with running_server(variant_config(Path(a.config), over, a.port), 900) as start_s:
+            res["start_seconds"] = start_s
+            url = f"http://127.0.0.1:{a.port}"
+            asyncio.run(_load(url, prompts[:2], 1, 8))  # untimed: first requests warm paths
+            for n in a.streams:
+                t0 = time.perf_counter()
+                chunks = asyncio.run(_load(url, prompts, n, a.max_tokens))
+                res[f"streams_{n}"] = summarize(chunks) | {
+                    "decode_tokens_per_s": sum(c["tokens"] for c in chunks)
+                    / (time.perf_counter() - t0)}
+        variants[core or "config"] = res
+        _print(a, core, res)
+    if a.json:
+        out = head | ({"variants": variants} if a.engine_core else variants["config"])
+        Path(a.json).write_text(json.dumps(out, indent=1) + "\n")
+
+
+def _print(a, core: str | None, res: dict) -> None:
+    print(f"k={a.k}, {a.requests} requests x {a.max_tokens} tokens per load; ms per hop"
+          + (f"; engine_core: {core}" if core else ""))
     print("| hop | " + " | ".join(f"{n} stream(s) p50 / p90" for n in a.streams) + " |")
     print("|---|" + "---|" * len(a.streams))
     for a_, b_ in LEGS + [("engine", "client")]:
         cells = [res[f"streams_{n}"][f"{a_}->{b_}"] for n in a.streams]
         print(f"| {a_} -> {b_} | " + " | ".join(
             f"{c['p50_ms']:.2f} / {c['p90_ms']:.2f}" for c in cells) + " |")
-    print("| tokens per chunk | " + " | ".join(
-        f"{res[f'streams_{n}']['tokens_per_chunk']:.2f}" for n in a.streams) + " |")
-    if a.json:
-        Path(a.json).write_text(json.dumps(res, indent=1) + "\n")
+    for key, label in (("tokens_per_chunk", "tokens per chunk"),
+                       ("decode_tokens_per_s", "decode tokens/s")):
+        print(f"| {label} | " + " | ".join(
+            f"{res[f'streams_{n}'][key]:.2f}" for n in a.streams) + " |", flush=True)
 
 
 if __name__ == "__main__":
