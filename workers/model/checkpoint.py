@@ -28,6 +28,14 @@ _DENSE_MLP = ["mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weigh
 _PROJ = ("gate_proj", "up_proj", "down_proj")
 _BIAS = ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
 _QK_NORM = ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+# Routed experts stacked, as Qwen3.5-MoE checkpoints store them (transformers' layout):
+# gate_up_proj [E, 2 I, hidden] (gate rows, then up), down_proj [E, hidden, I].
+_FUSED_EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+
+
+def has_fused_experts(names) -> bool:
+    """Whether a checkpoint's tensor names hold stacked routed experts (`_FUSED_EXPERTS`)."""
+    return any(n.endswith("." + _FUSED_EXPERTS[0]) for n in names)
 
 # MTP-specific tensors per convention: canonical name -> name inside the module's prefix.
 _MTP_NAMES = {
@@ -41,8 +49,10 @@ _MTP_NAMES = {
 }
 
 
-def block_tensor_names(cfg: ModelConfig, prefix: str, layer_idx: int = 0) -> list[str]:
-    """Checkpoint names of decoder layer `layer_idx` (its MLP dense or MoE per the config)."""
+def block_tensor_names(cfg: ModelConfig, prefix: str, layer_idx: int = 0,
+                       fused_experts: bool = False) -> list[str]:
+    """Checkpoint names of decoder layer `layer_idx` (its MLP dense or MoE per the config;
+    `fused_experts`: routed experts stacked in two tensors, see `has_fused_experts`)."""
     names = list(_BLOCK)
     if cfg.layer(layer_idx).attention == "linear":  # Gated DeltaNet (Qwen3-Next, Qwen3.5)
         assert cfg.linear is not None
@@ -70,7 +80,11 @@ def block_tensor_names(cfg: ModelConfig, prefix: str, layer_idx: int = 0) -> lis
         names.append("mlp.gate.weight")
         if moe.correction_bias:
             names.append("mlp.gate.e_score_correction_bias")
-        names += [f"mlp.experts.{e}.{p}.weight" for e in range(moe.num_experts) for p in _PROJ]
+        if fused_experts:
+            names += list(_FUSED_EXPERTS)
+        else:
+            names += [f"mlp.experts.{e}.{p}.weight" for e in range(moe.num_experts)
+                      for p in _PROJ]
         if moe.num_shared_experts:
             names += [f"mlp.shared_experts.{p}.weight" for p in _PROJ]
         if moe.shared_expert_gate:
@@ -92,7 +106,8 @@ def mtp_prefixes(cfg: ModelConfig, module: int) -> tuple[str, str]:
     return "mtp.", f"mtp.layers.{module}."
 
 
-def expected_tensors(cfg: ModelConfig) -> tuple[dict[str, str], dict[str, str]]:
+def expected_tensors(cfg: ModelConfig, fused_experts: bool = False
+                     ) -> tuple[dict[str, str], dict[str, str]]:
     """Checkpoint name -> internal parameter name, as (required, optional)."""
     required: dict[str, str] = {
         "model.embed_tokens.weight": "model.embed_tokens.weight",
@@ -101,7 +116,7 @@ def expected_tensors(cfg: ModelConfig) -> tuple[dict[str, str], dict[str, str]]:
     optional: dict[str, str] = {}
     (optional if cfg.tie_word_embeddings else required)["lm_head.weight"] = "lm_head.weight"
     for i in range(cfg.num_hidden_layers):
-        for name in block_tensor_names(cfg, f"model.layers.{i}.", i):
+        for name in block_tensor_names(cfg, f"model.layers.{i}.", i, fused_experts):
             required[name] = name
     if cfg.mtp_naming == "qwen3_next" and cfg.num_mtp_modules > 1:
         raise NotImplementedError("Qwen3-Next MTP with more than one layer is not supported")
@@ -113,7 +128,7 @@ def expected_tensors(cfg: ModelConfig) -> tuple[dict[str, str], dict[str, str]]:
         for canon in ("head", "embed_tokens"):
             if names[canon]:
                 optional[f"{own}{names[canon]}.weight"] = f"mtp.{m}.{canon}.weight"
-        for name in block_tensor_names(cfg, block, cfg.num_hidden_layers + m):
+        for name in block_tensor_names(cfg, block, cfg.num_hidden_layers + m, fused_experts):
             required[name] = f"mtp.{m}.block." + name[len(block):]
     if cfg.weights_prefix != "model.":  # the text part of a multimodal checkpoint
         def moved(names: dict[str, str]) -> dict[str, str]:
@@ -207,6 +222,10 @@ def expected_shape(cfg: ModelConfig, internal: str) -> tuple[int, ...]:
             inter = cfg.moe.shared_intermediate_size
         elif internal.endswith("shared_expert_gate.weight"):
             return (1, h)
+        if internal.endswith(_FUSED_EXPERTS[0]):
+            return (cfg.moe.num_experts, 2 * cfg.moe.intermediate_size, h)
+        if internal.endswith(_FUSED_EXPERTS[1]):
+            return (cfg.moe.num_experts, h, cfg.moe.intermediate_size)
         if ".experts." in internal:
             inter = cfg.moe.intermediate_size
         elif ".shared_experts." in internal:
@@ -242,7 +261,7 @@ def inventory(path: str | Path, cfg: ModelConfig | None = None) -> list[Inventor
     cfg = cfg or ModelConfig.from_pretrained(path)
     files = weight_files(path)
     meta = read_header(files)
-    required, optional = expected_tensors(cfg)
+    required, optional = expected_tensors(cfg, has_fused_experts(meta))
     entries: list[InventoryEntry] = []
     for name in sorted(set(meta) | set(required)):
         if name not in meta:

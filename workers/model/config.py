@@ -18,14 +18,11 @@ MTPNaming = Literal["deepseek_v3", "mimo", "qwen3_next"]
 logger = logging.getLogger(__name__)
 
 # Multimodal checkpoints served by their text part: model_type -> the text model's type.
-_TEXT_PART = {"qwen3_5": "qwen3_5_text"}
+_TEXT_PART = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 
 # Families we know of but do not serve yet, with the reason (named by `check` and `up`).
 _NOT_YET = {
     "deepseek_v32": "the DSA (sparse attention) indexer is not implemented",
-    "qwen3_5_moe": "the Qwen3.5-MoE expert layout is not tested (qwen3_5 dense is served)",
-    "qwen3_5_moe_text": "the Qwen3.5-MoE expert layout is not tested (qwen3_5 dense is "
-                        "served)",
 }
 
 
@@ -190,7 +187,10 @@ class ModelConfig:
             model_type=model_type,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
+            # Qwen3.5-MoE has no dense MLP, and no intermediate_size.
+            intermediate_size=(cfg.get("intermediate_size", 0)
+                               if all(s.mlp == "moe" for s in fields.layers)
+                               else cfg["intermediate_size"]),
             num_hidden_layers=cfg["num_hidden_layers"],
             num_attention_heads=heads,
             num_key_value_heads=cfg.get("num_key_value_heads", heads),

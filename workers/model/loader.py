@@ -11,6 +11,7 @@ from safetensors import safe_open
 from mtpserve.workers.model.checkpoint import (
     expected_tensors,
     format_problems,
+    has_fused_experts,
     inventory,
     weight_files,
 )
@@ -31,6 +32,24 @@ class CheckpointError(ValueError):
 
 _EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _EXPERT_PART = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", None)}
+# Stacked experts (Qwen3.5-MoE): gate_up_proj [E, 2 I, hidden], down_proj [E, hidden, I].
+_STACKED = re.compile(r"(.*\.experts)\.(gate_up_proj|down_proj)$")
+_STACKED_PARAM = {"gate_up_proj": "w13", "down_proj": "w2"}
+
+
+def _per_expert(internal: str, tensor: torch.Tensor, shard: object
+                ) -> list[tuple[torch.Tensor, object]]:
+    """(tensor, shard id) loads of one checkpoint tensor: itself, or a stacked experts tensor
+    cut into each expert's gate, up and down (the shard ids of per-expert tensors), so
+    `Experts.weight_loader` keeps its per-rank slicing for both layouts."""
+    m = _STACKED.match(internal)
+    if m is None:
+        return [(tensor, shard)]
+    if m.group(2) == "down_proj":
+        return [(tensor[e], (e, None)) for e in range(tensor.shape[0])]
+    inter = tensor.shape[1] // 2
+    return [(tensor[e, p * inter:(p + 1) * inter], (e, p))
+            for e in range(tensor.shape[0]) for p in (0, 1)]
 
 
 def _fused_target(internal: str) -> tuple[str, object]:
@@ -40,6 +59,9 @@ def _fused_target(internal: str) -> tuple[str, object]:
     if m:
         param, part = _EXPERT_PART[m.group(3)]
         return f"{m.group(1)}.{param}", (int(m.group(2)), part)
+    m = _STACKED.match(internal)
+    if m:  # all experts in one tensor: `_per_expert` cuts it
+        return f"{m.group(1)}.{_STACKED_PARAM[m.group(2)]}", None
     parts = internal.split(".")
     if len(parts) >= 2 and parts[-2] in _FUSED:
         fused, shard = _FUSED[parts[-2]]
@@ -63,7 +85,7 @@ def load_model(
     if problems:
         raise CheckpointError(f"checkpoint {path} does not match its config: {problems}")
     present = {e.tensor for e in entries if e.shape is not None}
-    required, optional = expected_tensors(cfg)
+    required, optional = expected_tensors(cfg, has_fused_experts(present))
 
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -104,7 +126,8 @@ def load_model(
                         with safe_open(files[scale], framework="pt") as sc:
                             tensor = dequantize(tensor, sc.get_tensor(scale), cfg.quant.block)
                     try:
-                        param.weight_loader(param, tensor, shard)
+                        for one, one_shard in _per_expert(internal, tensor, shard):
+                            param.weight_loader(param, one, one_shard)
                     except ValueError as e:
                         raise CheckpointError(f"{name}: {e}") from e
     return model.eval()
