@@ -6,7 +6,8 @@ The real PrefillServer / DecodeServer classes (Serve's wrappers peeled off, TP 1
 loopback gloo, as tests/test_disagg_datapath.py) on the tiny random Qwen3-Next checkpoint of
 tests/test_qwen3_next.py: disaggregated greedy (k = 2, prompts past the delta rule's 64-token
 chunk and the prefill chunk) == the offline engine == transformers; seeded sampling ==
-offline; every KV block and state slot free on both sides afterwards. The state re-sharding
+offline; every KV block and state slot free on both sides afterwards; a decode replica
+killed mid-stream migrates token-exact through the real orchestrator. The state re-sharding
 between TP layouts is checked on tensors (`install_states`).
 """
 
@@ -181,3 +182,104 @@ def test_state_resharding_between_tp_layouts(ckpt, src_tp: int, dst_tp: int) -> 
     if src_tp == 2 and dst_tp == 1:
         with pytest.raises(ValueError, match="do not cover"):
             install_states(dst, 0, [(1, src[1])], src_tp, dst_tp, 0)
+
+
+# A killed decode replica: the orchestrator resumes its streams elsewhere -------------------------
+
+class ActorDiedError(Exception):
+    """Named like ray.exceptions.ActorDiedError (the orchestrator matches errors by name)."""
+
+
+class _Stream:
+    def __init__(self, agen) -> None:
+        self.agen = agen
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        return await self.agen.__anext__()
+
+    def cancel(self) -> None:
+        asyncio.ensure_future(self.agen.aclose())
+
+
+class RoundRobin:
+    """What the orchestrator uses of a DeploymentHandle, over servers in this process (a dead
+    one included: Serve keeps routing to a dead replica for a moment)."""
+
+    def __init__(self, servers: list) -> None:
+        self.servers, self.next = servers, 0
+
+    def options(self, **_):
+        return self
+
+    def __getattr__(self, name: str):
+        def remote(*args, **kwargs):
+            server = self.servers[self.next % len(self.servers)]
+            self.next += 1
+            out = getattr(server, name)(*args, **kwargs)
+            return _Stream(out) if hasattr(out, "__anext__") else asyncio.ensure_future(out)
+
+        return type("Method", (), {"remote": staticmethod(remote)})
+
+
+class Dying:
+    """A real decode server whose streams die after `after` chunks, after which it stays dead
+    (a killed actor); its side of each stream is closed, which aborts the request there."""
+
+    def __init__(self, server, after: int) -> None:
+        self.server, self.after, self.dead = server, after, False
+
+    async def generate(self, req, params=None, **kw):
+        if self.dead:
+            raise ActorDiedError("The actor died unexpectedly before finishing this task.")
+        inner = self.server.generate(req, params, **kw)
+        try:
+            sent = 0
+            async for chunk in inner:
+                if sent >= self.after:
+                    self.dead = True
+                    raise ActorDiedError("The actor died unexpectedly before finishing this "
+                                         "task.")
+                sent += 1
+                yield chunk
+        finally:
+            await inner.aclose()
+
+
+def test_killed_decode_replica_migrates_token_exact(ckpt, prompts) -> None:
+    """Decode replica A dies mid-stream; the orchestrator resumes each stream on B from prompt
+    + tokens sent (B prefills it: a fresh state from position 0): the client's tokens ==
+    offline, and every state slot and block is free on A, B and the prefill."""
+    from mtpserve.router.orchestrator import DisaggOrchestrator, OrchestratorConfig
+    from mtpserve.workers.replica.decode_server import DecodeServer
+
+    want = run_to_completion(make_engine(ckpt, 2, num_kv_blocks=96, block_size=4,
+                                         max_num_batched_tokens=40), prompts, greedy(12))
+    p, a = make_servers(ckpt)
+    b = DecodeServer.func_or_class(a.cfg)
+    dying = Dying(a, after=1)
+    try:
+        orch = DisaggOrchestrator(RoundRobin([p]), RoundRobin([dying, b]), OrchestratorConfig(
+            retry_backoff_s=0.01, stall_timeout_s=20.0))
+
+        async def collect(i: int, x: list[int]) -> list[int]:
+            out = []
+            async for chunk in orch.generate(GenerateRequest(f"m{i}", x, greedy(12))):
+                assert chunk.error is None, chunk.error
+                out += chunk.token_ids
+            return out
+
+        async def main():
+            return await asyncio.gather(*(collect(i, x) for i, x in enumerate(prompts)))
+
+        assert asyncio.run(main()) == want
+        assert dying.dead and orch.num_migrations >= 1
+        for server in (p, a, b):
+            end = time.monotonic() + 5
+            while (s := server.engine.engine.stats())["state_slots_used"] or s["used_blocks"]:
+                assert time.monotonic() < end, s
+                time.sleep(0.01)
+    finally:
+        shutdown(p, a, b)
