@@ -283,3 +283,24 @@ def test_killed_decode_replica_migrates_token_exact(ckpt, prompts) -> None:
                 time.sleep(0.01)
     finally:
         shutdown(p, a, b)
+
+
+def test_prefill_holds_beyond_its_state_slots_wait_for_a_release(ckpt, prompts) -> None:
+    """A prefill engine's held requests keep their state slots until released, outside the
+    scheduler's max_num_seqs: with every slot held, the next prompt waits (as for KV blocks)
+    and is prefilled once a hold is released."""
+    eng = make_engine(ckpt, 2, num_kv_blocks=96, block_size=4, role="prefill", max_num_seqs=2)
+    for i, x in enumerate(prompts):
+        eng.add_request(f"h{i}", x, greedy(4))
+    for _ in range(20):
+        eng.step()
+    assert sorted(eng.prefilled) == ["h0", "h1"]  # the third waits for a slot
+    assert eng.stats()["state_slots_used"] == 2 and eng.has_unfinished()
+    assert eng.release_prefilled("h0")
+    while eng.has_unfinished():
+        eng.step()
+    assert sorted(eng.prefilled) == ["h1", "h2"]
+    for rid in ("h1", "h2"):
+        assert eng.release_prefilled(rid)
+    assert eng.stats()["state_slots_used"] == 0 and eng.stats()["used_blocks"] == 0
+    eng.block_manager.check_integrity([])

@@ -62,6 +62,11 @@ class BlockManager:
     def can_allocate(self, num_blocks: int) -> bool:
         return num_blocks <= self.num_free_blocks
 
+    def can_admit(self) -> bool:
+        """Whether a new request can take its per-request resources besides blocks (always,
+        here; a hybrid model's state slot: `workers/state_pool.py`)."""
+        return True
+
     def allocate(self, num_blocks: int) -> list[int]:
         """Take `num_blocks` blocks (ref count 1): free ones first, then the least recently
         released cached ones. Caller checks `can_allocate` first."""

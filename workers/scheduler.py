@@ -85,7 +85,7 @@ class Scheduler:
         self.awaiting_kv.append((req, num_slots))
 
     def can_admit_transferred(self) -> bool:
-        if not self.awaiting_kv or self.num_seqs >= self.max_num_seqs:
+        if not self.awaiting_kv or self.num_seqs >= self.max_num_seqs or not self.bm.can_admit():
             return False
         req, slots = self.awaiting_kv[0]
         hit = self.bm.cached_prefix(req, req.num_computed_tokens)
@@ -187,7 +187,8 @@ class Scheduler:
             budget -= chunks[-1].end - chunks[-1].start
         deferred: list[Request] = []
         in_flight = self._prefixes_in_flight()
-        while self.waiting and budget > 0 and self.num_seqs < self.max_num_seqs:
+        while (self.waiting and budget > 0 and self.num_seqs < self.max_num_seqs
+               and self.bm.can_admit()):
             req = self.waiting[0]
             # The last prompt token is always computed: its logits give the first token.
             hit = self.bm.cached_prefix(req, req.prefill_target - 1)
