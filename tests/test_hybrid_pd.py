@@ -304,3 +304,13 @@ def test_prefill_holds_beyond_its_state_slots_wait_for_a_release(ckpt, prompts) 
         assert eng.release_prefilled(rid)
     assert eng.stats()["state_slots_used"] == 0 and eng.stats()["used_blocks"] == 0
     eng.block_manager.check_integrity([])
+
+
+def test_a_runner_with_fewer_state_slots_than_max_num_seqs_is_refused(ckpt) -> None:
+    from mtpserve.workers.engine import Engine, EngineConfig, EngineError
+    from mtpserve.workers.model_runner import ModelRunner
+
+    runner = ModelRunner(ckpt, num_blocks=32, block_size=4, num_state_slots=2)
+    with pytest.raises(EngineError, match="2 state slots, max_num_seqs is 4"):
+        Engine(EngineConfig(model=str(ckpt), num_kv_blocks=32, block_size=4, max_num_seqs=4),
+               runner=runner)

@@ -78,6 +78,11 @@ class Engine:
         self.hybrid = mcfg.is_hybrid
         if self.hybrid:
             self.block_manager = self._hybrid_block_manager(config, mcfg, dtype)
+            # The runner's pool (a TP driver's: its rank's) must hold every slot handed out.
+            pool = getattr(getattr(self.runner, "runner", self.runner), "state_cache", None)
+            if pool is not None and pool.num_slots < config.max_num_seqs:
+                raise EngineError(f"the runner has {pool.num_slots} state slots, "
+                                  f"max_num_seqs is {config.max_num_seqs}")
         else:
             self.block_manager = BlockManager(
                 config.num_kv_blocks, config.block_size, prefix_caching=config.prefix_caching,

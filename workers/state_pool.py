@@ -5,12 +5,13 @@ DeltaNet layer, its conv window and its recurrent state (`workers/model/gated_de
 The engine side (`HybridBlockManager`) hands a slot out with a request's first KV blocks and
 takes it back whenever its blocks are freed (finish, abort, preemption, migration), so a slot
 lives exactly as long as the KV it goes with; the runner side (`StateCache`) holds the
-tensors, indexed by slot. `max_num_seqs` bounds the scheduler's requests (running, prefilling,
-receiving), so a pool of that many slots never runs out there. A prefill engine's held requests (KV kept for transfer) have left
-the scheduler but keep their slots until released, so admission also asks for a free slot
-(`can_admit`) and waits for a release when none is left; running out anyway is a bug that
-fails loudly. A slot is not cleared when handed out: a row starting at position 0
-starts from zeros (the layer ignores what the slot held).
+tensors, indexed by slot. `max_num_seqs` bounds the scheduler's requests (running,
+prefilling, receiving), so a pool of that many slots never runs out there. A prefill engine's
+held requests (KV kept for transfer) have left the scheduler but keep their slots until
+released, so admission also asks for a free slot (`can_admit`) and waits for a release when
+none is left; running out anyway is a bug that fails loudly. A slot is not cleared when
+handed out: a row starting at position 0 starts from zeros (the layer ignores what the slot
+held).
 
 Prefix caching is off for hybrid models: a cached block restores KV but not the recurrent
 state at the block's end (no state checkpoints are kept), so a hit would be silently wrong.
