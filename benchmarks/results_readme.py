@@ -176,6 +176,26 @@ def stream_hops(name: str) -> list[str]:
             "decode-side chunk.", "", *_table(["hop", "1 stream", "4 streams"], rows)]
 
 
+def engine_core(hops: str, burst: str) -> list[str]:
+    d = _load(hops)
+    rows = []
+    for variant, v in d["variants"].items():
+        s1, s4 = v["streams_1"], v["streams_4"]
+        rows.append([variant, _f(s1["decode_tokens_per_s"]),
+                     _f(s4["decode_tokens_per_s"]),
+                     _pair(s1["engine->client"]["p50_ms"], s1["engine->client"]["p90_ms"]),
+                     _pair(s4["engine->client"]["p50_ms"], s4["engine->client"]["p90_ms"]),
+                     _pair(s1["engine->decode_out"]["p50_ms"],
+                           s4["engine->decode_out"]["p50_ms"], 2)])
+    return [f"Streaming (`stream_hops_bench.py`): k = {d['k']}, {d['requests']} requests x "
+            f"{d['max_tokens']} tokens per load, decode-side tokens/s and ms per chunk "
+            "(p50 / p90).", "",
+            *_table(["engine core", "tok/s, 1 stream", "tok/s, 4 streams",
+                     "engine -> client, 1 stream", "engine -> client, 4 streams",
+                     "engine -> decode replica p50, 1 / 4 streams"], rows),
+            "", "The 16-arrival burst (`kv_burst_bench.py`):", "", *kv_burst(burst)]
+
+
 def guidellm(name: str) -> list[str]:
     rows = []
     for r in _load(name):
@@ -325,6 +345,21 @@ BENCHMARKS = [
           "client), at 1 and 4 streams.",
           ("stream-hops-cpu-gil-released.json",), stream_hops,
           "Compiled graphs run with the GIL released (the default)."),
+    Bench("stream_hops_bench.py", "The engine core: thread or process",
+          "python -m mtpserve.benchmarks.stream_hops_bench --engine-core thread process "
+          "--json out.json\n"
+          "python -m mtpserve.benchmarks.kv_burst_bench --lanes 4 --engine-core thread process "
+          "--json out.json",
+          "`mtpserve up` (configs/local-cpu.yaml) with `prefill.engine_core` and "
+          "`decode.engine_core` both `thread` (the engine loop on a thread of the Serve "
+          "replica) and then both `process` (the engine core in a child process of the "
+          "replica, docs/reliability.md), one after the other in one run of each script.",
+          ("stream-hops-cpu-engine-core.json", "kv-burst-cpu-engine-core.json"), engine_core,
+          "Five other agents' jobs shared the 2 cores during these runs. Here the proxy, "
+          "the ingress, two shells and two cores share 2 cores, so a core process never has "
+          "a core of its own beside its shell's I/O: the rows show what the extra process "
+          "costs on such a machine (the burst's TTFT, prefill-bound, is the clearest), not "
+          "what moving the engine off the replica's GIL buys where cores are spare."),
     Bench("guidellm_run.py", "guidellm against `mtpserve up`",
           "python -m mtpserve.benchmarks.guidellm_run --streams 4 1 --out out-folder",
           "guidellm (installed separately) with concurrent streams, synthetic 128-token "
