@@ -50,6 +50,8 @@ ENV_VARS: dict[str, str] = {
     "deadline as NCCL pairs do (tests run the NCCL control flow on CPU).",
     "MTPSERVE_HEALTH_DEADLINE_S": "Seconds a replica's health check waits for every TP rank "
     "(default 30).",
+    "MTPSERVE_ENGINE_CORE": "`thread` | `process`: overrides `prefill.engine_core` and "
+    "`decode.engine_core` in every replica (to run a test suite either way).",
     "MTPSERVE_TRACE_HOPS": "`1` stamps every streamed chunk with the hops it passed "
     "(`mtpserve_trace` in SSE events); off by default.",
     "MTPSERVE_ENABLE_FAULT_INJECTION": "`1` enables the replicas' fault-injection methods "

@@ -46,7 +46,8 @@ class EngineReplica:
         side = role_settings(cfg, self.role)
         self.cfg = cfg
         self.replica_id = replica_tag()  # prefill: put in every KVTransferParams (`release`)
-        self.engine_core = getattr(side, "engine_core", "thread")
+        self.engine_core = (os.environ.get("MTPSERVE_ENGINE_CORE")
+                            or getattr(side, "engine_core", "thread"))
         self.driver = self.engine = self.poller = self.recorder = None
         if self.engine_core == "process":
             from mtpserve.workers.replica.engine_core_proc import ProcessCore
