@@ -2,7 +2,9 @@
 
 Two real processes in a gloo group run the sharded model (Gated DeltaNet key/value heads and
 their conv + recurrent states split by rank, gated full attention by heads, MoE by expert
-slices) on the tiny random checkpoint of tests/test_qwen3_next.py: the logits of chunked
+slices) on the tiny random checkpoints of tests/test_qwen3_next.py (Qwen3-Next: fused
+projections) and tests/test_hybrid_qwen3_5_moe.py (Qwen3.5-MoE: unfused projections, stacked
+experts): the logits of chunked
 prefill (past the delta rule's 64-token chunk, the second chunk resuming the first's state),
 batched decode steps, a verify row and the state kept after its second token == TP 1's; the
 engine's greedy tokens (k = 2, state slots on the control plane, each verify round's kept
@@ -26,6 +28,15 @@ from mtpserve.workers.model_runner import ForwardBatch, ModelRunner
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory) -> Path:
     return make_qwen3_next_checkpoint(tmp_path_factory.mktemp("hybrid_tp") / "ckpt")
+
+
+@pytest.fixture(scope="module")
+def moe35(tmp_path_factory) -> Path:
+    """Qwen3.5-MoE with stacked experts: unfused DeltaNet projections (`in_proj_qkv` cut per
+    q | k | v component) and stacked expert tensors cut per expert, then per rank."""
+    from test_hybrid_qwen3_5_moe import make_checkpoint
+
+    return make_checkpoint(tmp_path_factory.mktemp("hybrid_tp_moe35"), stacked=True)[0]
 
 
 def _tokens() -> tuple[list[int], list[int]]:
@@ -97,10 +108,12 @@ def _spawn(target, args_of_rank, n: int = 2, timeout_s: float = 240.0) -> list:
     return got
 
 
-def test_tp2_logits_and_kept_states_equal_tp1(ckpt) -> None:
-    want = _run_script(ModelRunner(ckpt, num_blocks=64, block_size=8, num_state_slots=8))
+@pytest.mark.parametrize("model", ["ckpt", "moe35"], ids=["qwen3_next", "qwen3_5_moe"])
+def test_tp2_logits_and_kept_states_equal_tp1(request, model: str) -> None:
+    path = request.getfixturevalue(model)
+    want = _run_script(ModelRunner(path, num_blocks=64, block_size=8, num_state_slots=8))
     port = free_port()
-    [(got, shapes)] = _spawn(_runner_rank, lambda r: (r, port, str(ckpt)))
+    [(got, shapes)] = _spawn(_runner_rank, lambda r: (r, port, str(path)))
     # Rank 0 holds half the conv channels (2 * 16 + 32 = 64 -> 32) and 2 of 4 value heads.
     assert shapes == ((9, 32, 3), (9, 2, 8, 8))
     for j, (g, w) in enumerate(zip(got, want, strict=True)):
