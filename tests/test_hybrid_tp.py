@@ -4,11 +4,11 @@ Two real processes in a gloo group run the sharded model (Gated DeltaNet key/val
 their conv + recurrent states split by rank, gated full attention by heads, MoE by expert
 slices) on the tiny random checkpoints of tests/test_qwen3_next.py (Qwen3-Next: fused
 projections) and tests/test_hybrid_qwen3_5_moe.py (Qwen3.5-MoE: unfused projections, stacked
-experts): the logits of chunked
-prefill (past the delta rule's 64-token chunk, the second chunk resuming the first's state),
-batched decode steps, a verify row and the state kept after its second token == TP 1's; the
-engine's greedy tokens (k = 2, state slots on the control plane, each verify round's kept
-state on every rank) == TP 1's, slots free afterwards.
+experts): the logits of chunked prefill (past the delta rule's 64-token chunk, the second
+chunk resuming the first's state), batched decode steps, a verify row, the state kept after
+its second token and the MTP layer == TP 1's; the engine's greedy tokens (k = 2, state slots
+on the control plane, each verify round's kept state on every rank) == TP 1's, slots free
+afterwards.
 """
 
 from __future__ import annotations
