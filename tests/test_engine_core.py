@@ -39,8 +39,16 @@ def core_config(model, mode: str = "process", k: int = 2) -> ClusterConfig:
     )
 
 
+@pytest.fixture(scope="module", autouse=True)
+def no_core_override():
+    """These tests choose each server's core themselves."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("MTPSERVE_ENGINE_CORE", raising=False)
+        yield
+
+
 @pytest.fixture(scope="module")
-def servers(tiny_qwen3):
+def servers(tiny_qwen3, no_core_override):
     from mtpserve.workers.replica.decode_server import DecodeServer
     from mtpserve.workers.replica.prefill_server import PrefillServer
 
@@ -216,3 +224,46 @@ def test_kill_9_of_the_replica_leaves_no_orphan_core(tiny_qwen3) -> None:
     finally:
         if shell.poll() is None:
             shell.kill()
+
+
+@pytest.mark.ray
+def test_a_tp2_decode_core_process_serves_exactly_as_offline(tiny_qwen3) -> None:
+    """Decode TP = 2 with its core in a child process: rank 1 is a Ray actor of the replica,
+    which hosts the rendezvous the core joins as rank 0; prefill (TP 1) in its own core."""
+    ray = pytest.importorskip("ray")
+    from mtpserve.workers.replica.decode_server import DecodeServer
+    from mtpserve.workers.replica.prefill_server import PrefillServer
+
+    cfg = ClusterConfig(
+        model=str(tiny_qwen3),
+        prefill={"num_kv_blocks": 64, "cpus_per_rank": 1, "engine_core": "process"},
+        decode={"tp_size": 2, "num_kv_blocks": 128, "cpus_per_rank": 1, "max_num_seqs": 4,
+                "engine_core": "process"},
+        speculation={"num_speculative_tokens": 2, "adaptive": False},
+        kv_transfer={"timeout_s": 30, "hold_ttl_s": 60, "host": "127.0.0.1"},
+    )
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    p = d = None
+    try:
+        p = PrefillServer.func_or_class(cfg)
+        d = DecodeServer.func_or_class(cfg)
+        assert len(d.workers) == 1 and len(d.kv_addresses) == 2
+        ps = prompts(3, length=20, seed=2)
+        want = run_to_completion(make_engine(tiny_qwen3, 2, num_kv_blocks=256), ps,
+                                 greq("x", ps[0], 10).params)
+
+        async def main():
+            got = await asyncio.gather(*(disagg(p, d, greq(f"t{i}", x, 10))
+                                         for i, x in enumerate(ps)))
+            await d.check_health()
+            return got, await d.core.call("stats")
+
+        got, stats = asyncio.run(main())
+        assert got == want
+        assert stats["kv_puller"]["pulls"] == 3 and stats["kv_puller"]["failures"] == 0
+    finally:
+        for s in (p, d):
+            if s is not None:
+                s.shutdown()
+        ray.shutdown()
+    assert d.core.proc.returncode == 0 and d.core.workers == []  # rank 1's actor killed
