@@ -39,6 +39,9 @@ ENV_VARS: dict[str, str] = {
     "MTPSERVE_DECODE_GRAPHS": "Older spelling: `1` means `MTPSERVE_COMPILE=on`.",
     "MTPSERVE_COMPILE_CACHE": "Folder of the on-disk compile cache when "
     "`engine.compile_cache_dir` is not set (default `~/.cache/mtpserve/compile`).",
+    "MTPSERVE_GRAMMAR_CACHE": "Folder of compiled structured-output grammars shared by the "
+    "processes of a machine and kept between starts (default `~/.cache/mtpserve/grammars`; "
+    "`off`: memory only).",
     "MTPSERVE_AOTI_RELEASE_GIL": "`0` loads compiled graphs with the stock AOTInductor loader, "
     "which holds the GIL during a call (default: a small extension releases it).",
     "MTPSERVE_GREEDY_ROUNDS": "`1` runs a whole greedy k = 1 round as one compiled graph "

@@ -23,6 +23,10 @@ os.environ.setdefault("MTPSERVE_COMPILE", "off")
 _COMPILE_CACHE = tempfile.mkdtemp(prefix="mtpserve-test-compile-")
 os.environ.setdefault("MTPSERVE_COMPILE_CACHE", _COMPILE_CACHE)
 atexit.register(shutil.rmtree, _COMPILE_CACHE, True)
+# Compiled grammars likewise (MTPSERVE_GRAMMAR_CACHE).
+_GRAMMAR_CACHE = tempfile.mkdtemp(prefix="mtpserve-test-grammars-")
+os.environ.setdefault("MTPSERVE_GRAMMAR_CACHE", _GRAMMAR_CACHE)
+atexit.register(shutil.rmtree, _GRAMMAR_CACHE, True)
 
 from dataclasses import dataclass  # noqa: E402
 

@@ -5,13 +5,30 @@ tokens); compiled grammars are cached per spec, so a schema many requests share 
 per process. Compilation can fail (an unsupported or invalid schema, regex or grammar): that is
 a `GrammarError` naming the problem, which the router turns into a 400 before the request runs.
 The `prefix` kind (token healing) needs no compilation; it is served by `PrefixConstraint`.
+
+Compiled grammars are also kept on disk (`MTPSERVE_GRAMMAR_CACHE`, default
+`~/.cache/mtpserve/grammars`; `off` disables it): the ingress compiles a request's spec first,
+then the prefill and decode replicas on the same machine, and any replica started later, load it
+(`CompiledGrammar.serialize_json`) instead of compiling it again. An entry's name hashes the
+spec, the tokenizer as xgrammar sees it (vocabulary bytes, type, special and stop tokens), the
+xgrammar version and this file's source (how specs become grammars), so a stale entry is never
+found; entries are written to a temporary name and renamed, so a reader never sees half a file.
+Measured on the embedded model (vocab 4096): a JSON schema compiles in 7-10 ms and loads in
+2-8 ms, a long regex 61 ms vs 6 ms; compilation grows with the vocabulary, so large vocabularies
+gain most.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
 import json
+import logging
+import os
+import tempfile
 import threading
 from collections import OrderedDict
+from pathlib import Path
 from typing import Any
 
 import xgrammar as xgr
@@ -25,7 +42,25 @@ from mtpserve.workers.structured.spec import (
 
 __all__ = ["GrammarCache", "GrammarError", "spec_grammar", "tool_call_schema"]
 
+log = logging.getLogger(__name__)
+
 MAX_CACHED_GRAMMARS = 256
+ENV_DIR = "MTPSERVE_GRAMMAR_CACHE"
+MAX_DISK_GRAMMARS = 1024  # entries kept on disk; the least recently written go first
+
+
+def default_disk_dir() -> Path | None:
+    """`MTPSERVE_GRAMMAR_CACHE` (`off`: no disk cache), else
+    `$XDG_CACHE_HOME/mtpserve/grammars` (~/.cache/...)."""
+    env = os.environ.get(ENV_DIR)
+    if env:
+        return None if env.lower() in ("off", "0", "none") else Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "mtpserve" / "grammars"
+
+
+_SOURCE_DIGEST = hashlib.blake2b(Path(__file__).read_bytes(), digest_size=16).hexdigest()
+_XGRAMMAR_VERSION = importlib.metadata.version("xgrammar")
 
 
 def _literal(text: str) -> xgr.Grammar:
@@ -85,9 +120,11 @@ def _reason(e: Exception) -> str:
 
 class GrammarCache:
     """Compiled grammars of one tokenizer, most recently used kept (thread-safe: the router
-    compiles on worker threads, the engine on its own thread)."""
+    compiles on worker threads, the engine on its own thread), and on disk in `disk_dir`
+    ("default": `default_disk_dir()`; None: memory only)."""
 
-    def __init__(self, info: xgr.TokenizerInfo, stop_token_ids: list[int]) -> None:
+    def __init__(self, info: xgr.TokenizerInfo, stop_token_ids: list[int],
+                 disk_dir: Path | str | None = "default") -> None:
         self.info = info
         self.vocab_size = info.vocab_size
         self.stop_token_ids = list(stop_token_ids)
@@ -95,22 +132,29 @@ class GrammarCache:
         self._cache: OrderedDict[StructuredSpec, xgr.CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
         self._token_bytes: list[bytes] | None = None
+        # None: memory only. "default": `default_disk_dir()`, read when first needed.
+        self.disk_dir = default_disk_dir() if disk_dir == "default" else (
+            Path(disk_dir) if disk_dir is not None else None)
+        self._tokenizer_digest: str | None = None
+        self.num_compiled = self.num_loaded = 0  # grammars compiled here / loaded from disk
 
     @classmethod
-    def of_tokenizer(cls, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]
-                     ) -> GrammarCache:
+    def of_tokenizer(cls, tokenizer: Any, vocab_size: int, stop_token_ids: list[int],
+                     disk_dir: Path | str | None = "default") -> GrammarCache:
         """For a `transformers` tokenizer; `vocab_size`: the model's (may exceed the
         tokenizer's: the extra ids are never allowed)."""
         return cls(xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                       stop_token_ids=list(stop_token_ids)),
-                   stop_token_ids)
+                   stop_token_ids, disk_dir)
 
     @classmethod
-    def of_vocab(cls, tokens: list[str], stop_token_ids: list[int]) -> GrammarCache:
+    def of_vocab(cls, tokens: list[str], stop_token_ids: list[int],
+                 disk_dir: Path | str | None = "default") -> GrammarCache:
         """For a plain vocabulary (token i is the text tokens[i]): models without a
         tokenizer (tests)."""
         return cls(xgr.TokenizerInfo(tokens, xgr.VocabType.RAW,
-                                     stop_token_ids=list(stop_token_ids)), stop_token_ids)
+                                     stop_token_ids=list(stop_token_ids)), stop_token_ids,
+                   disk_dir)
 
     @property
     def token_bytes(self) -> list[bytes]:
@@ -128,14 +172,77 @@ class GrammarCache:
             if hit is not None:
                 self._cache.move_to_end(spec)
                 return hit
-        grammar = spec_grammar(spec)
-        try:
-            compiled = self.compiler.compile_grammar(grammar)
-        except Exception as e:
-            raise GrammarError(f"the {spec.kind} constraint does not compile: {_reason(e)}"
-                               ) from None
+        compiled = self._load(spec)
+        if compiled is None:
+            grammar = spec_grammar(spec)
+            try:
+                compiled = self.compiler.compile_grammar(grammar)
+            except Exception as e:
+                raise GrammarError(f"the {spec.kind} constraint does not compile: "
+                                   f"{_reason(e)}") from None
+            self.num_compiled += 1
+            self._store(spec, compiled)
         with self._lock:
             self._cache[spec] = compiled
             while len(self._cache) > MAX_CACHED_GRAMMARS:
                 self._cache.popitem(last=False)
         return compiled
+
+    # On disk ---------------------------------------------------------------------------
+    def _path(self, spec: StructuredSpec) -> Path | None:
+        if self.disk_dir is None:
+            return None
+        if self._tokenizer_digest is None:
+            self._tokenizer_digest = hashlib.blake2b(self.info.serialize_json().encode(),
+                                                     digest_size=16).hexdigest()
+        h = hashlib.blake2b(digest_size=20)
+        for part in (_XGRAMMAR_VERSION, _SOURCE_DIGEST, self._tokenizer_digest, spec.kind,
+                     spec.value):
+            h.update(part.encode())
+            h.update(b"\0")
+        return self.disk_dir / f"{h.hexdigest()}.json"
+
+    def _load(self, spec: StructuredSpec) -> xgr.CompiledGrammar | None:
+        path = self._path(spec)
+        if path is None or not path.is_file():
+            return None
+        try:
+            compiled = xgr.CompiledGrammar.deserialize_json(path.read_text(), self.info)
+        except Exception as e:  # unreadable or from another format: compile instead
+            log.warning("grammar cache entry %s not loaded (%s); compiling", path, _reason(e))
+            return None
+        self.num_loaded += 1
+        return compiled
+
+    def _store(self, spec: StructuredSpec, compiled: xgr.CompiledGrammar) -> None:
+        path = self._path(spec)
+        if path is None:
+            return
+        tmp = None
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".part")
+            with os.fdopen(fd, "w") as f:
+                f.write(compiled.serialize_json())
+            os.replace(tmp, path)
+            tmp = None
+            _evict(path.parent, MAX_DISK_GRAMMARS)
+        except OSError as e:  # a read-only or full disk: memory only
+            log.warning("grammar cache %s not written: %s", path.parent, e)
+        finally:
+            if tmp is not None:
+                Path(tmp).unlink(missing_ok=True)
+
+
+def _evict(folder: Path, keep: int) -> None:
+    """Delete all but the `keep` most recently written entries (other processes may delete
+    some meanwhile)."""
+    entries = []
+    for p in folder.glob("*.json"):
+        try:
+            entries.append((p.stat().st_mtime, p))
+        except FileNotFoundError:
+            continue
+    entries.sort()
+    for _, p in entries[:max(len(entries) - keep, 0)]:
+        p.unlink(missing_ok=True)
