@@ -132,7 +132,7 @@ class GrammarCache:
         self._cache: OrderedDict[StructuredSpec, xgr.CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
         self._token_bytes: list[bytes] | None = None
-        # None: memory only. "default": `default_disk_dir()`, read when first needed.
+        # None: memory only. "default": `default_disk_dir()` (the environment, read now).
         self.disk_dir = default_disk_dir() if disk_dir == "default" else (
             Path(disk_dir) if disk_dir is not None else None)
         self._tokenizer_digest: str | None = None
