@@ -5,6 +5,7 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -32,12 +33,38 @@ from dataclasses import dataclass  # noqa: E402
 
 import torch  # noqa: E402
 from helpers import COMPILED_DECODE  # noqa: E402
+from serve_cluster import SharedServe  # noqa: E402
 from tiny_models import make_tiny_checkpoint  # noqa: E402
 
 from mtpserve.workers.engine import Engine, EngineConfig  # noqa: E402
 from mtpserve.workers.paths import default_model_path  # noqa: E402
 
 torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(config, items: list[pytest.Item]) -> None:
+    """The modules on the session's shared Ray/Serve cluster run one after another (in their
+    usual order, from where the first of them stood), so that no module of another cluster
+    shape in between (test_multinode) stops it and costs another start."""
+    shared = {it.module.__name__ for it in items
+              if "shared_serve" in getattr(it, "fixturenames", ()) and it.module is not None}
+    if len(shared) < 2:
+        return
+    first = next(i for i, it in enumerate(items) if it.module.__name__ in shared)
+    block = [it for it in items if it.module.__name__ in shared]
+    rest = [it for it in items if it.module.__name__ not in shared]
+    items[:] = rest[:first] + block + rest[first:]
+
+
+@pytest.fixture(scope="session")
+def shared_serve() -> Iterator[SharedServe]:
+    """The session's local Ray cluster with Serve (tests/serve_cluster.py), started by its
+    first user and stopped at the end; a module takes its URL with `shared_serve.url()`."""
+    cluster = SharedServe()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
 
 
 @pytest.fixture(scope="session")

@@ -4,6 +4,7 @@ cluster itself (started and always stopped), and calls to one given replica."""
 from __future__ import annotations
 
 import contextlib
+import os
 import pickle
 import socket
 import uuid
@@ -36,6 +37,62 @@ def local_serve(num_cpus: int = 4) -> Iterator[str]:
             serve.shutdown()
         finally:
             ray.shutdown()
+
+
+# Set while the shared cluster starts, so its raylet and every replica inherit it: test_reliability
+# injects faults into its replicas; the other modules' apps never call the injection methods.
+SHARED_ENV = {"MTPSERVE_ENABLE_FAULT_INJECTION": "1"}
+
+
+class SharedServe:
+    """One local Ray cluster with Serve for the whole session (conftest's `shared_serve`),
+    started by its first user: a cluster start costs 15-25 s on 2 shared cores, and the
+    modules of the same shape (4 logical CPUs, one driver) each deploy their own app on it.
+    A module that needs another shape (test_multinode) shuts Ray down; the next user here
+    starts the cluster again."""
+
+    def __init__(self) -> None:
+        self._cm: contextlib.AbstractContextManager[str] | None = None
+        self._url = ""
+        self._gcs = ""
+
+    def _ours(self) -> bool:
+        import ray
+
+        return (self._cm is not None and ray.is_initialized()
+                and ray.get_runtime_context().gcs_address == self._gcs)
+
+    def url(self) -> str:
+        """The base URL of Serve's proxy, no application deployed (a module's leftovers are
+        deleted, so each module starts from the same empty cluster)."""
+        import ray
+        from ray import serve
+
+        if self._ours():
+            for name in list(serve.status().applications):
+                serve.delete(name)
+            return self._url
+        self._cm = None
+        if ray.is_initialized():  # someone else's cluster, or Ray auto-started in-process
+            ray.shutdown()
+        saved = {k: os.environ.get(k) for k in SHARED_ENV}
+        os.environ.update(SHARED_ENV)
+        try:
+            cm = local_serve()
+            self._url = cm.__enter__()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        self._cm, self._gcs = cm, ray.get_runtime_context().gcs_address
+        return self._url
+
+    def stop(self) -> None:
+        if self._ours():
+            self._cm.__exit__(None, None, None)
+        self._cm = None
 
 
 def replica_actors(deployment: str, app: str = APP) -> dict[str, object]:

@@ -12,7 +12,6 @@ import time
 
 import httpx
 import pytest
-from serve_cluster import local_serve
 
 pytestmark = pytest.mark.ray
 
@@ -23,9 +22,8 @@ MAX_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
-    with local_serve() as url:
-        yield url
+def ray_cluster(shared_serve) -> str:
+    return shared_serve.url()
 
 
 @pytest.fixture(scope="module")

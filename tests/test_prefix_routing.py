@@ -6,10 +6,8 @@ by load alone (slow tier), the prefixes evict each other."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 
 import pytest
-from serve_cluster import local_serve
 
 pytestmark = pytest.mark.ray
 
@@ -38,9 +36,8 @@ def _run(model, routing: str, url: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def cluster_url() -> Iterator[str]:
-    with local_serve() as url:
-        yield url
+def cluster_url(shared_serve) -> str:
+    return shared_serve.url()
 
 
 @pytest.fixture(scope="module")

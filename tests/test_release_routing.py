@@ -3,8 +3,9 @@ cluster, two prefill replicas, the custom request router).
 
 Requests are prefilled concurrently (spread over both replicas), the client stops after the
 first token (a stop string matched it), and the orchestrator releases the holds: every prefill
-replica's KV blocks are back to zero within 1 s, released (not expired at hold_ttl_s=30), so
-each release landed on its holder and not on whichever replica Serve would pick.
+replica's KV blocks are back to zero well before the TTL, released (not expired at
+hold_ttl_s=30), so each release landed on its holder and not on whichever replica Serve would
+pick.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import asyncio
 import time
 
 import pytest
-from serve_cluster import call_replica, local_serve, replica_actors
+from serve_cluster import call_replica, replica_actors
 
 pytestmark = pytest.mark.ray
 
@@ -22,10 +23,14 @@ serve = pytest.importorskip("ray.serve")
 
 APP = "mtpserve-release"
 NUM_REQUESTS = 8
+# A release frees the held blocks in well under a second on a quiet machine; the TTL would take
+# 30 s. The bound sits between the two, far from both (2 shared cores stall for seconds), and
+# the sender's counters below say which one freed them.
+RELEASE_DEADLINE_S = 10.0
 
 
 @pytest.fixture(scope="module")
-def app(default_model):
+def app(shared_serve, default_model):
     from mtpserve.cluster.app import build_app, with_kv_secret
     from mtpserve.cluster.config import ClusterConfig
 
@@ -36,11 +41,11 @@ def app(default_model):
         prefill={"replicas": 2, "cpus_per_rank": 0.5, "num_kv_blocks": 256},
         decode={"replicas": 1, "cpus_per_rank": 0.5, "num_kv_blocks": 256},
         speculation={"num_speculative_tokens": 2, "adaptive": False},
-        kv_transfer={"timeout_s": 10, "hold_ttl_s": 30},  # a release, never the TTL, in 1 s
+        kv_transfer={"timeout_s": 10, "hold_ttl_s": 30},  # a release, never the TTL
     ))
-    with local_serve():
-        serve.run(build_app(cfg), name=APP, route_prefix="/release")
-        yield cfg
+    serve.run(build_app(cfg), name=APP, route_prefix="/release")
+    yield cfg
+    serve.delete(APP)
 
 
 def prefill_replicas() -> dict[str, object]:
@@ -90,13 +95,13 @@ def test_release_after_a_first_token_stop_reaches_the_holding_replica(app, defau
             used = {tag: replica_stats(a)["used_blocks"] for tag, a in actors.items()}
             if not any(used.values()):
                 return held, time.monotonic() - t0
-            assert time.monotonic() - t0 < 1.0, f"prefill KV still held after 1 s: {used}"
+            assert time.monotonic() - t0 < RELEASE_DEADLINE_S, f"prefill KV still held: {used}"
             await asyncio.sleep(0.02)
 
     before = {tag: replica_stats(a)["kv_sender"] for tag, a in actors.items()}
     held, seconds = asyncio.run(main())
     assert all(n > 0 for n in held.values()), f"requests not spread over replicas: {held}"
-    assert seconds < 1.0
+    assert seconds < RELEASE_DEADLINE_S
     after = {tag: replica_stats(a)["kv_sender"] for tag, a in actors.items()}
     released = sum(after[t]["released"] - before[t]["released"] for t in actors)
     expired = sum(after[t]["expired"] - before[t]["expired"] for t in actors)

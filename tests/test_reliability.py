@@ -12,13 +12,12 @@ After each, the KV blocks of every replica go back to zero.
 
 from __future__ import annotations
 
-import os
 import socket
 import time
 
 import httpx
 import pytest
-from serve_cluster import call_replica, local_serve, replica_actors
+from serve_cluster import call_replica, replica_actors
 from sse_stream import StreamingCompletion
 
 pytestmark = pytest.mark.ray
@@ -34,13 +33,10 @@ APP = "mtpserve"
 
 
 @pytest.fixture(scope="module")
-def app_url(default_model):
-
-    # Replica processes inherit the driver's environment on a local cluster.
-    os.environ["MTPSERVE_ENABLE_FAULT_INJECTION"] = "1"
-    with local_serve() as url:
-        yield from _deploy(url, default_model)
-    os.environ.pop("MTPSERVE_ENABLE_FAULT_INJECTION", None)
+def app_url(shared_serve, default_model):
+    # The shared cluster's replicas have MTPSERVE_ENABLE_FAULT_INJECTION=1 (SHARED_ENV).
+    yield from _deploy(shared_serve.url(), default_model)
+    serve.delete(APP)
 
 
 def _deploy(url: str, default_model):
