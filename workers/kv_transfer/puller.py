@@ -196,9 +196,16 @@ class KVPuller:
             if i == 0:  # replicated across prefill ranks; copied out of the reused buffer
                 extras = {k: v.to("cpu", copy=True) for k, v in got.items()}
         if slot is not None:
-            # Like the blocks, the slot is this request's alone until it is activated.
-            install_states(self.state_cache, slot, states, job.prefill_tp_size,
-                           self.tp_size, self.rank)
+            # Like the blocks, the slot is this request's alone until it is activated: written
+            # on the lane's stream (as the scatter), complete before the result is posted.
+            if lane.stream is not None:
+                with torch.cuda.stream(lane.stream):
+                    install_states(self.state_cache, slot, states, job.prefill_tp_size,
+                                   self.tp_size, self.rank)
+                lane.stream.synchronize()
+            else:
+                install_states(self.state_cache, slot, states, job.prefill_tp_size,
+                               self.tp_size, self.rank)
         return extras
 
 
