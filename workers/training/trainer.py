@@ -70,6 +70,9 @@ def qwen3_config(tc: TrainConfig, eos_id: int) -> dict:
         "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "attention_bias": False,
         "hidden_act": "silu", "bos_token_id": eos_id, "eos_token_id": eos_id,
         "num_nextn_predict_layers": tc.num_mtp, "use_cache": True,
+        # Our BPE merges runs of newlines/spaces, so a prompt ending in one leaves the model a
+        # token boundary it never saw in training: heal it by default (issue 32).
+        "mtpserve": {"token_healing": True},
     }
 
 
