@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -38,12 +37,10 @@ MAX_TOKENS = 10
 
 
 @pytest.fixture(scope="module")
-def local_ray() -> Iterator[None]:
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    try:
-        yield
-    finally:
-        ray.shutdown()
+def local_ray(shared_serve) -> None:
+    """The session's local Ray cluster (conftest's `shared_serve`; Serve itself unused): it
+    places the TP rank actors."""
+    shared_serve.url()
 
 
 @pytest.fixture(scope="module")
