@@ -13,7 +13,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-from serve_cluster import local_serve
 from test_qwen3_next import make_qwen3_next_checkpoint
 
 pytestmark = pytest.mark.ray
@@ -32,9 +31,8 @@ def ckpt(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
-    with local_serve() as url:
-        yield url
+def ray_cluster(shared_serve) -> str:
+    return shared_serve.url()  # the session's cluster (conftest), shared with test_cluster
 
 
 @pytest.fixture(scope="module")
