@@ -343,7 +343,7 @@ def test_request_timeout_is_enforced(engine, prompts) -> None:
 
     err, took = run(main())
     assert err.status == 504 and err.code == "request_timeout"
-    assert took < 3.0
+    assert took < 15.0  # the 1.5 s request timeout, not the 30 s stall timeout (with slack)
     assert engine.engine.stats()["used_blocks"] == 0
 
 

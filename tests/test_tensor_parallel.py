@@ -25,7 +25,7 @@ def batches() -> list[ForwardBatch]:
     ]
 
 
-def _rank(rank: int, port: int, path: str, out, draft_vocab: int | None = None) -> None:
+def _rank(rank: int, port: int, runs: list[tuple[str, int | None]], out) -> None:
     import os
 
     import torch.distributed as dist
@@ -37,10 +37,13 @@ def _rank(rank: int, port: int, path: str, out, draft_vocab: int | None = None) 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2)
     set_tp(rank, 2, dist.group.WORLD)
-    runner = ModelRunner(path, num_blocks=8, block_size=4, draft_vocab_size=draft_vocab)
-    results = [runner.execute(b) for b in batches()]
+    got = []
+    for path, draft_vocab in runs:  # one group runs every case: a group start costs seconds
+        runner = ModelRunner(path, num_blocks=8, block_size=4, draft_vocab_size=draft_vocab)
+        results = [runner.execute(b) for b in batches()]
+        got.append([r.tolist() for r in results] + [runner.kv_cache.layers[0].shape[3]])
     if rank == 0:
-        out.put([r.tolist() for r in results] + [runner.kv_cache.layers[0].shape[3]])
+        out.put(got)
         out.close()
         out.join_thread()  # the result is in the pipe before this process may leave
     dist.barrier()  # neither rank leaves while the other still talks to it
@@ -50,34 +53,37 @@ def _rank(rank: int, port: int, path: str, out, draft_vocab: int | None = None) 
     os._exit(0)
 
 
-@pytest.mark.parametrize("draft_vocab", [None, 64], ids=["full-vocab", "draft-vocab"])
-def test_tp2_equals_tp1(tiny_qwen3, tmp_path, draft_vocab: int | None) -> None:
-    """With a draft vocabulary each rank gathers the vocab-parallel head once and keeps a
-    replicated subset head: the MTP logits still equal TP=1's."""
-    path = tiny_qwen3
-    if draft_vocab:
-        path = tmp_path / "m"
-        shutil.copytree(tiny_qwen3, path)
-        vocab = ModelRunner(path, num_blocks=8, block_size=4).config.vocab_size
-        write_ranking(path, list(range(vocab))[::-1], "test")
-    single = ModelRunner(path, num_blocks=8, block_size=4, draft_vocab_size=draft_vocab)
-    want = [single.execute(b) for b in batches()]
+def test_tp2_equals_tp1(tiny_qwen3, tmp_path) -> None:
+    """The full vocabulary, and a draft vocabulary: with one each rank gathers the
+    vocab-parallel head once and keeps a replicated subset head, and the MTP logits still
+    equal TP=1's."""
+    draft_vocab = 64
+    dv_path = tmp_path / "m"
+    shutil.copytree(tiny_qwen3, dv_path)
+    vocab = ModelRunner(dv_path, num_blocks=8, block_size=4).config.vocab_size
+    write_ranking(dv_path, list(range(vocab))[::-1], "test")
+    runs = [(str(tiny_qwen3), None), (str(dv_path), draft_vocab)]
+    wants = []
+    for path, dv in runs:
+        single = ModelRunner(path, num_blocks=8, block_size=4, draft_vocab_size=dv)
+        wants.append([single.execute(b) for b in batches()])
     port = free_port()
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, port, str(path), out, draft_vocab))
-             for r in range(2)]
+    procs = [ctx.Process(target=_rank, args=(r, port, runs, out)) for r in range(2)]
     for p in procs:
         p.start()
-    got = out.get(timeout=120)
+    gots = out.get(timeout=180)
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0
-    assert got[-1] == 1  # each rank holds 1 of the 2 KV heads
-    for g, w in zip(got[:-1], want, strict=True):
-        assert torch.allclose(torch.tensor(g), w, atol=1e-4), (torch.tensor(g) - w).abs().max()
-    if draft_vocab:  # the MTP row drafts only from the subset (the highest ids)
-        assert want[1].argmax(-1).item() >= vocab - draft_vocab
+    for (_, dv), got, want in zip(runs, gots, wants, strict=True):
+        assert got[-1] == 1, dv  # each rank holds 1 of the 2 KV heads
+        for g, w in zip(got[:-1], want, strict=True):
+            assert torch.allclose(torch.tensor(g), w, atol=1e-4), \
+                (dv, (torch.tensor(g) - w).abs().max())
+    # With the draft vocabulary, the MTP row drafts only from the subset (the highest ids).
+    assert wants[1][1].argmax(-1).item() >= vocab - draft_vocab
 
 
 # The control/data split of a TP group (docs/architecture.md decision 10) -----------------------
@@ -187,7 +193,10 @@ def _greedy_tokens(runner, path: str, prompts: list[list[int]], caching: bool = 
     return got, engine.block_manager.cache_hits
 
 
-@pytest.mark.parametrize("shm", [False, True], ids=["gloo-data", "shm-data"])
+# gloo-data is the slow tier: the sharded model over a gloo data group is test_tp2_equals_tp1's,
+# and the plane checks are the same code as shm-data's (the default data path on a CPU node).
+@pytest.mark.parametrize("shm", [pytest.param(False, marks=pytest.mark.slow), True],
+                         ids=["gloo-data", "shm-data"])
 def test_tp2_engine_keeps_control_and_data_planes_apart(tiny_qwen3, shm: bool) -> None:
     """TP=2 with prefix caching == TP=1 without (a later prompt extends an earlier one).
     The activations travel over the gloo data group, or (the default on a CPU node) through
@@ -279,7 +288,9 @@ def test_killed_tp_worker_fails_check_health_within_its_deadline(tiny_qwen3) -> 
         to_rank0.put(("killed", True))
         kind, (result, elapsed) = to_parent.get(timeout=60)
         assert kind == "after_kill"
-        assert result != "ok" and elapsed < deadline + 1.0, (result, elapsed)
+        # Within the deadline, not hung on the dead peer (the group's own timeouts run to
+        # minutes); the slack absorbs the stalls of 2 shared cores.
+        assert result != "ok" and elapsed < 2 * deadline, (result, elapsed)
     finally:
         for p in (rank0, rank1):
             if p.is_alive():
