@@ -148,3 +148,35 @@ def test_a_prompt_finishing_in_a_round_shares_its_sync(tiny_qwen3, temperature) 
         while alone.has_unfinished():
             alone.step()
         assert req.output_token_ids == r.output_token_ids
+
+
+def test_compiled_rounds_make_one_sync(tiny_qwen3, compiled_decode,
+                                       compile_as_configured) -> None:
+    """The compiled decode graphs a server runs (conftest's cached set, loaded): their
+    rounds feed the drafts from the device too, one sync each, the eager engine's tokens."""
+    from helpers import COMPILED_DECODE
+
+    from mtpserve.workers.engine import Engine, EngineConfig
+
+    eng = Engine(EngineConfig(model=str(tiny_qwen3), role="decode", compile="on",
+                              compile_cache_dir=str(compiled_decode.cache_dir),
+                              warmup_budget_s=600, **COMPILED_DECODE))
+    runner, replays = eng.runner, []
+    run_graph = runner._run_graph
+    runner._run_graph = lambda inp, prev: replays.append(inp.key) or run_graph(inp, prev)
+    eager = Engine(EngineConfig(model=str(tiny_qwen3), compile="off", **COMPILED_DECODE))
+    for temperature in (0.0, 0.8):
+        params = SamplingParams(max_tokens=20, temperature=temperature, seed=3,
+                                ignore_eos=True)
+        got = []
+        for e in (eng, eager):
+            req = e.add_request(f"c{temperature}", PROMPTS[0], params)
+            while e.scheduler.waiting or e.scheduler.prefilling:
+                e.step()
+            while e.has_unfinished():
+                before = HOST_SYNCS.snapshot()
+                e.step()
+                assert dict(HOST_SYNCS.snapshot() - before) == {"accepted ids": 1}
+            got.append(req.output_token_ids)
+        assert got[0] == got[1]
+    assert {k.kind for k in replays} == {"main", "mtp"}  # verify and extend ran as graphs
