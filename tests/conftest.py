@@ -42,29 +42,45 @@ from mtpserve.workers.paths import default_model_path  # noqa: E402
 torch.set_num_threads(1)
 
 
+# The session's shared Ray/Serve cluster (tests/serve_cluster.py), once a module asked for it.
+_SHARED = SharedServe()
+_SHARED_MODULES = pytest.StashKey[set]()
+
+
+def _module(item: pytest.Item) -> str | None:
+    mod = getattr(item, "module", None)
+    return mod.__name__ if mod is not None else None
+
+
 def pytest_collection_modifyitems(config, items: list[pytest.Item]) -> None:
-    """The modules on the session's shared Ray/Serve cluster run one after another (in their
-    usual order, from where the first of them stood), so that no module of another cluster
-    shape in between (test_multinode) stops it and costs another start."""
-    shared = {it.module.__name__ for it in items
-              if "shared_serve" in getattr(it, "fixturenames", ()) and it.module is not None}
-    if len(shared) < 2:
+    """The modules on the shared cluster run one after another (in their usual order, from
+    where the first of them stood): one cluster start serves them all, and no module of another
+    cluster shape in between (test_multinode, an own `ray.init`) stops it."""
+    shared = {_module(it) for it in items if "shared_serve" in getattr(it, "fixturenames", ())}
+    config.stash[_SHARED_MODULES] = shared
+    if not shared:
         return
-    first = next(i for i, it in enumerate(items) if it.module.__name__ in shared)
-    block = [it for it in items if it.module.__name__ in shared]
-    rest = [it for it in items if it.module.__name__ not in shared]
+    first = next(i for i, it in enumerate(items) if _module(it) in shared)
+    block = [it for it in items if _module(it) in shared]
+    rest = [it for it in items if _module(it) not in shared]
     items[:] = rest[:first] + block + rest[first:]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stop_shared_serve_after_its_modules(request) -> None:
+    """The first module after the shared block finds no Ray running: some start their own."""
+    if request.module.__name__ not in request.config.stash.get(_SHARED_MODULES, set()):
+        _SHARED.stop()
 
 
 @pytest.fixture(scope="session")
 def shared_serve() -> Iterator[SharedServe]:
-    """The session's local Ray cluster with Serve (tests/serve_cluster.py), started by its
-    first user and stopped at the end; a module takes its URL with `shared_serve.url()`."""
-    cluster = SharedServe()
+    """The session's local Ray cluster with Serve, started by its first user (`.url()`) and
+    stopped after the last module that uses it."""
     try:
-        yield cluster
+        yield _SHARED
     finally:
-        cluster.stop()
+        _SHARED.stop()
 
 
 @pytest.fixture(scope="session")

@@ -43,6 +43,7 @@ def app(shared_serve, default_model):
         speculation={"num_speculative_tokens": 2, "adaptive": False},
         kv_transfer={"timeout_s": 10, "hold_ttl_s": 30},  # a release, never the TTL
     ))
+    shared_serve.url()
     serve.run(build_app(cfg), name=APP, route_prefix="/release")
     yield cfg
     serve.delete(APP)
