@@ -275,3 +275,16 @@ def test_graph_memory_record_reserves_what_was_measured(tmp_path) -> None:
     assert GraphMemoryRecord(None).reserve(key) == DEFAULT_GRAPH_RESERVE
     (tmp_path / "cache" / "graph-memory.json").write_text("{torn")
     assert rec.reserve(key) == DEFAULT_GRAPH_RESERVE
+
+
+def test_replica_ranks_profile_their_largest_forward() -> None:
+    # The KV pool is sized after a profile forward of this many tokens (on CUDA): a prefill
+    # chunk, or a decode round verifying k drafts for a full batch.
+    from mtpserve.cluster.config import ClusterConfig
+    from mtpserve.workers.replica.engine_core import rank_spec
+
+    cfg = ClusterConfig.model_validate({
+        "model": "m", "prefill": {"max_num_batched_tokens": 2048},
+        "decode": {"max_num_seqs": 256}, "speculation": {"num_speculative_tokens": 3}})
+    assert rank_spec(cfg, "prefill").profile_tokens == 2048
+    assert rank_spec(cfg, "decode").profile_tokens == 256 * 4

@@ -73,6 +73,11 @@ def rank_spec(cfg, role: str) -> RankSpec:
         * min(1.0, side.gpus_per_rank or 1.0),
         kv_secret=getattr(kv, "secret", None),
         num_state_slots=getattr(side, "max_num_seqs", 64),
+        # The KV pool is sized after the largest forward: a prefill chunk, or a full decode
+        # batch verifying k drafts (main + MTP activations of that many rows).
+        profile_tokens=max(getattr(side, "max_num_batched_tokens", 512),
+                           getattr(side, "max_num_seqs", 1)
+                           * (cfg.speculation.num_speculative_tokens + 1)),
     )
 
 

@@ -100,6 +100,7 @@ class RankSpec:
     attention_backend: str = "auto"  # EngineConfig.attention_backend
     kv_cache_memory_fraction: float = 0.9  # EngineConfig.kv_cache_memory_fraction
     num_state_slots: int = 64  # hybrid models: the engine's max_num_seqs (one per request)
+    profile_tokens: int = 512  # the largest forward the engine runs (sizes the KV pool on CUDA)
     # The deployment's KV secret (cluster.app builds it; its repr is redacted): senders
     # accept only pairs, drops and renewals signed with it. None: no KV auth (tests).
     kv_secret: Secret | None = None
@@ -183,7 +184,8 @@ class RankCore:
                                   attention_backend=resolve_attention_backend(
                                       spec.attention_backend, spec.device),
                                   kv_cache_memory_fraction=spec.kv_cache_memory_fraction,
-                                  num_state_slots=spec.num_state_slots)
+                                  num_state_slots=spec.num_state_slots,
+                                  profile_tokens=spec.profile_tokens)
         cfg = self.runner.config
         self.head_start = rank * cfg.num_cache_heads // spec.tp_size
         self._lock = threading.Lock()
