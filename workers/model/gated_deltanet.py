@@ -30,13 +30,21 @@ contiguous slice is a set of whole key heads; Qwen3.5's `in_proj_qkv` is cut per
 component), the conv weight and its state are cut per component (the rank's conv channels are
 [q_r | k_r | v_r]), `dt_bias`, `A_log` and the recurrent state by value head, `out_proj` is
 row parallel (one all-reduce per layer); the gated norm works per head and stays replicated.
-The recurrence needs no collective: heads never mix. The CUDA fast path
-(e.g. flash-linear-attention kernels) would slot in behind `chunk_gated_delta_rule` /
-`recurrent_gated_delta_rule`; it is not built, torch runs everywhere.
+The recurrence needs no collective: heads never mix.
+
+Kernels: on CUDA, with the flash-linear-attention package importable (`pip install
+mtpserve[cuda]`, import name `fla`) and `MTPSERVE_LINEAR_ATTENTION` not `torch`, the delta rule
+runs in fla's Triton kernels (`fla_gated_delta_rule`; the layout mapping is stated there);
+everything else (projections, the conv with its window bookkeeping, the gated norm) stays torch.
+The choice is made once per layer at model build (`select_linear_attention_backend`), logged
+once per process, and recorded (`GatedDeltaNet.backend`, `linear_attention_backend()`).
 """
 
 from __future__ import annotations
 
+import importlib
+import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -53,6 +61,106 @@ from mtpserve.workers.model.parallel import (
 )
 
 RECURRENT_MAX = 16  # rows up to this many tokens run the recurrent form (and keep snapshots)
+
+log = logging.getLogger(__name__)
+
+LINEAR_ATTENTION_ENV = "MTPSERVE_LINEAR_ATTENTION"  # auto (default) | torch | fla
+_logged: set[tuple[str, str]] = set()
+_active: str | None = None  # the backend of the last GatedDeltaNet built in this process
+
+
+def select_linear_attention_backend(device: torch.device | str) -> tuple[str, str]:
+    """("fla" | "torch", why) for a layer built on `device`.
+
+    fla needs a CUDA device and an importable `fla` (its import compiles nothing but checks
+    Triton, and a Triton it does not match raises at import, not only ImportError: any error
+    means torch). `MTPSERVE_LINEAR_ATTENTION=torch` forces torch; `=fla` demands the kernels
+    and raises where they cannot run, so a benchmark never measures the fallback unknowingly.
+    """
+    want = os.environ.get(LINEAR_ATTENTION_ENV, "auto").strip().lower() or "auto"
+    if want not in ("auto", "torch", "fla"):
+        raise ValueError(f"{LINEAR_ATTENTION_ENV}={want!r}: expected auto, torch or fla")
+    if want == "torch":
+        return "torch", f"{LINEAR_ATTENTION_ENV}=torch"
+    if torch.device(device).type != "cuda":
+        why = f"device is {torch.device(device).type}, the fla kernels need CUDA"
+    else:
+        try:
+            _fla_kernels()
+            return "fla", "CUDA and flash-linear-attention importable"
+        except Exception as e:  # noqa: BLE001 - any import failure means the torch path
+            why = f"flash-linear-attention not usable ({type(e).__name__}: {e})"
+    if want == "fla":
+        raise RuntimeError(f"{LINEAR_ATTENTION_ENV}=fla but {why}")
+    return "torch", why
+
+
+def linear_attention_backend() -> str | None:
+    """The delta-rule backend of the last Gated DeltaNet layer built in this process ("fla" or
+    "torch"), None when no hybrid model was built here."""
+    return _active
+
+
+def _record_backend(backend: str, why: str) -> None:
+    global _active
+    _active = backend
+    if (backend, why) not in _logged:  # once per process, not once per layer
+        _logged.add((backend, why))
+        log.info("Gated DeltaNet delta rule: %s (%s)", backend, why)
+
+
+def _fla_kernels():
+    """(chunk_gated_delta_rule, fused_recurrent_gated_delta_rule) from fla."""
+    mod = importlib.import_module("fla.ops.gated_delta_rule")
+    return mod.chunk_gated_delta_rule, mod.fused_recurrent_gated_delta_rule
+
+
+def fla_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                         beta: torch.Tensor, state: torch.Tensor, per_step: bool, kernels=None
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The delta rule through fla (fla-core 0.5.2, read in fla/ops/gated_delta_rule/chunk.py
+    `chunk_gated_delta_rule`, fused_recurrent.py `fused_recurrent_gated_delta_rule`, naive.py).
+
+    Inputs in OUR pre-kernel form, sequence-first: q, k [B, S, Hk, Dk] (conv output, not yet
+    normalised, not repeated to Hv), v [B, S, Hv, Dv], g, beta [B, S, Hv] (g in log space:
+    the state is multiplied by exp(g); beta after the sigmoid), state [B, Hv, Dk, Dv] fp32.
+    The mapping to fla, term by term:
+    - layout: fla is sequence-first [B, T, H, K] for q, k, v, g, beta; our torch path is
+      head-first [B, H, S, D], so nothing is transposed here;
+    - grouped heads: fla's GVA serves value head i from key head i // (Hv / Hk)
+      (fused_recurrent.py: `i_h = i_hv // (HV // H)`), which is our `repeat_interleave`;
+    - l2norm: `use_qk_l2norm_in_kernel=True` is x / sqrt(sum x^2 + 1e-6) (fla/modules/l2norm.py),
+      our `l2norm`;
+    - scale: ours multiplies q by Dk^-0.5 after the norm; fla's `scale` does the same;
+    - gate: fla's `g` is the log-space decay when `use_gate_in_kernel=False` (default), as ours;
+      beta is post-sigmoid when `use_beta_sigmoid_in_kernel=False` (default), as ours;
+    - state: fla's `initial_state` / final state are [N, HV, K, V] with `state_v_first=False`
+      (default), our [B, Hv, Dk, Dv]; o comes back [B, T, HV, V].
+    Same dtypes as transformers' Qwen3-Next fast path (q, k, v, beta in the model dtype, g fp32).
+
+    per_step: fla returns only the final state, but a verify row needs the state after every
+    position (`LinearState.keep`), so the fused recurrent kernel runs once per position, each
+    call starting from the previous call's state (S <= RECURRENT_MAX launches). Otherwise the
+    chunked kernel (prefill) or one recurrent call (S == 1: its final state is its only state).
+    -> (out [B, S, Hv, Dv], final state [B, Hv, Dk, Dv], states [B, S, Hv, Dk, Dv] or None)."""
+    chunk, recurrent = kernels if kernels is not None else _fla_kernels()
+    scale = q.shape[-1] ** -0.5
+    kw = dict(scale=scale, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    S = q.shape[1]
+    if S > RECURRENT_MAX:
+        out, final = chunk(q, k, v, g=g, beta=beta, initial_state=state, **kw)
+        return out, final.float(), None
+    outs, states = [], []
+    steps = [(0, S)] if not per_step or S == 1 else [(t, t + 1) for t in range(S)]
+    for a, b in steps:
+        o, state = recurrent(q[:, a:b], k[:, a:b], v[:, a:b], g=g[:, a:b], beta=beta[:, a:b],
+                             initial_state=state, **kw)
+        state = state.float()
+        outs.append(o)
+        states.append(state)
+    out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
+    snaps = torch.stack(states, dim=1) if per_step or S == 1 else None
+    return out, state, snaps
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -208,6 +316,11 @@ class GatedDeltaNet(nn.Module):
         self.A_log.weight_loader = components_loader([lin.num_value_heads])
         self.norm = GatedRMSNorm(lin.value_head_dim, eps)
         self.out_proj = RowParallelLinear(value_dim, hidden)
+        # The model is built under `torch.device(...)` (loader.load_model), so the default
+        # device is the one the layer will run on.
+        self.backend, why = select_linear_attention_backend(torch.get_default_device())
+        _record_backend(self.backend, why)
+        self.kernels = None  # (chunk, recurrent) in fla's signatures; None = fla's own
 
     def _split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Projections -> q, k [B, S, Hk, Dk], v, z [B, S, Hv, Dv], b, a [B, S, Hv] (the
@@ -229,6 +342,26 @@ class GatedDeltaNet(nn.Module):
         b, a = torch.split(ba, [r, r], dim=3)
         return (q, k, v.reshape(B, S, Hv, Dv), z.reshape(B, S, Hv, Dv), b.reshape(B, S, Hv),
                 a.reshape(B, S, Hv))
+
+    @staticmethod
+    def _torch_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                          beta: torch.Tensor, init: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The torch delta rule over `fla_gated_delta_rule`'s inputs (sequence-first, q and k
+        un-normalised, Hk heads) -> (out [B, Hv, S, Dv], final state, per-position states of a
+        recurrent-form row or None)."""
+        Hk, Hv = q.shape[2], v.shape[2]
+        if Hv != Hk:
+            q = q.repeat_interleave(Hv // Hk, dim=2)
+            k = k.repeat_interleave(Hv // Hk, dim=2)
+        q, k, v, beta, g = (t.transpose(1, 2).float().contiguous() for t in (q, k, v, beta, g))
+        q, k = l2norm(q), l2norm(k)
+        q = q * q.shape[-1] ** -0.5
+        if q.shape[2] <= RECURRENT_MAX:
+            out, states = recurrent_gated_delta_rule(q, k, v, g, beta, init)
+            return out, states[:, -1], states
+        out, final = chunk_gated_delta_rule(q, k, v, g, beta, init)
+        return out, final, None
 
     def forward(self, x: torch.Tensor, state: LinearState | None) -> torch.Tensor:
         lin = self.lin
@@ -256,22 +389,18 @@ class GatedDeltaNet(nn.Module):
             live = (torch.arange(S, device=x.device).view(1, -1) < state.lens.view(-1, 1))
             beta = beta * live.unsqueeze(-1).to(beta.dtype)
             g = g * live.unsqueeze(-1)
-        if Hv != Hk:
-            q = q.repeat_interleave(Hv // Hk, dim=2)
-            k = k.repeat_interleave(Hv // Hk, dim=2)
-        q, k, v, beta, g = (t.transpose(1, 2).float().contiguous() for t in (q, k, v, beta, g))
-        q, k = l2norm(q), l2norm(k)
-        q = q * q.shape[-1] ** -0.5
         if state is None:
-            init = q.new_zeros(B, Hv, lin.key_head_dim, lin.value_head_dim)
+            init = x.new_zeros(B, Hv, lin.key_head_dim, lin.value_head_dim, dtype=torch.float32)
         else:
             init = torch.where(state.fresh.view(-1, 1, 1, 1), 0, state.recurrent[state.slots])
-        if S <= RECURRENT_MAX:
-            out, states = recurrent_gated_delta_rule(q, k, v, g, beta, init)
-            final = states[:, -1]
+        # A layer moved off CUDA after its build falls back to torch (`kernels` set = a test's
+        # stand-in for fla on CPU).
+        if self.backend == "fla" and (x.is_cuda or self.kernels is not None):
+            out, final, states = fla_gated_delta_rule(
+                q, k, v, g, beta, init, per_step=state is not None, kernels=self.kernels)
+            out = out.transpose(1, 2)  # [B, Hv, S, Dv] like the torch path's
         else:
-            out, final = chunk_gated_delta_rule(q, k, v, g, beta, init)
-            states = None
+            out, final, states = self._torch_delta_rule(q, k, v, g, beta, init)
         if state is not None:
             # The conv window ending at each row's last real token: full[len : len + K1].
             ends = state.lens.view(-1, 1, 1) + torch.arange(K1, device=x.device).view(1, 1, -1)
