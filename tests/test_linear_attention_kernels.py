@@ -78,6 +78,25 @@ def test_layer_built_on_cpu_records_torch(auto_env) -> None:
     assert layer.backend == "torch" and linear_attention_backend() == "torch"
 
 
+def test_check_line_and_stats_say_which_path_runs(auto_env) -> None:
+    """`mtpserve check` (ModelConfig.describe of a hybrid) names this host's path, or the
+    refusal the env asks for; the hybrid block manager's stats carry the built layers' path."""
+    from mtpserve.workers.model.config import _linear_kernels_line
+    from mtpserve.workers.state_pool import HybridBlockManager
+
+    here = "cuda" if torch.cuda.is_available() else "cpu"
+    auto_env.setenv(LINEAR_ATTENTION_ENV, "torch")
+    assert _linear_kernels_line() == (f"linear attention kernels on this host ({here}): torch "
+                                      f"({LINEAR_ATTENTION_ENV}=torch)")
+    if here == "cpu":
+        auto_env.setenv(LINEAR_ATTENTION_ENV, "fla")
+        assert "refused: MTPSERVE_LINEAR_ATTENTION=fla but device is cpu" in \
+            _linear_kernels_line()
+    auto_env.delenv(LINEAR_ATTENTION_ENV)
+    _layer()  # built on CPU: torch
+    assert HybridBlockManager(8, 4, 2).stats()["linear_attention_fla"] == 0
+
+
 def _fla_naive():
     """fla's torch reference, loaded from its file: importing the `fla` package pulls in the
     Triton kernels, which need a Triton matching fla (and fail at import otherwise)."""

@@ -25,7 +25,7 @@ import torch
 
 from mtpserve.workers.block_manager import BlockManager
 from mtpserve.workers.model.config import ModelConfig
-from mtpserve.workers.model.gated_deltanet import LinearState
+from mtpserve.workers.model.gated_deltanet import LinearState, linear_attention_backend
 from mtpserve.workers.model.parallel import get_tp
 from mtpserve.workers.request import Request
 
@@ -123,4 +123,6 @@ class HybridBlockManager(BlockManager):
 
     def stats(self) -> dict[str, int]:
         return {**super().stats(), "state_slots_total": self.num_state_slots,
-                "state_slots_used": len(self.slot_of), "prefix_caching_refused": 1}
+                "state_slots_used": len(self.slot_of), "prefix_caching_refused": 1,
+                # 1: the delta rule runs in flash-linear-attention's kernels, 0: plain torch
+                "linear_attention_fla": int(linear_attention_backend() == "fla")}

@@ -142,6 +142,7 @@ class ModelConfig:
             lines.append(f"state per request: {self.state_bytes_per_request()} bytes fp32 "
                          f"({len(self.linear_layers)} linear layers; one state slot per "
                          "running request)")
+            lines.append(_linear_kernels_line())
             lines.append("prefix caching: off for hybrid models (no state checkpoints)")
             lines.append("disaggregated serving: the state slot travels with the KV "
                          "(prefill -> decode, re-sharded by heads when TP sizes differ)")
@@ -296,3 +297,18 @@ def _refuse_unknown_math(cfg: dict[str, Any], mla: bool = False, hybrid: bool = 
     for key in ("mlp_bias", "attn_logit_softcapping", "final_logit_softcapping"):
         if cfg.get(key):
             raise UnsupportedConfig(f"{key}={cfg[key]!r} is not supported")
+
+
+def _linear_kernels_line() -> str:
+    """Which delta-rule path a replica on this host would pick (gated_deltanet's selection)."""
+    import torch
+
+    from mtpserve.workers.model.gated_deltanet import select_linear_attention_backend
+
+    here = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        backend, why = select_linear_attention_backend(here)
+    except (RuntimeError, ValueError) as e:  # MTPSERVE_LINEAR_ATTENTION asks the impossible
+        return f"linear attention kernels on this host ({here}): refused: {e}"
+    return f"linear attention kernels on this host ({here}): {backend} ({why})"
+
