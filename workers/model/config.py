@@ -311,4 +311,3 @@ def _linear_kernels_line() -> str:
     except (RuntimeError, ValueError) as e:  # MTPSERVE_LINEAR_ATTENTION asks the impossible
         return f"linear attention kernels on this host ({here}): refused: {e}"
     return f"linear attention kernels on this host ({here}): {backend} ({why})"
-
