@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
+from mtpserve.workers.model import fp8
 from mtpserve.workers.model.checkpoint import (
     expected_tensors,
     format_problems,
@@ -111,23 +113,73 @@ def load_model(
     for name in present:
         if name in required or name in optional:
             by_file.setdefault(files[name], []).append(name)
+    def target_of(internal: str) -> tuple[str, object]:
+        target, shard = _fused_target(internal)
+        if target not in params:  # an unfused projection (MLA's q_proj)
+            return internal, None
+        return target, shard
+
+    path_, reason = fp8.select_path(cfg.quant, dtype, device)
+    kept = _fp8_linears(model, cfg, present, files, required, optional, target_of, device) \
+        if path_ == fp8.SCALED_MM else {}
     with torch.no_grad():
         for f, names in by_file.items():
             with safe_open(f, framework="pt") as sf:
                 for name in names:
                     internal = required.get(name) or optional[name]
-                    target, shard = _fused_target(internal)
-                    if target not in params:  # an unfused projection (MLA's q_proj)
-                        target, shard = internal, None
+                    target, shard = target_of(internal)
                     param = params[target]
                     tensor = sf.get_tensor(name)
                     scale = name + SCALE_SUFFIX
                     if cfg.quant is not None and scale in files:
                         with safe_open(files[scale], framework="pt") as sc:
-                            tensor = dequantize(tensor, sc.get_tensor(scale), cfg.quant.block)
+                            scale_inv = sc.get_tensor(scale)
+                        module = target.removesuffix(".weight")
+                        if module in kept:  # fp8 values load as they are (exact in bf16)
+                            linear, local = kept[module]
+                            fp8.local_scale(linear, scale_inv.to(local.device), shard, local)
+                        else:
+                            tensor = dequantize(tensor, scale_inv, cfg.quant.block)
                     try:
                         for one, one_shard in _per_expert(internal, tensor, shard):
                             param.weight_loader(param, one, one_shard)
                     except ValueError as e:
                         raise CheckpointError(f"{name}: {e}") from e
+        for module, (linear, local) in kept.items():
+            parent, _, child = module.rpartition(".")
+            model.get_submodule(parent).register_module(
+                child, fp8.Fp8BlockLinear.from_linear(linear, local))
+    if cfg.quant is not None:
+        model.quant_path = (f"{path_} ({reason}): {len(kept)} linears kept fp8"
+                            if kept else f"{fp8.DEQUANTIZED} ({reason})")
     return model.eval()
+
+
+def _fp8_linears(model: CausalLM, cfg: ModelConfig, present: set[str], files: dict[str, Path],
+                 required: dict[str, str], optional: dict[str, str],
+                 target_of: Callable[[str], tuple[str, object]],
+                 device: str | torch.device) -> dict[str, tuple[torch.nn.Module, torch.Tensor]]:
+    """module name -> (linear, its local block scales to fill) for the linears that keep
+    their FP8 weights: every checkpoint part of the linear has a `weight_scale_inv` and the
+    local shard lies on the 128 grid (`fp8.eligible`). Experts, kv_b_proj, norms, embeddings
+    and any linear with an unscaled part are dequantized as on CPU."""
+    parts: dict[str, int] = {}
+    for name in present:
+        internal = required.get(name) or optional.get(name)
+        if internal is None or name + SCALE_SUFFIX not in files:
+            continue
+        target, _ = target_of(internal)
+        if target.endswith(".weight"):
+            module = target.removesuffix(".weight")
+            parts[module] = parts.get(module, 0) + 1
+    kept = {}
+    for module, n in parts.items():
+        try:
+            linear = model.get_submodule(module)
+        except AttributeError:
+            continue
+        if fp8.eligible(module, linear) and n == fp8.num_parts(linear):
+            out, inp = linear.weight.shape
+            kept[module] = (linear, torch.ones(out // fp8.GROUP, inp // fp8.GROUP,
+                                               dtype=torch.float32, device=device))
+    return kept
