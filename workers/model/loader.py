@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -20,6 +21,8 @@ from mtpserve.workers.model.checkpoint import (
 from mtpserve.workers.model.config import ModelConfig
 from mtpserve.workers.model.quantization import SCALE_SUFFIX, dequantize
 from mtpserve.workers.model.transformer import CausalLM
+
+logger = logging.getLogger(__name__)
 
 # Checkpoint projection name -> (fused parameter, shard index).
 _FUSED = {
@@ -152,6 +155,7 @@ def load_model(
     if cfg.quant is not None:
         model.quant_path = (f"{path_} ({reason}): {len(kept)} linears kept fp8"
                             if kept else f"{fp8.DEQUANTIZED} ({reason})")
+        logger.info("%s: fp8 weights %s", path, model.quant_path)
     return model.eval()
 
 

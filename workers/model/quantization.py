@@ -6,8 +6,9 @@ as float8_e4m3fn with `X.weight_scale_inv` [ceil(out / bo), ceil(in / bi)] (fp32
 real weight is `weight * scale_inv` block by block (DeepSeek's `weight_dequant`).
 
 Served by dequantizing at load, to the serving dtype, before TP sharding (so a block that
-straddles two ranks' slices is still scaled right). Keeping the FP8 weights with a scaled
-matmul on devices that have one is not built: every device dequantizes today.
+straddles two ranks' slices is still scaled right); except on CUDA devices that run the
+blockwise FP8 scaled matmul (workers/model/fp8.py: 128x128 blocks, bf16 serving, compute
+capability >= 8.9 and a load-time probe), where the plain linears keep their FP8 weights.
 """
 
 from __future__ import annotations
@@ -27,8 +28,12 @@ class FP8BlockConfig:
     block: tuple[int, int]  # (rows, cols) of one scale block
 
     def describe(self) -> str:
-        return (f"fp8 e4m3, {self.block[0]}x{self.block[1]} weight blocks (dequantized "
-                "to the serving dtype at load)")
+        if tuple(self.block) != (128, 128):
+            return (f"fp8 e4m3, {self.block[0]}x{self.block[1]} weight blocks (dequantized "
+                    "to the serving dtype at load)")
+        return ("fp8 e4m3, 128x128 weight blocks (plain linears kept fp8 with a blockwise "
+                "scaled matmul on CUDA with fp8 (cc >= 8.9) serving bf16; kv_b_proj, experts "
+                "and every other device dequantized to the serving dtype at load)")
 
     def scale_shape(self, weight_shape: tuple[int, ...]) -> tuple[int, int]:
         out, inp = weight_shape
