@@ -55,6 +55,9 @@ ENV_VARS: dict[str, str] = {
     "(default 30).",
     "MTPSERVE_ENGINE_CORE": "`thread` | `process`: overrides `prefill.engine_core` and "
     "`decode.engine_core` in every replica (to run a test suite either way).",
+    "MTPSERVE_LINEAR_ATTENTION": "`auto` | `torch` | `fla`: the Gated DeltaNet kernels of "
+    "hybrid models (auto: flash-linear-attention on CUDA when it imports, else torch; fla: "
+    "refuse to build without it).",
     "MTPSERVE_TRACE_HOPS": "`1` stamps every streamed chunk with the hops it passed "
     "(`mtpserve_trace` in SSE events); off by default.",
     "MTPSERVE_ENABLE_FAULT_INJECTION": "`1` enables the replicas' fault-injection methods "
