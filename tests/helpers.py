@@ -4,10 +4,12 @@ Tests import it as `from helpers import ...` (conftest puts this folder on sys.p
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from mtpserve.workers.engine import Engine, EngineConfig, RequestOutput
+from mtpserve.workers.messages import GenerateRequest, TokenChunk
 from mtpserve.workers.sampling_params import SamplingParams
 
 
@@ -95,3 +97,36 @@ def hf_greedy(ref, prompt: list[int], n: int) -> list[int]:
         for _ in range(n):
             ids.append(int(ref(torch.tensor([ids])).logits[0, -1].argmax()))
     return ids[len(prompt):]
+
+
+async def run_disaggregated(p, d, req: GenerateRequest,
+                            on_chunk: Callable[[str, TokenChunk], None] | None = None) -> list[int]:
+    """The orchestrator's flow over a prefill and a decode server: prefill, first token, decode
+    stream (every chunk error-free)."""
+    first, params = await p.prefill(req)
+    tokens = list(first.token_ids)
+    if params is None:  # the first token ended it: nothing held
+        return tokens
+    async for chunk in d.generate(req, params):
+        assert chunk.error is None, chunk.error
+        tokens += chunk.token_ids
+        if on_chunk:
+            on_chunk(req.request_id, chunk)
+    return tokens
+
+
+class HandleStream:
+    """A server's async generator as a Serve streaming response (what the orchestrator
+    iterates and cancels)."""
+
+    def __init__(self, agen) -> None:
+        self.agen = agen
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> TokenChunk:
+        return await self.agen.__anext__()
+
+    def cancel(self) -> None:
+        asyncio.ensure_future(self.agen.aclose())

@@ -13,7 +13,14 @@ import asyncio
 import time
 
 import pytest
-from helpers import COMPILED_DECODE, greedy, make_engine, run_to_completion
+from helpers import (
+    COMPILED_DECODE,
+    HandleStream,
+    greedy,
+    make_engine,
+    run_disaggregated,
+    run_to_completion,
+)
 
 from mtpserve.cluster.config import ClusterConfig
 from mtpserve.workers.messages import GenerateRequest
@@ -55,19 +62,6 @@ def prompts(n: int, length: int = 20, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(3, 250) for _ in range(length)] for _ in range(n)]
 
 
-async def run_one(p, d, req: GenerateRequest, on_chunk=None) -> list[int]:
-    """The orchestrator's flow: prefill, first token, decode stream."""
-    first, params = await p.prefill(req)
-    tokens = list(first.token_ids)
-    if params is None:  # the first token ended it: nothing held
-        return tokens
-    async for chunk in d.generate(req, params):
-        assert chunk.error is None, chunk.error
-        tokens += chunk.token_ids
-        if on_chunk:
-            on_chunk(req.request_id, chunk)
-    return tokens
-
 
 def offline(model, ps, max_tokens: int, k: int = 2) -> list[list[int]]:
     return run_to_completion(make_engine(model, k, num_kv_blocks=256), ps, greedy(max_tokens))
@@ -86,7 +80,7 @@ def test_disaggregated_greedy_equals_offline_and_frees_everything(tiny_qwen3) ->
         want = offline(tiny_qwen3, ps, 12)
 
         async def main():
-            return await asyncio.gather(*(run_one(p, d, greq(f"r{i}", x, 12))
+            return await asyncio.gather(*(run_disaggregated(p, d, greq(f"r{i}", x, 12))
                                           for i, x in enumerate(ps)))
 
         assert asyncio.run(main()) == want
@@ -136,7 +130,7 @@ def test_compiled_decode_equals_the_eager_engine(tiny_qwen3, compiled_decode,
 
         async def main():
             return await asyncio.gather(*(
-                run_one(p, d, greq(f"c{i}", x, 16, temperature=temperature, top_p=0.9,
+                run_disaggregated(p, d, greq(f"c{i}", x, 16, temperature=temperature, top_p=0.9,
                                    seed=40 + i)) for i, x in enumerate(ps)))
 
         assert asyncio.run(main()) == want
@@ -158,7 +152,7 @@ def test_prefix_cached_on_both_sides_pulls_only_missing_blocks(tiny_qwen3) -> No
         got = []
         for i, x in enumerate(ps):
             before = d.driver.core.receiver.stats()["bytes_received"]
-            got.append(asyncio.run(run_one(p, d, greq(f"r{i}", x, 10))))
+            got.append(asyncio.run(run_disaggregated(p, d, greq(f"r{i}", x, 10))))
             received.append(d.driver.core.receiver.stats()["bytes_received"] - before)
         assert got == want
         kv = d.driver.core.receiver.stats()
@@ -182,12 +176,12 @@ def test_running_streams_keep_decoding_during_a_slow_pull(tiny_qwen3) -> None:
             stamps[rid].append(time.monotonic())
 
         async def main():
-            task_a = asyncio.create_task(run_one(p, d, greq("A", a, 400), on_chunk))
+            task_a = asyncio.create_task(run_disaggregated(p, d, greq("A", a, 400), on_chunk))
             while len(stamps["A"]) < 3:  # A is decoding
                 await asyncio.sleep(0.005)
             await d.inject_fault(pull_delay_s=1.0, count=1)
             t_b = time.monotonic()
-            out_b = await run_one(p, d, greq("B", b, 8), on_chunk)
+            out_b = await run_disaggregated(p, d, greq("B", b, 8), on_chunk)
             return t_b, out_b, await task_a
 
         t_b, out_b, out_a = asyncio.run(main())
@@ -225,7 +219,7 @@ def test_decode_admission_bounds_running_and_queues_for_blocks(tiny_qwen3) -> No
         eng.step = observed_step
 
         async def main():
-            return await asyncio.gather(*(run_one(p, d, greq(f"q{i}", x, 16))
+            return await asyncio.gather(*(run_disaggregated(p, d, greq(f"q{i}", x, 16))
                                           for i, x in enumerate(ps)))
 
         assert asyncio.run(main()) == want
@@ -303,19 +297,6 @@ def test_release_frees_held_prefill_kv_at_once(tiny_qwen3) -> None:
 
 # The orchestrator's release calls, over in-process stand-ins for Serve handles ------------------
 
-class _Stream:
-    def __init__(self, agen) -> None:
-        self.agen = agen
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self):
-        return await self.agen.__anext__()
-
-    def cancel(self) -> None:
-        asyncio.ensure_future(self.agen.aclose())
-
 
 class _Method:
     def __init__(self, fn, stream: bool) -> None:
@@ -323,7 +304,7 @@ class _Method:
 
     def remote(self, *args, **kwargs):
         if self.stream:
-            return _Stream(self.fn(*args, **kwargs))
+            return HandleStream(self.fn(*args, **kwargs))
         return asyncio.ensure_future(self.fn(*args, **kwargs))
 
 

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import make_engine, run_to_completion
+from helpers import make_engine, run_disaggregated, run_to_completion
 from test_disagg_datapath import greq, prompts
 
 from mtpserve.cluster.config import ClusterConfig
@@ -73,16 +73,6 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
-async def disagg(p, d, req: GenerateRequest) -> list[int]:
-    first, params = await p.prefill(req)
-    tokens = list(first.token_ids)
-    if params is None:
-        return tokens
-    async for chunk in d.generate(req, params):
-        assert chunk.error is None, chunk.error
-        tokens += chunk.token_ids
-    return tokens
-
 
 def test_process_cores_serve_disaggregated_exactly_as_offline(servers, tiny_qwen3) -> None:
     p, d = servers
@@ -99,7 +89,7 @@ def test_process_cores_serve_disaggregated_exactly_as_offline(servers, tiny_qwen
                              [r.params for r in greedy_reqs] + seeded)
 
     async def main():
-        got = await asyncio.gather(*(disagg(p, d, r) for r in greedy_reqs + seeded_reqs))
+        got = await asyncio.gather(*(run_disaggregated(p, d, r) for r in greedy_reqs + seeded_reqs))
         # A first token that ends the request holds nothing (released in the core).
         one = await p.prefill(greq("one", ps[0], 1))
         await d.check_health()
@@ -253,7 +243,7 @@ def test_a_tp2_decode_core_process_serves_exactly_as_offline(tiny_qwen3) -> None
                                  greq("x", ps[0], 10).params)
 
         async def main():
-            got = await asyncio.gather(*(disagg(p, d, greq(f"t{i}", x, 10))
+            got = await asyncio.gather(*(run_disaggregated(p, d, greq(f"t{i}", x, 10))
                                          for i, x in enumerate(ps)))
             await d.check_health()
             return got, await d.core.call("stats")

@@ -20,7 +20,14 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from helpers import greedy, hf_greedy, make_engine, run_to_completion
+from helpers import (
+    HandleStream,
+    greedy,
+    hf_greedy,
+    make_engine,
+    run_disaggregated,
+    run_to_completion,
+)
 from test_qwen3_next import make_qwen3_next_checkpoint
 from tiny_tokenizer import VOCAB_SIZE
 
@@ -58,21 +65,10 @@ def shutdown(*servers) -> None:
         s.driver.shutdown()
 
 
-async def run_one(p, d, req: GenerateRequest) -> list[int]:
-    """The orchestrator's flow: prefill, first token, decode stream."""
-    first, params = await p.prefill(req)
-    tokens = list(first.token_ids)
-    if params is None:
-        return tokens
-    async for chunk in d.generate(req, params):
-        assert chunk.error is None, chunk.error
-        tokens += chunk.token_ids
-    return tokens
-
 
 def run_all(p, d, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
     async def main():
-        return await asyncio.gather(*(run_one(p, d, GenerateRequest(f"r{i}", x, params))
+        return await asyncio.gather(*(run_disaggregated(p, d, GenerateRequest(f"r{i}", x, params))
                                       for i, x in enumerate(prompts)))
 
     return asyncio.run(main())
@@ -190,19 +186,6 @@ class ActorDiedError(Exception):
     """Named like ray.exceptions.ActorDiedError (the orchestrator matches errors by name)."""
 
 
-class _Stream:
-    def __init__(self, agen) -> None:
-        self.agen = agen
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self):
-        return await self.agen.__anext__()
-
-    def cancel(self) -> None:
-        asyncio.ensure_future(self.agen.aclose())
-
 
 class RoundRobin:
     """What the orchestrator uses of a DeploymentHandle, over servers in this process (a dead
@@ -219,7 +202,7 @@ class RoundRobin:
             server = self.servers[self.next % len(self.servers)]
             self.next += 1
             out = getattr(server, name)(*args, **kwargs)
-            return _Stream(out) if hasattr(out, "__anext__") else asyncio.ensure_future(out)
+            return HandleStream(out) if hasattr(out, "__anext__") else asyncio.ensure_future(out)
 
         return type("Method", (), {"remote": staticmethod(remote)})
 

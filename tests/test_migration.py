@@ -15,6 +15,7 @@ import json
 from types import SimpleNamespace
 
 import pytest
+from helpers import HandleStream
 
 from mtpserve.router.errors import APIError
 from mtpserve.router.orchestrator import DisaggOrchestrator, OrchestratorConfig, resumed
@@ -50,19 +51,6 @@ class _Response:
         self.task.cancel()
 
 
-class _Stream:
-    def __init__(self, agen) -> None:
-        self.agen = agen
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self) -> TokenChunk:
-        return await self.agen.__anext__()
-
-    def cancel(self) -> None:
-        asyncio.ensure_future(self.agen.aclose())
-
 
 class Handle:
     """A Serve-like handle: round-robin over replicas, dead ones included (Serve keeps routing to
@@ -80,7 +68,7 @@ class Handle:
             replica = self.replicas[self.next % len(self.replicas)]
             self.next += 1
             out = getattr(replica, name)(*args, **kwargs)
-            return _Stream(out) if inspect.isasyncgen(out) else _Response(out)
+            return HandleStream(out) if inspect.isasyncgen(out) else _Response(out)
 
         return SimpleNamespace(remote=remote)
 
