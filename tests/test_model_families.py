@@ -405,7 +405,8 @@ def test_disaggregated_equals_offline(ckpt, family) -> None:
     cache and MLA's latent cache travel and decode == the offline engine."""
     import asyncio
 
-    from test_disagg_datapath import greq, make_servers, offline, prompts, run_one, shutdown
+    from helpers import run_disaggregated as run_one
+    from test_disagg_datapath import greq, make_servers, offline, prompts, shutdown
 
     path = ckpt(family, family, num_mtp=1)
     p, d = make_servers(path)
