@@ -84,10 +84,12 @@ def wait_blocks_free(base: str, headers: dict | None = None, deadline_s: float =
 
 # 1 -> 2 runs in `resharded_app` below; 2 -> 1 pulls from two prefill ranks per decode rank.
 # 2 -> 2 also drafts over a draft vocabulary (every rank gathers the head once): greedy output
-# is still the offline engine's, which drafts over the whole vocabulary. 1 -> 1 is the slow
-# tier: test_multinode runs it through Serve (across nodes), test_disagg_datapath in-process.
+# is still the offline engine's, which drafts over the whole vocabulary. 1 -> 1 and 2 -> 2 are
+# the slow tier: test_multinode runs 1 -> 1 through Serve (across nodes), test_disagg_datapath
+# in-process; test_draft_vocab covers drafting over the subset.
 @pytest.mark.parametrize("prefill_tp,decode_tp", [
-    pytest.param(1, 1, marks=pytest.mark.slow), (2, 2), (2, 1)])
+    pytest.param(1, 1, marks=pytest.mark.slow), pytest.param(2, 2, marks=pytest.mark.slow),
+    (2, 1)])
 def test_disaggregated_equals_single_process(ray_cluster, default_model, prompts, offline,
                                              prefill_tp: int, decode_tp: int) -> None:
     dv = 1024 if prefill_tp == decode_tp == 2 and (default_model / "draft_vocab.json").is_file() \

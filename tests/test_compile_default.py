@@ -84,6 +84,7 @@ def test_an_unwarmed_bucket_runs_eagerly_with_the_same_output(tiny_qwen3,
     assert out["on"] == out["off"]
 
 
+@pytest.mark.slow  # a minute of compiling; compiled == eager is also conftest's compiled_decode
 def test_compiled_llm_equals_eager(tiny_qwen3, compile_as_configured) -> None:
     """`LLM(compile="on")` compiles the buckets its prompts hit before they run (batch 1, the
     shortest context bucket), then decodes greedily exactly like eager; under `auto` a call

@@ -50,7 +50,10 @@ def stats(base: str) -> dict:
     return r.json()
 
 
-@pytest.mark.parametrize("prefill_tp,decode_tp", [(1, 2), (2, 1)])
+# The slow tier: tests/test_hybrid_pd.py runs real prefill / decode servers in-process
+# (state slots re-sharded both ways, migration), test_cluster.py the Serve path.
+@pytest.mark.parametrize("prefill_tp,decode_tp", [pytest.param(1, 2, marks=pytest.mark.slow),
+                                               pytest.param(2, 1, marks=pytest.mark.slow)])
 def test_hybrid_disaggregated_across_tp_sizes_equals_offline(
         ray_cluster, ckpt, offline, prefill_tp: int, decode_tp: int) -> None:
     from mtpserve.cluster.app import build_app

@@ -5,8 +5,6 @@ healing included: the embedded model heals a line-break tail by default, offline
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 from mtpserve.router.generation import Choice
 from mtpserve.workers.llm import LLM, GenerationResult, detokenize
@@ -70,14 +68,16 @@ def test_special_tokens_are_dropped_unless_kept(default_model) -> None:
     assert detokenize(tok, prompt, out, skip_special_tokens=False).endswith(tok.eos_token)
 
 
-def test_cli_generate_json_text_heals_and_has_no_special_tokens(default_model) -> None:
+def test_cli_generate_json_text_heals_and_has_no_special_tokens(default_model, capsys) -> None:
+    from mtpserve.cluster.cli import main
+
     def run(*extra: str) -> dict:
-        out = subprocess.run(
-            [sys.executable, "-m", "mtpserve.cluster.cli", "generate", "--model",
-             str(default_model), "--prompt", PROMPTS[0], "--max-tokens", "8", "--json",
-             "--compile", "off", *extra], capture_output=True, text=True, timeout=300,
-            check=True)
-        return json.loads(out.stdout.strip().splitlines()[-1])
+        # In this process (the CLI's own entry point, parser included): a subprocess would
+        # add an interpreter and a torch import per call.
+        capsys.readouterr()
+        assert main(["generate", "--model", str(default_model), "--prompt", PROMPTS[0],
+                     "--max-tokens", "8", "--json", "--compile", "off", *extra]) in (0, None)
+        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
     healed, kept = run(), run("--keep-special-tokens", "--no-token-healing")
     llm = LLM(str(default_model), num_speculative_tokens=0)

@@ -90,8 +90,10 @@ def _rank(rank: int, port: int, path: str, cache: str, ks: tuple[int, ...], out)
     os._exit(0)
 
 
+# The slow tier (a minute per rank's compile here): the default tier checks compiled == eager
+# at TP=1 (tests/test_compile_cache.py, test_disagg_datapath.py) and TP=2 == TP=1 eagerly.
 @pytest.mark.parametrize("ks", [
-    (0,),  # one bucket per rank to compile: the default run
+    pytest.param((0,), marks=pytest.mark.slow),  # one bucket per rank to compile
     # every k, fused k = 1 rounds and seeded sampling (~2 min)
     pytest.param(KS, marks=pytest.mark.slow),
 ], ids=["k0", "k0-3"])
