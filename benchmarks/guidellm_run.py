@@ -54,15 +54,38 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=8771)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/guidellm"))
     ap.add_argument("--guidellm", default=shutil.which("guidellm") or "guidellm")
+    ap.add_argument("--engine-core", nargs="+", choices=("thread", "process"),
+                    help="one server per value of prefill/decode.engine_core, one after the "
+                         "other (default: the config's); reports go under --out/<value>/")
     args = ap.parse_args()
+    rows = []
+    for core in args.engine_core or [None]:
+        over = {} if core is None else {"prefill": {"engine_core": core},
+                                        "decode": {"engine_core": core}}
+        out = args.out if core is None else args.out / core
+        rows += [{"engine_core": core} | r for r in _run(args, over, out)]
+    print("| engine core | streams | output tok/s | ITL p50 ms | TTFT p50 ms | "
+          "requests ok / errored |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        n = r["requests"] or {}
+        print(f"| {r['engine_core'] or 'config'} | {r['streams']} | "
+              f"{r['output_tok_s']['mean']:.1f} | {r['itl_ms']['p50']:.1f} | "
+              f"{r['ttft_ms']['p50']:.1f} | {n.get('successful')} / {n.get('errored')} |")
     args.out.mkdir(parents=True, exist_ok=True)
-    cfg = variant_config(Path(args.config), {}, args.port)
+    (args.out / "summary.json").write_text(json.dumps(rows, indent=2) + "\n")
+
+
+def _run(args, over: dict, out: Path) -> list[dict]:
+    """One server with the config's args overridden by `over`; guidellm per stream count."""
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = variant_config(Path(args.config), over, args.port)
     model = cfg["applications"][0]["args"].get("served_model_name", "tiny-code-mtp")
     rows = []
     with running_server(cfg, 900) as start_s:
         print(f"server up in {start_s:.1f} s")
         for n in args.streams:
-            report = args.out / f"guidellm-c{n}.json"
+            report = out / f"guidellm-c{n}.json"
             cmd = [args.guidellm, "run",
                    "--backend", f"kind=openai_http,target=http://127.0.0.1:{args.port},"
                    f"model={model}",
@@ -74,13 +97,7 @@ def main() -> None:
             print("$", " ".join(cmd))
             subprocess.run(cmd, check=True)
             rows.append({"streams": n, **summarize(json.loads(report.read_text()))})
-    print("| streams | output tok/s | ITL p50 ms | TTFT p50 ms | requests ok / errored |")
-    print("|---|---|---|---|---|")
-    for r in rows:
-        n = r["requests"] or {}
-        print(f"| {r['streams']} | {r['output_tok_s']['mean']:.1f} | {r['itl_ms']['p50']:.1f} | "
-              f"{r['ttft_ms']['p50']:.1f} | {n.get('successful')} / {n.get('errored')} |")
-    (args.out / "summary.json").write_text(json.dumps(rows, indent=2) + "\n")
+    return rows
 
 
 if __name__ == "__main__":

@@ -53,21 +53,30 @@ def _pct(values: list[float], q: float) -> float | None:
 
 async def stream_completion(client: httpx.AsyncClient, prompt: str, max_tokens: int,
                             temperature: float = 0.0) -> dict:
-    """One streaming completion: TTFT, client-side TPOT after the first token, tokens."""
+    """One streaming completion: TTFT, client-side TPOT after the first token, tokens, and
+    the decode-side TPOT: from the first chunk the decode replica sent (the second event;
+    the first carries the prefill's token) to the last, per token after it. That one
+    leaves out the KV handoff, so it reads as the offline engine's decode rate does."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
-            "stream": True, "stream_options": {"include_usage": True}}
+            "stream": True, "stream_options": {"include_usage": True},
+            "return_token_ids": True}
     t0 = time.perf_counter()
-    stamps: list[float] = []
+    stamps: list[tuple[float, int]] = []  # (arrival, tokens in the event)
     tokens = 0
     async for data in sse_events(client, body):
-        if data.get("choices") and data["choices"][0].get("text"):
-            stamps.append(time.perf_counter())
+        choice = (data.get("choices") or [{}])[0]
+        if choice.get("text") or choice.get("token_ids"):
+            stamps.append((time.perf_counter(), len(choice.get("token_ids") or [1])))
         if data.get("usage"):
             tokens = data["usage"]["completion_tokens"]
     end = time.perf_counter()
-    ttft = (stamps[0] - t0) if stamps else end - t0
-    tpot = (end - stamps[0]) / max(tokens - 1, 1) if stamps and tokens > 1 else None
-    return {"ttft": ttft, "tpot": tpot, "tokens": tokens, "seconds": end - t0}
+    ttft = (stamps[0][0] - t0) if stamps else end - t0
+    tpot = (end - stamps[0][0]) / max(tokens - 1, 1) if stamps and tokens > 1 else None
+    after = tokens - sum(n for _, n in stamps[:2])
+    tpot_decode = (stamps[-1][0] - stamps[1][0]) / after if len(stamps) > 2 and after > 0 \
+        else None
+    return {"ttft": ttft, "tpot": tpot, "tpot_decode": tpot_decode, "tokens": tokens,
+            "seconds": end - t0}
 
 
 async def run(args: ServeBenchArgs) -> dict:
@@ -100,6 +109,7 @@ async def run(args: ServeBenchArgs) -> dict:
 def _summarise(results: list[dict], wall: float, before: dict, after: dict) -> dict:
     ttft = [r["ttft"] * 1000 for r in results]
     tpot = [r["tpot"] * 1000 for r in results if r["tpot"] is not None]
+    tpot_decode = [r["tpot_decode"] * 1000 for r in results if r.get("tpot_decode")]
     d0, d1 = before.get("decode", {}), after.get("decode", {})
     drafted = d1.get("total_drafted", 0) - d0.get("total_drafted", 0)
     accepted = d1.get("total_accepted", 0) - d0.get("total_accepted", 0)
@@ -113,6 +123,7 @@ def _summarise(results: list[dict], wall: float, before: dict, after: dict) -> d
     return {
         "ttft_ms_p50": _pct(ttft, 50), "ttft_ms_p99": _pct(ttft, 99),
         "tpot_ms_p50": _pct(tpot, 50), "tpot_ms_p99": _pct(tpot, 99),
+        "decode_tpot_ms_p50": _pct(tpot_decode, 50),
         "output_tokens_per_s": sum(r["tokens"] for r in results) / wall,
         "acceptance_rate": accepted / drafted if drafted else None,
         "kv_pulls": pulls, "kv_pull_bytes_mean": pulled / pulls if pulls else None,

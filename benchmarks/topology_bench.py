@@ -16,6 +16,7 @@ import asyncio
 import json
 import os
 import tempfile
+import time
 from pathlib import Path
 
 from mtpserve.benchmarks.local_server import running_server, variant_config
@@ -33,6 +34,10 @@ VARIANTS = {
     "decode-tp1-eager": {"decode": {"tp_size": 1}, "engine": {"compile": "off"}},
     "decode-tp1-compiled": {"decode": {"tp_size": 1}, "engine": {"compile": "auto"}},
     "decode-tp1-compiled-again": {"decode": {"tp_size": 1}, "engine": {"compile": "auto"}},
+    # The engine core on a thread of each Serve replica, or in a child process of it.
+    "core-thread": {"prefill": {"engine_core": "thread"}, "decode": {"engine_core": "thread"}},
+    "core-process": {"prefill": {"engine_core": "process"},
+                     "decode": {"engine_core": "process"}},
 }
 
 
@@ -65,9 +70,29 @@ def _offline(k: int, prompts: int, max_tokens: int, prompt_tokens: int, compile:
         torch.set_num_threads(threads)
 
 
+def _busy_seconds() -> float:
+    """CPU seconds every core of this machine spent busy so far (/proc/stat; Linux)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def idle_cpu_percent(seconds: float = 10.0) -> float | None:
+    """The machine's CPU use (% of one core) while the server idles: its replicas' idle
+    loops, heartbeats and Ray's own background work (nothing else should run)."""
+    try:
+        a = _busy_seconds()
+        time.sleep(seconds)
+        return 100 * (_busy_seconds() - a) / seconds
+    except (OSError, ValueError):
+        return None
+
+
 def _serve(cfg: dict, bench: list[ServeBenchArgs], timeout_s: float) -> dict:
     with running_server(cfg, timeout_s) as start_s:
         out = {"start_seconds": start_s}
+        time.sleep(5.0)  # past the start's own settling (controller, health checks)
+        out["idle_cpu_percent"] = idle_cpu_percent()
         for b in bench:
             out[f"c{b.concurrency}"] = asyncio.run(run(b))
         return out
@@ -88,11 +113,11 @@ def main() -> None:
                     "fills the default one): the first compiled variant starts cold")
     args = ap.parse_args()
     url = f"http://127.0.0.1:{args.port}"
-    bench = [ServeBenchArgs(url=url, concurrency=1, num_requests=4, max_tokens=args.max_tokens,
+    bench = [ServeBenchArgs(url=url, concurrency=1, num_requests=8, max_tokens=args.max_tokens,
                             prompt_tokens=args.prompt_tokens),
              ServeBenchArgs(url=url, concurrency=4, num_requests=12,
                             max_tokens=args.max_tokens, prompt_tokens=args.prompt_tokens)]
-    offline = {mode: _offline(args.k, 4, args.max_tokens, args.prompt_tokens, mode)
+    offline = {mode: _offline(args.k, 8, args.max_tokens, args.prompt_tokens, mode)
                for mode in ("off", "on")}
     rows = {"k": args.k, "offline_decode_tokens_per_s": offline, "variants": {}}
     if args.fresh_compile_cache:  # `mtpserve up` passes the environment on to the replicas
@@ -117,16 +142,22 @@ def main() -> None:
         Path(args.json_out).write_text(json.dumps(rows, indent=2) + "\n")
     print(f"k={args.k}; offline engine, batch 1, one thread: eager {offline['off']:.1f}, "
           f"compiled {offline['on']:.1f} decode tok/s")
+    # 1/TPOT counts the KV handoff to the decode replica in its first gap; "decode" tok/s
+    # starts at the decode replica's first chunk, as the offline engine's decode time does.
     print("| variant | start s | 1 stream: tok/s (1/TPOT p50) | vs offline (same mode) | "
-          "TTFT p50 ms | 4 streams: output tok/s | TPOT p50 ms | TTFT p50 ms |")
-    print("|---|---|---|---|---|---|---|---|")
+          "1 stream: decode tok/s | vs offline | "
+          "TTFT p50 ms | 4 streams: output tok/s | TPOT p50 ms | TTFT p50 ms | idle CPU % |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name, r in rows["variants"].items():
         one, four = r["c1"], r["c4"]
         tps = 1000 / one["tpot_ms_p50"]
         ref = offline["off" if "eager" in name else "on"]
+        dec = 1000 / one["decode_tpot_ms_p50"] if one.get("decode_tpot_ms_p50") else float("nan")
         print(f"| {name} | {r['start_seconds']:.0f} | {tps:.1f} | {tps / ref:.2f}x | "
-              f"{one['ttft_ms_p50']:.0f} | {four['output_tokens_per_s']:.1f} | "
-              f"{four['tpot_ms_p50']:.1f} | {four['ttft_ms_p50']:.0f} |")
+              f"{dec:.1f} | {dec / ref:.2f}x | {one['ttft_ms_p50']:.0f} | "
+              f"{four['output_tokens_per_s']:.1f} | "
+              f"{four['tpot_ms_p50']:.1f} | {four['ttft_ms_p50']:.0f} | "
+              f"{r.get('idle_cpu_percent') or float('nan'):.1f} |")
 
 
 if __name__ == "__main__":
