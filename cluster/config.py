@@ -179,6 +179,11 @@ class EngineSettings(_Strict):
         "cache (a restart, or one added next to others) loads them and compiles new buckets "
         "for at most this many seconds (0: none), so it is ready in seconds; the first, cold "
         "start compiles within warmup_budget_s.")
+    background_compile: bool = Field(
+        True, description="A decode replica (CPU, TP = 1) compiles the buckets its warm-up "
+        "left (past warmup_budget_s, or not in the cache on a restart) in a low-priority child "
+        "process after it reports ready, and runs each one compiled as soon as it is built "
+        "instead of eagerly for good; once per machine, kept in the compile cache.")
     compile_cache_dir: str | None = Field(
         None, description="Folder of compiled decode graphs kept between starts (CPU: "
         "AOTInductor packages keyed by weights, model code, torch, CPU and bucket): a "

@@ -72,3 +72,47 @@ def test_other_weights_never_load_a_cached_graph(tiny_qwen3, compiled_decode,
     stats = b.graphs.compile_stats()
     assert (stats["compiled"], stats["loaded"]) == (1, 0)
     assert len(list(cache.glob("*.pt2"))) == files + 1
+
+
+def test_a_bucket_the_start_left_is_compiled_in_the_background_and_adopted(
+        tiny_qwen3, compiled_decode, compile_as_configured, tmp_path) -> None:
+    """A decode replica whose cache lacks one of its buckets loads the others, reports ready
+    at once, and a low-priority child compiles the missing one into the cache; the engine
+    runs it eagerly (same tokens) until the package appears, then adopts it between steps.
+    The next start finds every bucket cached and starts no child."""
+    import shutil
+    import time
+
+    cache = tmp_path / "cache"
+    shutil.copytree(compiled_decode.cache_dir, cache)
+    # The rarest bucket (compiled last); test_other_weights may have left a bf16 twin here.
+    for f in cache.glob("main0-b1-s1-*.pt2"):
+        f.unlink()
+    prompt = [5, 9, 17, 33, 2, 8, 11]
+    eager = _greedy(make_engine(tiny_qwen3, 1, num_kv_blocks=48, block_size=4,
+                                compile="off"), prompt)
+
+    def start() -> Engine:
+        kw = {**COMPILED_DECODE, "max_num_seqs": 1}
+        return Engine(EngineConfig(model=str(tiny_qwen3), role="decode", compile="on",
+                                   compile_cache_dir=str(cache), warmup_budget_s=0.0,
+                                   background_compile=True, **kw))
+
+    eng = start()
+    runner = eng.runner
+    bg = runner.background
+    assert bg is not None and len(bg.pending) == 1 and bg.proc.poll() is None
+    assert len(runner.graphs.compiled) == compiled_decode.cold_stats["compiled"] - 1
+    assert _greedy(eng, prompt) == eager  # while it compiles: that bucket runs eagerly
+    assert bg.proc.wait(timeout=240) == 0  # the child compiled it and exited
+    deadline = time.monotonic() + 30  # adoption: the engine looks once a second, per step
+    while runner.background is not None and time.monotonic() < deadline:
+        assert _greedy(eng, prompt) == eager
+    assert runner.background is None, "the engine did not adopt the package"
+    assert bg.adopted == 1 and bg.proc is None  # the child exited and was reaped
+    assert list(cache.glob("main0-b1-s1-*.pt2"))  # under the name the replica looks up
+    assert len(runner.graphs.compiled) == compiled_decode.cold_stats["compiled"]
+    assert _greedy(eng, prompt) == eager
+    again = start()
+    assert again.runner.background is None
+    assert again.runner.graphs.compile_stats()["loaded"] == compiled_decode.cold_stats["compiled"]

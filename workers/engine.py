@@ -111,6 +111,7 @@ class Engine:
                                       self.adaptive, self.limits, mcfg.num_mtp_modules,
                                       self.guide)
         self.requests: dict[str, Request] = {}
+        self._compiling = False  # a background compiler is building buckets for us
         # A serving engine compiles before its replica reports ready; an offline one compiles
         # only what `LLM.generate` asks for. Either way a bucket never compiled runs eagerly:
         # nothing compiles inside a step.
@@ -144,9 +145,11 @@ class Engine:
         k = self.config.num_speculative_tokens
         max_batch = min(max_batch or self.config.max_num_seqs, self.config.max_num_seqs)
         t0 = time.monotonic()
-        n = self.runner.warmup_graphs(list(range(1, max_batch + 1)), list(range(1, k + 2)),
-                                      min(max_context or self.max_model_len, self.max_model_len),
-                                      mtp_modules=None if k else 0,  # k = 0 never drafts
+        shapes = dict(batch_sizes=list(range(1, max_batch + 1)), query_lens=list(range(1, k + 2)),
+                      max_context=min(max_context or self.max_model_len, self.max_model_len),
+                      mtp_modules=None if k else 0)  # k = 0 never drafts
+        n = self.runner.warmup_graphs(shapes["batch_sizes"], shapes["query_lens"],
+                                      shapes["max_context"], mtp_modules=shapes["mtp_modules"],
                                       budget_s=self.config.warmup_budget_s if budget_s is None
                                       else budget_s, log=logger.info,
                                       cached_only=cached_only,
@@ -156,6 +159,11 @@ class Engine:
         if n:
             logger.info("warm-up: %d decode graphs compiled in %.1f s", n,
                         time.monotonic() - t0)
+        # A decode replica compiles what the budget left in a child process and adopts it
+        # between steps (workers/model/background_compile.py), instead of running those
+        # buckets eagerly for good.
+        if self.config.background_compile and self.config.role == "decode" and not cached_only:
+            self._compiling = self.runner.compile_in_background(**shapes) > 0
         return n
 
     # Requests ------------------------------------------------------------------------------
@@ -285,6 +293,8 @@ class Engine:
 
     # Steps -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self._compiling:
+            self._compiling = self.runner.adopt_compiled() > 0
         out = self.scheduler.schedule()
         if not (out.prefill or out.decode):
             return []

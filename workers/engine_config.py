@@ -58,6 +58,9 @@ class EngineConfig:
     # A start that found some of its graphs in the cache (a restart, an added replica)
     # compiles new ones for at most this long after loading them: such starts take seconds.
     warmup_restart_budget_s: float = 0.0
+    # A decode replica compiles the buckets warm-up left in a child process and adopts them as
+    # they finish (CPU, TP = 1: workers/model/background_compile.py).
+    background_compile: bool = False
     # Paged attention: "gather" (copy each row's context, SDPA), "flex" (FlexAttention over
     # the block table, no copy) or "auto" (`resolve_attention_backend`).
     attention_backend: Literal["auto", "gather", "flex"] = "auto"

@@ -28,6 +28,7 @@ from mtpserve.workers.engine_config import (
 from mtpserve.workers.host_sync import to_host
 from mtpserve.workers.kv_cache import KVCache
 from mtpserve.workers.model.attention_metadata import AttentionMetadata, stage, stage_lists
+from mtpserve.workers.model.background_compile import BackgroundCompile
 from mtpserve.workers.model.compile_cache import default_cache_dir
 from mtpserve.workers.model.config import ModelConfig
 from mtpserve.workers.model.cuda_graphs import CUDAGraphs
@@ -135,6 +136,10 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) ->
     return 2 * block_size * kv_heads * head_dim * elem * kv_layers
 
 
+def _dtype_name(dtype: torch.dtype | None) -> str | None:
+    return None if dtype is None else str(dtype).removeprefix("torch.")
+
+
 @runtime_checkable
 class Runner(Protocol):
     """What the engine drives: `ModelRunner` in one process, `TPDriver`
@@ -163,6 +168,11 @@ class Runner(Protocol):
                      ) -> tuple[list[int], list[int], list[list[int]]] | None: ...
 
     def keep_states(self, rows: list[int], positions: list[int]) -> None: ...
+
+    def compile_in_background(self, batch_sizes: list[int], query_lens: list[int],
+                              max_context: int, mtp_modules: int | None = None) -> int: ...
+
+    def adopt_compiled(self) -> int: ...
 
 
 class ModelRunner:
@@ -198,6 +208,15 @@ class ModelRunner:
         `profile_tokens` the largest forward (max_num_batched_tokens), `graph_reserve_bytes`
         kept for the CUDA graphs captured later and `staging_bytes` for KV-transfer staging
         on the device."""
+        # What a background compiler needs to build the same runner (background_compile.py).
+        self._runner_args: dict = dict(
+            model_path=str(model_path), block_size=block_size, dtype=_dtype_name(dtype),
+            device=str(device), mtp_dtype=_dtype_name(mtp_dtype),
+            draft_vocab_size=draft_vocab_size, cpp_wrapper=cpp_wrapper,
+            compile_cache_dir=None if compile_cache_dir is None else str(compile_cache_dir),
+            attention_backend=attention_backend, num_state_slots=num_state_slots,
+            decode_graphs=True, cuda_graphs=False)
+        self.background: BackgroundCompile | None = None
         self.device = torch.device(device)
         self.model = load_model(model_path, dtype=dtype, device=self.device)
         # Eager forwards and compiled graphs both read it (workers/model/attention_metadata).
@@ -258,6 +277,8 @@ class ModelRunner:
         tp = get_tp()
         if greedy_rounds is None:
             greedy_rounds = os.environ.get("MTPSERVE_GREEDY_ROUNDS", "0") == "1"
+        self._runner_args.update(num_blocks=self.kv_cache.num_blocks,
+                                 greedy_rounds=bool(greedy_rounds))
         self.graphs = (DecodeGraphs(self.model, self.kv_cache, cpp_wrapper=cpp_wrapper,
                                     greedy_rounds=greedy_rounds, cache_dir=compile_cache_dir,
                                     ahead_of_time=compile_ahead_of_time)
@@ -402,6 +423,39 @@ class ModelRunner:
         # only sampled ids (and requested logprob values) reach the host. On CUDA graphs they
         # are the bucket's static output: the caller consumes them before the next forward.
         return logits
+
+    def compile_in_background(self, batch_sizes: list[int], query_lens: list[int],
+                              max_context: int, mtp_modules: int | None = None) -> int:
+        """Start compiling, in a child process, the buckets of these shapes that warm-up left
+        to run eagerly (workers/model/background_compile.py); `adopt_compiled` picks them up.
+        Returns how many it will compile (0: none left, or not here: no ahead-of-time cache,
+        TP > 1, or one already running)."""
+        g = self.graphs
+        if g is None or g.aot is None or get_tp().size != 1 or self.background is not None:
+            return 0
+        n = self.config.num_mtp_modules if mtp_modules is None else mtp_modules
+        pending = [k for k in g.warmup_keys(batch_sizes, query_lens, max_context, n)
+                   if k not in g.compiled]
+        if not pending:
+            return 0
+        self.background = BackgroundCompile(
+            g, pending, self._runner_args,
+            dict(batch_sizes=list(batch_sizes), query_lens=list(query_lens),
+                 max_context=max_context, mtp_modules=n))
+        return len(pending)
+
+    @torch.inference_mode()
+    def adopt_compiled(self) -> int:
+        """Load what the background compiler finished (at most once a second); returns how
+        many buckets it still has to compile (0: finished, or none was started)."""
+        bg = self.background
+        if bg is None:
+            return 0
+        bg.adopt()
+        if bg.done:
+            self.background = None
+            return 0
+        return len(bg.pending)
 
     @torch.inference_mode()
     def keep_states(self, rows: list[int], positions: list[int]) -> None:

@@ -95,6 +95,7 @@ def engine_config(cfg, role: str, num_kv_blocks: int) -> EngineConfig:
         max_model_len=cfg.max_model_len, role=role, compile=cfg.engine.compile,
         warmup_budget_s=cfg.engine.warmup_budget_s,
         warmup_restart_budget_s=cfg.engine.warmup_restart_budget_s,
+        background_compile=cfg.engine.background_compile,
         compile_cache_dir=cfg.engine.compile_cache_dir,
         attention_backend=cfg.engine.attention_backend,
         prefix_caching=cfg.prefix_caching.enabled,

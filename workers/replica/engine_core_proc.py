@@ -24,12 +24,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import ctypes
 import itertools
 import logging
 import os
 import pickle
-import signal
 import socket
 import subprocess
 import sys
@@ -42,6 +40,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from mtpserve.workers.async_engine import coalesced
+from mtpserve.workers.child_process import die_with_parent
 from mtpserve.workers.messages import (
     ERROR_ENGINE,
     GenerateRequest,
@@ -55,21 +54,6 @@ logger = logging.getLogger(__name__)
 # The child sends a heartbeat at least this often while its engine thread turns (an idle
 # engine thread wakes every 0.5 s: workers/async_engine.py _IDLE_WAIT_S).
 HEARTBEAT_S = 1.0
-# How often the child checks that its parent is still there (PDEATHSIG's backstop).
-PARENT_POLL_S = 0.5
-PR_SET_PDEATHSIG = 1
-
-
-def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
-    """Linux: this process gets `sig` when the thread that started it exits (False
-    elsewhere, or if prctl failed)."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
 
 
 def _pickle_exc(e: BaseException) -> BaseException:
@@ -461,22 +445,9 @@ def _serve(conn: Connection, boot: dict) -> None:
     driver.shutdown()
 
 
-def _watch_parent(parent_pid: int) -> None:
-    """PDEATHSIG's backstop (it is not inherited past exec by every runtime, and the
-    parent may have died before it was set): exit once the parent is gone."""
-    while True:
-        if os.getppid() != parent_pid:
-            os._exit(1)
-        time.sleep(PARENT_POLL_S)
-
-
 def main(argv: list[str]) -> None:
     fd, parent_pid = int(argv[0]), int(argv[1])
-    set_parent_death_signal()
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(1)
-    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True,
-                     name="parent-watch").start()
+    die_with_parent(parent_pid)
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s engine-core %(levelname)s %(name)s: %(message)s")
     conn = Connection(fd)

@@ -438,6 +438,17 @@ class TPDriver:
         self.run(WarmGraph(None))
         return done
 
+    def compile_in_background(self, batch_sizes: list[int], query_lens: list[int],
+                              max_context: int, mtp_modules: int | None = None) -> int:
+        """TP = 1 only: a TP group's ranks build each bucket in step (`warmup_graphs`)."""
+        if self.tp_size != 1:
+            return 0
+        return self.runner.compile_in_background(batch_sizes, query_lens, max_context,
+                                                 mtp_modules)
+
+    def adopt_compiled(self) -> int:
+        return self.runner.adopt_compiled() if self.tp_size == 1 else 0
+
     @property
     def fuses_greedy_rounds(self) -> bool:
         return self.runner.fuses_greedy_rounds
