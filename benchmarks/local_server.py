@@ -30,7 +30,10 @@ def variant_config(base: Path, over: dict, port: int) -> dict:
     """The Serve config file `base` with its app's args overridden, on 127.0.0.1:`port`."""
     cfg = yaml.safe_load(base.read_text())
     app = cfg["applications"][0]
-    app["args"] = merge(app["args"], over)
+    # No background compile while measuring (it would share the cores with the load): the
+    # buckets a benchmark hits are compiled beforehand, by an earlier start of the config
+    # that ran long enough, into the compile cache. `over` may turn it back on.
+    app["args"] = merge(merge(app["args"], {"engine": {"background_compile": False}}), over)
     app["args"]["http"] = {"host": "127.0.0.1", "port": port}
     cfg["http_options"] = {"host": "127.0.0.1", "port": port}
     return cfg

@@ -176,23 +176,27 @@ def stream_hops(name: str) -> list[str]:
             "decode-side chunk.", "", *_table(["hop", "1 stream", "4 streams"], rows)]
 
 
-def engine_core(hops: str, burst: str) -> list[str]:
-    d = _load(hops)
+def engine_core(serving: str, burst: str) -> list[str]:
+    d = _load(serving)
+    ref = d["offline_decode_tokens_per_s"]["on"]
     rows = []
     for variant, v in d["variants"].items():
-        s1, s4 = v["streams_1"], v["streams_4"]
-        rows.append([variant, _f(s1["decode_tokens_per_s"]),
-                     _f(s4["decode_tokens_per_s"]),
-                     _pair(s1["engine->client"]["p50_ms"], s1["engine->client"]["p90_ms"]),
-                     _pair(s4["engine->client"]["p50_ms"], s4["engine->client"]["p90_ms"]),
-                     _pair(s1["engine->decode_out"]["p50_ms"],
-                           s4["engine->decode_out"]["p50_ms"], 2)])
-    return [f"Streaming (`stream_hops_bench.py`): k = {d['k']}, {d['requests']} requests x "
-            f"{d['max_tokens']} tokens per load, decode-side tokens/s and ms per chunk "
-            "(p50 / p90).", "",
-            *_table(["engine core", "tok/s, 1 stream", "tok/s, 4 streams",
-                     "engine -> client, 1 stream", "engine -> client, 4 streams",
-                     "engine -> decode replica p50, 1 / 4 streams"], rows),
+        one, four = v["c1"], v["c4"]
+        tpot, dec = 1000 / one["tpot_ms_p50"], 1000 / one["decode_tpot_ms_p50"]
+        rows.append([variant.removeprefix("core-"), _f(v["start_seconds"], 0),
+                     f"{_f(tpot)} ({tpot / ref:.2f}x)", f"{_f(dec)} ({dec / ref:.2f}x)",
+                     _f(four["output_tokens_per_s"]), _f(four["tpot_ms_p50"]),
+                     _f(four["ttft_ms_p50"], 0), _f(v.get("idle_cpu_percent"))])
+    c1 = next(iter(d["variants"].values()))["c1"]
+    return [f"Serving (`topology_bench.py`): k = {d['k']}, {c1['num_requests']} requests x "
+            f"{c1['max_tokens']} tokens at 1 stream, 12 at 4; offline engine on one thread "
+            f"{_f(ref)} decode tok/s. 1/TPOT counts the KV handoff in the first gap; decode "
+            "tok/s starts at the decode replica's first chunk, as the offline engine's decode "
+            "time does.", "",
+            *_table(["engine core", "start s", "1 stream tok/s, 1/TPOT p50 (vs offline)",
+                     "1 stream decode tok/s (vs offline)", "4 streams output tok/s",
+                     "4 streams TPOT p50 ms", "4 streams TTFT p50 ms",
+                     "idle CPU % of a core"], rows),
             "", "The 16-arrival burst (`kv_burst_bench.py`):", "", *kv_burst(burst)]
 
 
@@ -201,10 +205,11 @@ def guidellm(name: str) -> list[str]:
     for r in _load(name):
         req = r.get("requests") or {}
         ok = f"{req['successful']} / {req['total']}" if req else "-"
-        rows.append([r["streams"], _f(r["output_tok_s"]["mean"]), _f(r["itl_ms"]["p50"]),
+        rows.append([r.get("engine_core") or "config", r["streams"],
+                     _f(r["output_tok_s"]["mean"]), _f(r["itl_ms"]["p50"]),
                      _f(r["ttft_ms"]["p50"], 0), ok])
-    return _table(["streams", "output tok/s (mean)", "ITL p50 ms", "TTFT p50 ms",
-                   "requests ok / total"], rows)
+    return _table(["engine core", "streams", "output tok/s (mean)", "ITL p50 ms",
+                   "TTFT p50 ms", "requests ok / total"], rows)
 
 
 def autoscale(*names: str) -> list[str]:
@@ -345,25 +350,33 @@ BENCHMARKS = [
           "client), at 1 and 4 streams.",
           ("stream-hops-cpu-gil-released.json",), stream_hops,
           "Compiled graphs run with the GIL released (the default)."),
-    Bench("stream_hops_bench.py", "The engine core: thread or process",
-          "python -m mtpserve.benchmarks.stream_hops_bench --engine-core thread process "
-          "--json out.json\n"
+    Bench("topology_bench.py", "The engine core: thread or process",
+          "python -m mtpserve.benchmarks.topology_bench --variants core-thread core-process "
+          "--max-tokens 128 --json out.json\n"
           "python -m mtpserve.benchmarks.kv_burst_bench --lanes 4 --engine-core thread process "
           "--json out.json",
           "`mtpserve up` (configs/local-cpu.yaml) with `prefill.engine_core` and "
           "`decode.engine_core` both `thread` (the engine loop on a thread of the Serve "
           "replica) and then both `process` (the engine core in a child process of the "
           "replica, docs/reliability.md), one after the other in one run of each script.",
-          ("stream-hops-cpu-engine-core.json", "kv-burst-cpu-engine-core.json"), engine_core,
-          "Five other agents' jobs shared the 2 cores during these runs. Here the proxy, "
-          "the ingress, two shells and two cores share 2 cores, so a core process never has "
-          "a core of its own beside its shell's I/O: the rows show what the extra process "
-          "costs on such a machine (the burst's TTFT, prefill-bound, is the clearest), not "
-          "what moving the engine off the replica's GIL buys where cores are spare."),
+          ("topology-cpu-engine-core.json", "kv-burst-cpu-engine-core.json"), engine_core,
+          "Quiet 2-core machine. The decode graphs of batches 1, 2 and 4 were in the compile "
+          "cache (the background compile, off while measuring, builds them after a first "
+          "start). The proxy, the ingress, two shells and two cores share the 2 cores, so a "
+          "core process never has a core of its own beside its shell's I/O: at 1 stream the "
+          "engine thread of the process core spends about 10% of its time waiting for a CPU "
+          "(runqueue, /proc schedstat) and its on-CPU time per token equals the offline "
+          "engine's. Until the background compile, a replica never compiled past its first "
+          "start's 90 s budget (the four batch-1 graphs): at 4 streams half of the decode "
+          "replica's py-spy samples were eager forwards, and one run of this script on that "
+          "cache served 216-245 output tok/s at 4 streams with either core."),
     Bench("guidellm_run.py", "guidellm against `mtpserve up`",
-          "python -m mtpserve.benchmarks.guidellm_run --streams 4 1 --out out-folder",
+          "python -m mtpserve.benchmarks.guidellm_run --streams 4 1 --engine-core thread "
+          "process --out out-folder",
           "guidellm (installed separately) with concurrent streams, synthetic 128-token "
-          "prompts, 64 output tokens, 24 requests per run, the model's own tokenizer.",
+          "prompts, 64 output tokens, 24 requests per run, the model's own tokenizer; "
+          "`--engine-core thread process` runs one server per engine core. guidellm's own "
+          "process shares the 2 cores with the server.",
           ("guidellm/summary.json",), guidellm),
     Bench("prefill_burst.py", "Mixed prefill + decode batches",
           "python -m mtpserve.benchmarks.prefill_burst --repeats 3 --json out.json",
