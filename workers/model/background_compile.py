@@ -111,6 +111,7 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s background-compile "
                         "%(levelname)s %(name)s: %(message)s")
     spec = json.loads(Path(spec_path).read_text())
+    Path(spec_path).unlink(missing_ok=True)  # a one-shot handoff: nothing left in /tmp
     torch.set_num_threads(1)
     args = dict(spec["runner"])
     for k in ("dtype", "mtp_dtype"):
