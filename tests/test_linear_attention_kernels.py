@@ -127,21 +127,17 @@ def _naive_as_kernels(naive):
             q, k = _l2norm_as_fla(q), _l2norm_as_fla(k)
         return q.repeat_interleave(r, dim=2), k.repeat_interleave(r, dim=2)
 
-    def chunk(q, k, v, g, beta, scale, initial_state, output_final_state,
-              use_qk_l2norm_in_kernel):
-        q, k = prep(q, k, v, use_qk_l2norm_in_kernel)
-        return naive.naive_chunk_gated_delta_rule(
-            q, k, v, g=g, beta=beta, scale=scale, initial_state=initial_state,
-            output_final_state=output_final_state)
+    def as_kernel(reference):
+        def kernel(q, k, v, g, beta, scale, initial_state, output_final_state,
+                   use_qk_l2norm_in_kernel):
+            q, k = prep(q, k, v, use_qk_l2norm_in_kernel)
+            return reference(q, k, v, g=g, beta=beta, scale=scale, initial_state=initial_state,
+                             output_final_state=output_final_state)
 
-    def recurrent(q, k, v, g, beta, scale, initial_state, output_final_state,
-                  use_qk_l2norm_in_kernel):
-        q, k = prep(q, k, v, use_qk_l2norm_in_kernel)
-        return naive.naive_recurrent_gated_delta_rule(
-            q, k, v, beta=beta, g=g, scale=scale, initial_state=initial_state,
-            output_final_state=output_final_state)
+        return kernel
 
-    return chunk, recurrent
+    return (as_kernel(naive.naive_chunk_gated_delta_rule),
+            as_kernel(naive.naive_recurrent_gated_delta_rule))
 
 
 def _inputs(B: int, S: int, seed: int):

@@ -27,6 +27,12 @@ def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
         return False
 
 
+def child_env() -> dict[str, str]:
+    """This process's environment with its import path (Ray's runtime_env may have added to
+    sys.path), for a `python -m mtpserve...` child."""
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+
+
 def _watch_parent(parent_pid: int) -> None:
     while True:
         if os.getppid() != parent_pid:

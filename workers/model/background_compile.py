@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from mtpserve.workers.child_process import child_env
 from mtpserve.workers.model.decode_graph import DecodeGraphs, GraphKey
 
 logger = logging.getLogger(__name__)
@@ -44,7 +45,8 @@ class BackgroundCompile:
     def __init__(self, graphs: DecodeGraphs, pending: list[GraphKey],
                  runner_args: dict, warmup_args: dict) -> None:
         self.graphs = graphs
-        self.pending = list(pending)
+        # Named once here: a later look is a stat per bucket, not a build of its inputs.
+        self.pending = {k: graphs.package_path(k) for k in pending}
         self.adopted = 0
         self._next = time.monotonic() + ADOPT_EVERY_S
         fd, self._spec = tempfile.mkstemp(prefix="mtpserve-compile-", suffix=".json")
@@ -53,8 +55,7 @@ class BackgroundCompile:
                        "fingerprint": graphs.aot.fingerprint}, f)
         self.proc: subprocess.Popen | None = subprocess.Popen(
             [sys.executable, "-m", "mtpserve.workers.model.background_compile", self._spec,
-             str(os.getpid())], env=dict(os.environ, PYTHONPATH=os.pathsep.join(
-                 p for p in sys.path if p)))
+             str(os.getpid())], env=child_env())
         logger.info("compiling %d more decode graph(s) in the background (pid %d)",
                     len(self.pending), self.proc.pid)
 
@@ -71,10 +72,10 @@ class BackgroundCompile:
             return 0
         self._next = now + ADOPT_EVERY_S
         exited = self.proc.poll() is not None  # read first: what it finished is on disk
-        ready = [k for k in self.pending if self.graphs.cached([k])]
+        ready = [k for k, path in self.pending.items() if path.is_file()]
         for key in ready:
             (run_bucket or self.graphs.warm_bucket)(key)
-            self.pending.remove(key)
+            del self.pending[key]
         self.adopted += len(ready)
         if ready:
             logger.info("adopted %d background-compiled decode graph(s), %d pending",

@@ -328,12 +328,15 @@ class DecodeGraphs:
         for k in keys:
             if k in self._fns or (self.aot is None and k in self.compiled):
                 continue
-            if self.aot is None:
-                return False
-            name, _ = self._module(k)
-            if not self.aot.path_for(name, self._args(*self.example_inputs(k))).is_file():
+            if self.aot is None or not self.package_path(k).is_file():
                 return False
         return True
+
+    def package_path(self, k: GraphKey) -> Path:
+        """Where the on-disk cache keeps (or would keep) `k`'s package (ahead-of-time only;
+        builds the bucket's example inputs once to name it)."""
+        name, _ = self._module(k)
+        return self.aot.path_for(name, self._args(*self.example_inputs(k)))
 
     def round_key(self, k: int, batch: int, tables: list[list[int]]) -> GraphKey | None:
         """The bucket of a greedy round of k drafts, or None when it must run step by step.

@@ -40,7 +40,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from mtpserve.workers.async_engine import coalesced
-from mtpserve.workers.child_process import die_with_parent
+from mtpserve.workers.child_process import child_env, die_with_parent
 from mtpserve.workers.messages import (
     ERROR_ENGINE,
     GenerateRequest,
@@ -127,14 +127,11 @@ class ProcessCore:
     # The reader thread ---------------------------------------------------------------------
     def _run(self, boot: dict) -> None:
         parent_sock, child_sock = socket.socketpair()
-        env = dict(os.environ)
-        # The replica's import path (Ray's runtime_env may have added to sys.path).
-        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "mtpserve.workers.replica.engine_core_proc",
                  str(child_sock.fileno()), str(os.getpid())],
-                pass_fds=[child_sock.fileno()], env=env, close_fds=True)
+                pass_fds=[child_sock.fileno()], env=child_env(), close_fds=True)
         except BaseException as e:
             self._ready.set_exception(e)
             return
