@@ -38,6 +38,13 @@ VARIANTS = {
     "core-thread": {"prefill": {"engine_core": "thread"}, "decode": {"engine_core": "thread"}},
     "core-process": {"prefill": {"engine_core": "process"},
                      "decode": {"engine_core": "process"}},
+    # Stream pacing (decode.stream_interval_ms; the variants above take the default).
+    "core-thread-unpaced": {"prefill": {"engine_core": "thread"},
+                            "decode": {"engine_core": "thread", "stream_interval_ms": 0}},
+    "core-process-unpaced": {"prefill": {"engine_core": "process"},
+                             "decode": {"engine_core": "process", "stream_interval_ms": 0}},
+    "core-thread-paced-50": {"prefill": {"engine_core": "thread"},
+                             "decode": {"engine_core": "thread", "stream_interval_ms": 50}},
 }
 
 

@@ -108,6 +108,11 @@ class DecodeSettings(RoleSettings):
     """Decode deployment: one replica is one TP group running speculative rounds."""
 
     max_num_seqs: int = Field(32, ge=1, description="Most requests batched in one decode round.")
+    stream_interval_ms: float = Field(
+        20.0, ge=0, description="Stream pacing: a stream's first tokens and its end go out "
+        "at once, other tokens at most once per this many ms, each message carrying every "
+        "round since the last (each hop to the client costs CPU per message, not per token; "
+        "like Ray Serve LLM's stream_batching_interval_ms, 50). 0: one message per round.")
 
 
 class IngressAutoscaling(_Strict):

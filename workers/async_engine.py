@@ -146,9 +146,11 @@ class AsyncEngine:
         req: GenerateRequest,
         add: Callable[[Engine], Request] | None = None,
         abort_on_exit: bool = True,
+        interval_s: float = 0.0,
     ) -> AsyncIterator[TokenChunk]:
         """Stream a request's tokens. `add` (default: a fresh request with the prompt plus
-        any resumed tokens) runs on the engine thread and may raise `EngineError`."""
+        any resumed tokens) runs on the engine thread and may raise `EngineError`;
+        `interval_s` paces the stream (`coalesced`)."""
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         rid = req.request_id
@@ -169,7 +171,7 @@ class AsyncEngine:
         try:
             # Inside the try: a caller cancelled while the add is queued still aborts it.
             await self.acall(register_and_add)
-            async for chunk in coalesced(q):
+            async for chunk in coalesced(q, interval_s):
                 finished = chunk.finished
                 yield chunk
         finally:
@@ -262,15 +264,31 @@ class AsyncEngine:
                                           error=message, error_kind=ERROR_ENGINE))
 
 
-async def coalesced(q: asyncio.Queue) -> AsyncIterator[TokenChunk]:
+async def coalesced(q: asyncio.Queue, interval_s: float = 0.0) -> AsyncIterator[TokenChunk]:
     """A request's chunks from its queue until the finished one. A consumer slower than the
     engine gets what piled up as one chunk (one message through Serve, the ingress and the
     proxy instead of one per round); a failure stays a chunk of its own (the tokens before it
-    were emitted)."""
+    were emitted).
+
+    `interval_s` > 0 paces the stream: the first chunk and the finished one go at once, any
+    other waits until `interval_s` after the previous send and takes every round that came
+    meanwhile (each hop downstream costs CPU per message, not per token: Ray Serve LLM's
+    stream batching, vLLM's stream_interval)."""
+    loop = asyncio.get_running_loop()
+    next_send = 0.0
     while True:
         chunks: list[TokenChunk] = [await q.get()]
-        while not chunks[-1].finished and not q.empty():
-            chunks.append(q.get_nowait())
+        while not chunks[-1].finished:
+            if not q.empty():
+                chunks.append(q.get_nowait())
+                continue
+            wait = next_send - loop.time()
+            if wait <= 0:
+                break
+            try:
+                chunks.append(await asyncio.wait_for(q.get(), wait))
+            except asyncio.TimeoutError:
+                break
         failed = chunks.pop() if (len(chunks) > 1 and chunks[-1].finish_reason
                                   in ("error", "abort")) else None
         for chunk in (merge_chunks(chunks), failed):
@@ -279,6 +297,8 @@ async def coalesced(q: asyncio.Queue) -> AsyncIterator[TokenChunk]:
             yield chunk
             if chunk.finished:
                 return
+        if interval_s > 0:
+            next_send = loop.time() + interval_s
 
 
 def _noop() -> None:

@@ -51,8 +51,9 @@ class DecodeServer(EngineReplica):
         load = self.expected[req.request_id] = [min(req.params.max_tokens, int(typical)), 0]
         last = None
         try:
-            async for chunk in _with_heartbeats(self.core.generate(req, params),
-                                                self.cfg.migration.stall_timeout_s / 4):
+            stream = self.core.generate(req, params,
+                                        interval_s=self.cfg.decode.stream_interval_ms / 1e3)
+            async for chunk in _with_heartbeats(stream, self.cfg.migration.stall_timeout_s / 4):
                 if not chunk.heartbeat:
                     last = chunk
                     load[1] += len(chunk.token_ids)

@@ -301,9 +301,10 @@ class ThreadCore:
         self.host.engine.call(lambda e: fn(e, *args))
 
     def generate(self, req: GenerateRequest, params: KVTransferParams | None = None,
-                 abort_on_exit: bool = True) -> AsyncIterator[TokenChunk]:
+                 abort_on_exit: bool = True, interval_s: float = 0.0
+                 ) -> AsyncIterator[TokenChunk]:
         return self.host.engine.generate(req, add=lambda e: self.host.add(e, req, params),
-                                         abort_on_exit=abort_on_exit)
+                                         abort_on_exit=abort_on_exit, interval_s=interval_s)
 
     async def ping(self, deadline_s: float) -> None:
         await self.host.engine.ping(self.host.ping, deadline_s)

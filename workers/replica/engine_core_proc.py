@@ -244,7 +244,8 @@ class ProcessCore:
             pass  # nothing to undo in a core that is gone
 
     async def generate(self, req: GenerateRequest, params: KVTransferParams | None = None,
-                       abort_on_exit: bool = True) -> AsyncIterator[TokenChunk]:
+                       abort_on_exit: bool = True, interval_s: float = 0.0
+                       ) -> AsyncIterator[TokenChunk]:
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         rid = req.request_id
@@ -256,7 +257,7 @@ class ProcessCore:
         try:
             # Inside the try: a caller cancelled while the add is in flight still aborts it.
             await asyncio.wrap_future(self._request("gen", req, params))
-            async for chunk in coalesced(q):
+            async for chunk in coalesced(q, interval_s):
                 finished = chunk.finished
                 yield chunk
         finally:
