@@ -57,19 +57,30 @@ def main() -> None:
     ap.add_argument("--engine-core", nargs="+", choices=("thread", "process"),
                     help="one server per value of prefill/decode.engine_core, one after the "
                          "other (default: the config's); reports go under --out/<value>/")
+    ap.add_argument("--stream-interval-ms", type=float, nargs="+",
+                    help="one server per value of decode.stream_interval_ms (default: the "
+                         "config's), for each engine core")
     args = ap.parse_args()
     rows = []
-    for core in args.engine_core or [None]:
-        over = {} if core is None else {"prefill": {"engine_core": core},
-                                        "decode": {"engine_core": core}}
-        out = args.out if core is None else args.out / core
-        rows += [{"engine_core": core} | r for r in _run(args, over, out)]
-    print("| engine core | streams | output tok/s | ITL p50 ms | TTFT p50 ms | "
-          "requests ok / errored |")
-    print("|---|---|---|---|---|---|")
+    for core, pace in ((c, i) for c in args.engine_core or [None]
+                       for i in args.stream_interval_ms or [None]):
+        over: dict = {"prefill": {}, "decode": {}}
+        if core is not None:
+            over["prefill"]["engine_core"] = over["decode"]["engine_core"] = core
+        if pace is not None:
+            over["decode"]["stream_interval_ms"] = pace
+        name = " ".join(x for x in (core, None if pace is None else f"paced-{pace:g}ms") if x)
+        out = args.out / name if name else args.out
+        rows += [{"engine_core": core, "stream_interval_ms": pace} | r
+                 for r in _run(args, over, out)]
+    print("| engine core | stream interval ms | streams | output tok/s | ITL p50 ms | "
+          "TTFT p50 ms | requests ok / errored |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         n = r["requests"] or {}
-        print(f"| {r['engine_core'] or 'config'} | {r['streams']} | "
+        pace = r["stream_interval_ms"]
+        print(f"| {r['engine_core'] or 'config'} | {'config' if pace is None else f'{pace:g}'} "
+              f"| {r['streams']} | "
               f"{r['output_tok_s']['mean']:.1f} | {r['itl_ms']['p50']:.1f} | "
               f"{r['ttft_ms']['p50']:.1f} | {n.get('successful')} / {n.get('errored')} |")
     args.out.mkdir(parents=True, exist_ok=True)

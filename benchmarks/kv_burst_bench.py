@@ -11,7 +11,12 @@ nonce, so no prefix cache on either side skips a block.
 Per request, from the client's stream: TTFT (prefill: the first token comes from the prefill
 replica), time to second token (TTST, from sending: the first decode-side token, after the KV
 pull, admission and the first decode round) and the decode-side wait TTST - TTFT, which leaves
-out the prefill queueing that a burst into one prefill replica adds. The servers run with
+out the prefill queueing that a burst into one prefill replica adds. Then `--running` streams
+(default 4) decode while more bursts arrive: each stream's TPOT (time per token, from the
+tokens it received in a window) in the second before a burst and during the burst's
+decode-side arrivals (from its first token at the client to its last second token: the
+pulls, scatters and joins; the prefill's own seconds before it share the cores with decode on
+this one machine and are left out). The servers run with
 MTPSERVE_TRACE_HOPS=1, so that wait is also split at the decode replica's hops (LEGS).
 `--gil released held` adds variants whose compiled graphs hold the GIL (the stock loader).
 
@@ -74,6 +79,22 @@ async def timed_stream(client: httpx.AsyncClient, prompt: str, max_tokens: int) 
             **legs}
 
 
+async def running_stream(client: httpx.AsyncClient, prompt: str, max_tokens: int,
+                         stamps: list[float]) -> None:
+    """A greedy stream that appends each output token's arrival time to `stamps`."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True, "return_token_ids": True}
+    async for data in sse_events(client, body):
+        now = time.time()
+        stamps += [now] * len((data.get("choices") or [{}])[0].get("token_ids") or [])
+
+
+def tpot_ms(stamps: list[float], t0: float, t1: float) -> float | None:
+    """Time per token over [t0, t1] from the tokens that arrived in it."""
+    n = sum(t0 <= t < t1 for t in stamps)
+    return (t1 - t0) * 1e3 / n if n else None
+
+
 def summary(samples: list[dict]) -> dict:
     out: dict = {"n": len(samples)}
     for m in METRICS + tuple(f"{a}->{b}_ms" for a, b in LEGS):
@@ -84,7 +105,7 @@ def summary(samples: list[dict]) -> dict:
 
 
 async def measure(url: str, burst: int, singles: int, bursts: int, prompt_tokens: int,
-                  max_tokens: int) -> dict:
+                  max_tokens: int, running: int = 0, running_bursts: int = 0) -> dict:
     texts = held_out_prompts(burst, num_chars=4 * prompt_tokens)
     n = 0
 
@@ -107,6 +128,31 @@ async def measure(url: str, burst: int, singles: int, bursts: int, prompt_tokens
         for _ in range(bursts):
             burst_samples += await one_burst()
         after = (await client.get("/v1/mtpserve/stats")).json()["decode"]
+        tpot: dict[str, list[float]] = {"before": [], "during": []}
+        ended_early = 0  # running streams that finished before the window's end
+        for _ in range(running_bursts if running else 0):
+            # Short prompts and enough tokens to outlast the burst's prefill and arrivals
+            # within one context bucket (512 tokens: the compiled graphs' first).
+            streams: list[list[float]] = [[] for _ in range(running)]
+            tasks = [asyncio.create_task(running_stream(client, fresh()[:120], 470, s))
+                     for s in streams]
+            while not all(len(s) >= 2 for s in streams):
+                await asyncio.sleep(0.02)
+            t_before = time.time()
+            await asyncio.sleep(1.0)
+            t_burst = time.time()
+            got = await one_burst()
+            w0 = t_burst + min(g["ttft_ms"] for g in got) / 1e3
+            w1 = t_burst + max(g["ttst_ms"] for g in got) / 1e3
+            for s in streams:
+                if s[-1] >= w1:  # still running at the window's end
+                    tpot["before"].append(tpot_ms(s, t_before, t_burst))
+                    tpot["during"].append(tpot_ms(s, w0, w1))
+                else:
+                    ended_early += 1
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
     k0, k1 = before.get("kv_puller", {}), after.get("kv_puller", {})
     r0, r1 = before.get("kv_receiver", {}), after.get("kv_receiver", {})
     pulls = k1.get("pulls", 0) - k0.get("pulls", 0)
@@ -126,6 +172,13 @@ async def measure(url: str, burst: int, singles: int, bursts: int, prompt_tokens
     for m in METRICS:
         b, s = res["burst"][f"{m}_p99"], res["single"][f"{m}_p99"]
         res[f"{m}_p99_ratio"] = b / s if b and s else None
+    res["running_raw"] = {"ended_early": ended_early, **tpot}
+    if tpot["during"] and all(tpot["before"] + tpot["during"]):
+        res["running"] = {"streams": running, "n": len(tpot["during"]),
+                          "ended_early": ended_early} | {
+            f"tpot_{w}_ms_p{q}": _pct(v, q) for w, v in tpot.items() for q in (50, 99)}
+        res["running"]["tpot_p99_ratio"] = (res["running"]["tpot_during_ms_p99"]
+                                            / res["running"]["tpot_before_ms_p99"])
     return res
 
 
@@ -152,6 +205,15 @@ def format_table(results: dict[str, dict], burst: int) -> str:
             rows.append(f"| {lanes} | {kind} | " + " | ".join(
                 f"{f(x.get(f'{a}->{b}_ms_p50'), 1)} / {f(x.get(f'{a}->{b}_ms_p99'), 1)}"
                 for a, b in LEGS) + " |")
+    run = {n: r["running"] for n, r in results.items() if r.get("running")}
+    if run:
+        rows += ["", "Running streams: TPOT (ms) the second before a burst and during its "
+                 "decode-side arrivals", "| variant | streams x bursts | before p50 / p99 | "
+                 "during p50 / p99 | p99 ratio |", "|---|---|---|---|---|"]
+        rows += [f"| {n} | {x['n']} | {f(x['tpot_before_ms_p50'], 1)} / "
+                 f"{f(x['tpot_before_ms_p99'], 1)} | {f(x['tpot_during_ms_p50'], 1)} / "
+                 f"{f(x['tpot_during_ms_p99'], 1)} | {f(x['tpot_p99_ratio'], 2)} |"
+                 for n, x in run.items()]
     rows += [f"lanes {lanes}: {r['pulls']} pulls of {f(r['pull_mib_mean'], 2)} MiB, "
              f"{f(r['pull_wire_ms_mean'], 1)} ms on the wire, {f(r['pull_lane_ms_mean'], 1)} ms "
              f"on the lane (mean)" for lanes, r in results.items()]
@@ -170,6 +232,12 @@ def main() -> None:
                     help="one server per value of prefill/decode.engine_core (the engine core "
                          "on a thread of the Serve replica or in its own process; default: "
                          "the config's)")
+    ap.add_argument("--stream-interval-ms", type=float, nargs="+",
+                    help="one server per value of decode.stream_interval_ms (default: the "
+                         "config's)")
+    ap.add_argument("--running", type=int, default=4,
+                    help="streams decoding while --running-bursts more bursts arrive")
+    ap.add_argument("--running-bursts", type=int, default=3)
     ap.add_argument("--burst", type=int, default=16)
     ap.add_argument("--singles", type=int, default=8, help="single arrivals, one at a time")
     ap.add_argument("--bursts", type=int, default=3, help="bursts measured (after a warm-up)")
@@ -181,10 +249,12 @@ def main() -> None:
     a = ap.parse_args()
     os.environ[hop_trace.ENV] = "1"  # `mtpserve up` passes it on to every replica
     results: dict[str, dict] = {}
-    for lanes, gil, core in ((n, g, c) for c in a.engine_core or [None] for g in a.gil
-                             for n in a.lanes):
+    for lanes, gil, core, pace in ((n, g, c, i) for c in a.engine_core or [None]
+                                   for i in a.stream_interval_ms or [None] for g in a.gil
+                                   for n in a.lanes):
         name = str(lanes) if gil == "released" else f"{lanes}, GIL held"
         name += f", core {core}" if core else ""
+        name += f", paced {pace:g} ms" if pace is not None else ""
         os.environ[aoti_runner.ENV] = "1" if gil == "released" else "0"
         over = {"kv_transfer": {"max_concurrent_pulls": lanes},
                 # The whole burst's prompts fit one prefill step (see the module docstring).
@@ -193,11 +263,13 @@ def main() -> None:
                 "limits": {"max_queued_requests": max(64, 4 * a.burst)}}
         if core:
             over["prefill"]["engine_core"] = over["decode"]["engine_core"] = core
+        if pace is not None:
+            over["decode"]["stream_interval_ms"] = pace
         cfg = variant_config(Path(a.config), over, a.port)
         with running_server(cfg, a.timeout) as start_s:
             results[name] = asyncio.run(measure(f"http://127.0.0.1:{a.port}", a.burst,
                                                 a.singles, a.bursts, a.prompt_tokens,
-                                                a.max_tokens))
+                                                a.max_tokens, a.running, a.running_bursts))
             results[name]["start_seconds"] = start_s
         print(format_table({name: results[name]}, a.burst), flush=True)
     print(format_table(results, a.burst))

@@ -176,6 +176,14 @@ def stream_hops(name: str) -> list[str]:
             "decode-side chunk.", "", *_table(["hop", "1 stream", "4 streams"], rows)]
 
 
+def _core_label(variant: str) -> str:
+    """core-thread-unpaced -> "thread, unpaced"; core-process -> "process, paced 20 ms"
+    (topology_bench's variants without a pacing suffix take the default, 20 ms)."""
+    core, _, pace = variant.removeprefix("core-").partition("-")
+    return f"{core}, " + ("unpaced" if pace == "unpaced" else
+                          f"paced {pace.removeprefix('paced-') or 20} ms")
+
+
 def engine_core(serving: str, burst: str) -> list[str]:
     d = _load(serving)
     ref = d["offline_decode_tokens_per_s"]["on"]
@@ -183,7 +191,7 @@ def engine_core(serving: str, burst: str) -> list[str]:
     for variant, v in d["variants"].items():
         one, four = v["c1"], v["c4"]
         tpot, dec = 1000 / one["tpot_ms_p50"], 1000 / one["decode_tpot_ms_p50"]
-        rows.append([variant.removeprefix("core-"), _f(v["start_seconds"], 0),
+        rows.append([_core_label(variant), _f(v["start_seconds"], 0),
                      f"{_f(tpot)} ({tpot / ref:.2f}x)", f"{_f(dec)} ({dec / ref:.2f}x)",
                      _f(four["output_tokens_per_s"]), _f(four["tpot_ms_p50"]),
                      _f(four["ttft_ms_p50"], 0), _f(v.get("idle_cpu_percent"))])
@@ -193,11 +201,28 @@ def engine_core(serving: str, burst: str) -> list[str]:
             f"{_f(ref)} decode tok/s. 1/TPOT counts the KV handoff in the first gap; decode "
             "tok/s starts at the decode replica's first chunk, as the offline engine's decode "
             "time does.", "",
-            *_table(["engine core", "start s", "1 stream tok/s, 1/TPOT p50 (vs offline)",
+            *_table(["engine core, stream pacing", "start s",
+                     "1 stream tok/s, 1/TPOT p50 (vs offline)",
                      "1 stream decode tok/s (vs offline)", "4 streams output tok/s",
                      "4 streams TPOT p50 ms", "4 streams TTFT p50 ms",
                      "idle CPU % of a core"], rows),
-            "", "The 16-arrival burst (`kv_burst_bench.py`):", "", *kv_burst(burst)]
+            "", "The 16-arrival burst (`kv_burst_bench.py`):", "", *kv_burst(burst),
+            *running_streams(burst)]
+
+
+def running_streams(name: str) -> list[str]:
+    """kv_burst_bench's streams decoding while a burst arrives (absent in older results)."""
+    rows = [[variant, f"{r['streams']} x {r['n'] // max(r['streams'], 1)}",
+             _pair(r["tpot_before_ms_p50"], r["tpot_before_ms_p99"]),
+             _pair(r["tpot_during_ms_p50"], r["tpot_during_ms_p99"]),
+             _f(r["tpot_p99_ratio"], 2)]
+            for variant, v in _load(name)["variants"].items() if (r := v.get("running"))]
+    if not rows:
+        return []
+    return ["", "Streams decoding while a burst arrives: TPOT (ms, p50 / p99) in the second "
+            "before the burst was sent and during its decode-side arrivals (from its first "
+            "token at the client to its last second token):", "",
+            *_table(["variant", "streams x bursts", "before", "during", "p99 ratio"], rows)]
 
 
 def guidellm(name: str) -> list[str]:
@@ -205,11 +230,12 @@ def guidellm(name: str) -> list[str]:
     for r in _load(name):
         req = r.get("requests") or {}
         ok = f"{req['successful']} / {req['total']}" if req else "-"
-        rows.append([r.get("engine_core") or "config", r["streams"],
-                     _f(r["output_tok_s"]["mean"]), _f(r["itl_ms"]["p50"]),
+        pace = r.get("stream_interval_ms")
+        rows.append([r.get("engine_core") or "config", "config" if pace is None else f"{pace:g}",
+                     r["streams"], _f(r["output_tok_s"]["mean"]), _f(r["itl_ms"]["p50"]),
                      _f(r["ttft_ms"]["p50"], 0), ok])
-    return _table(["engine core", "streams", "output tok/s (mean)", "ITL p50 ms",
-                   "TTFT p50 ms", "requests ok / total"], rows)
+    return _table(["engine core", "stream interval ms", "streams", "output tok/s (mean)",
+                   "ITL p50 ms", "TTFT p50 ms", "requests ok / total"], rows)
 
 
 def autoscale(*names: str) -> list[str]:
@@ -351,31 +377,35 @@ BENCHMARKS = [
           ("stream-hops-cpu-gil-released.json",), stream_hops,
           "Compiled graphs run with the GIL released (the default)."),
     Bench("topology_bench.py", "The engine core: thread or process",
-          "python -m mtpserve.benchmarks.topology_bench --variants core-thread core-process "
-          "--max-tokens 128 --json out.json\n"
+          "python -m mtpserve.benchmarks.topology_bench --variants core-thread-unpaced "
+          "core-thread core-process-unpaced core-process --max-tokens 128 --json out.json\n"
           "python -m mtpserve.benchmarks.kv_burst_bench --lanes 4 --engine-core thread process "
-          "--json out.json",
+          "--stream-interval-ms 0 20 --json out.json",
           "`mtpserve up` (configs/local-cpu.yaml) with `prefill.engine_core` and "
           "`decode.engine_core` both `thread` (the engine loop on a thread of the Serve "
-          "replica) and then both `process` (the engine core in a child process of the "
-          "replica, docs/reliability.md), one after the other in one run of each script.",
+          "replica) or both `process` (the engine core in a child process of the replica, "
+          "docs/reliability.md), each with stream pacing off (`decode.stream_interval_ms: 0`, "
+          "`-unpaced`: one message per round to the client) and at the default 20 ms, one "
+          "server after the other in one run of each script.",
           ("topology-cpu-engine-core.json", "kv-burst-cpu-engine-core.json"), engine_core,
-          "Quiet 2-core machine. The decode graphs of batches 1, 2 and 4 were in the compile "
-          "cache (the background compile, off while measuring, builds them after a first "
-          "start). The proxy, the ingress, two shells and two cores share the 2 cores, so a "
-          "core process never has a core of its own beside its shell's I/O: at 1 stream the "
-          "engine thread of the process core spends about 10% of its time waiting for a CPU "
-          "(runqueue, /proc schedstat) and its on-CPU time per token was within 5% of the "
-          "offline engine's wall time per token (3.5 and 3.8 against 3.65 ms, two runs). Until the background compile, a replica never compiled past its first "
-          "start's 90 s budget (the four batch-1 graphs): at 4 streams half of the decode "
-          "replica's py-spy samples were eager forwards, and two runs of this script on that "
-          "cache served 216-245 output tok/s at 4 streams with either core."),
+          "Quiet 2-core machine; the decode graphs the load hits were in the compile cache "
+          "(the background compile, off while measuring, builds them after a first start). "
+          "The proxy, the ingress, two shells and two cores share the 2 cores. Each message "
+          "from the decode replica to the client costs CPU in three processes (decode shell, "
+          "ingress, Serve's proxy), so at 1 stream unpaced they used about half a core "
+          "between them (py-spy and /proc, earlier runs); pacing sends a stream's rounds "
+          "that come within 20 ms as one message. The socket pair between a shell and its "
+          "process core added 0.26 ms p50 per chunk on the engine -> replica hop (0.57 "
+          "against 0.31 ms, stream_hops_bench, `stream-hops-cpu-engine-core.json`): a "
+          "shared-memory ring could save at most that, per message, and pacing already "
+          "cut the messages."),
     Bench("guidellm_run.py", "guidellm against `mtpserve up`",
           "python -m mtpserve.benchmarks.guidellm_run --streams 4 1 --engine-core thread "
-          "process --out out-folder",
+          "process --stream-interval-ms 0 20 --out out-folder",
           "guidellm (installed separately) with concurrent streams, synthetic 128-token "
           "prompts, 64 output tokens, 24 requests per run, the model's own tokenizer; "
-          "`--engine-core thread process` runs one server per engine core. guidellm's own "
+          "`--engine-core thread process --stream-interval-ms 0 20` runs one server per "
+          "engine core and stream pacing. guidellm's own "
           "process shares the 2 cores with the server.",
           ("guidellm/summary.json",), guidellm),
     Bench("prefill_burst.py", "Mixed prefill + decode batches",

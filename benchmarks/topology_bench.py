@@ -45,6 +45,8 @@ VARIANTS = {
                              "decode": {"engine_core": "process", "stream_interval_ms": 0}},
     "core-thread-paced-50": {"prefill": {"engine_core": "thread"},
                              "decode": {"engine_core": "thread", "stream_interval_ms": 50}},
+    "core-process-paced-50": {"prefill": {"engine_core": "process"},
+                              "decode": {"engine_core": "process", "stream_interval_ms": 50}},
 }
 
 

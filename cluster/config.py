@@ -84,12 +84,12 @@ class RoleSettings(_Strict):
         None, description="Autoscaling bounds; None keeps `replicas` fixed."
     )
     engine_core: Literal["thread", "process"] = Field(
-        "thread", description="Where a replica's engine core (rank 0 of its TP group, the "
-        "engine loop, KV pullers / senders, compiled graphs) runs: thread = on a thread of "
-        "the Serve replica's process, sharing its GIL with the streaming; process = in a "
-        "child process the replica starts and stops (token chunks come back over a socket "
-        "pair, batched per engine wake-up; a dead core fails the health check at once and "
-        "its streams migrate).")
+        "process", description="Where a replica's engine core (rank 0 of its TP group, the "
+        "engine loop, KV pullers / senders, compiled graphs) runs: process = in a child "
+        "process the replica starts and stops (token chunks come back over a socket pair, "
+        "batched per engine wake-up; a dead core fails the health check at once and its "
+        "streams migrate); thread = on a thread of the Serve replica's process, sharing its "
+        "GIL with the streaming (starts a few seconds sooner).")
 
 
 class PrefillSettings(RoleSettings):

@@ -242,8 +242,9 @@ def test_a_hold_outlives_its_ttl_while_the_request_waits_in_the_decode_queue(tin
     monkeypatch.setenv("MTPSERVE_ENABLE_FAULT_INJECTION", "1")
     cfg = ClusterConfig(
         model=str(tiny_qwen3),
-        prefill={"num_kv_blocks": 64, "cpus_per_rank": 1},
-        decode={"num_kv_blocks": 128, "cpus_per_rank": 1, "max_num_seqs": 1},
+        prefill={"num_kv_blocks": 64, "cpus_per_rank": 1, "engine_core": "thread"},
+        decode={"num_kv_blocks": 128, "cpus_per_rank": 1, "max_num_seqs": 1,
+                "engine_core": "thread"},
         speculation={"num_speculative_tokens": 2, "adaptive": False},
         kv_transfer={"timeout_s": 20, "hold_ttl_s": 1.0, "host": "127.0.0.1"},
     )

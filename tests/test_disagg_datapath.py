@@ -39,9 +39,10 @@ def make_servers(model, decode_max_num_seqs: int = 8, prefill_blocks: int = 64,
 
     cfg = ClusterConfig(
         model=str(model),
-        prefill={"num_kv_blocks": prefill_blocks, "cpus_per_rank": 1},
+        # In-process servers whose engine internals the tests read: the core on a thread.
+        prefill={"num_kv_blocks": prefill_blocks, "cpus_per_rank": 1, "engine_core": "thread"},
         decode={"num_kv_blocks": decode_blocks, "cpus_per_rank": 1,
-                "max_num_seqs": decode_max_num_seqs},
+                "max_num_seqs": decode_max_num_seqs, "engine_core": "thread"},
         speculation={"num_speculative_tokens": k, "adaptive": False},
         kv_transfer={"timeout_s": 20, "hold_ttl_s": 30, "host": "127.0.0.1", **(kv or {})},
         **extra,

@@ -50,8 +50,11 @@ def make_servers(model: Path, k: int = 2, **extra):
 
     cfg = ClusterConfig(
         model=str(model), block_size=4,
-        prefill={"num_kv_blocks": 96, "cpus_per_rank": 1, "max_num_batched_tokens": 40},
-        decode={"num_kv_blocks": 96, "cpus_per_rank": 1, "max_num_seqs": 4},
+        # In-process servers whose engine internals the tests read: the core on a thread.
+        prefill={"num_kv_blocks": 96, "cpus_per_rank": 1, "max_num_batched_tokens": 40,
+                 "engine_core": "thread"},
+        decode={"num_kv_blocks": 96, "cpus_per_rank": 1, "max_num_seqs": 4,
+                "engine_core": "thread"},
         speculation={"num_speculative_tokens": k, "adaptive": False},
         kv_transfer={"timeout_s": 20, "hold_ttl_s": 30, "host": "127.0.0.1"},
         **extra,

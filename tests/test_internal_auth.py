@@ -197,8 +197,8 @@ def test_replicas_with_the_secret_serve_and_stats_do_not_show_it(tiny_qwen3, cap
     caplog.set_level(logging.DEBUG)
     cfg = with_kv_secret(ClusterConfig(
         model=str(tiny_qwen3),
-        prefill={"num_kv_blocks": 64, "cpus_per_rank": 1},
-        decode={"num_kv_blocks": 128, "cpus_per_rank": 1},
+        prefill={"num_kv_blocks": 64, "cpus_per_rank": 1, "engine_core": "thread"},
+        decode={"num_kv_blocks": 128, "cpus_per_rank": 1, "engine_core": "thread"},
         speculation={"num_speculative_tokens": 2, "adaptive": False},
         kv_transfer={"timeout_s": 20, "hold_ttl_s": 30, "host": "127.0.0.1"},
     ))

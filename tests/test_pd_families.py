@@ -52,9 +52,11 @@ def ckpts(tmp_path_factory) -> dict[str, Path]:
 def cluster_config(model: Path, prefill_tp: int, decode_tp: int, k: int) -> ClusterConfig:
     return ClusterConfig(
         model=str(model), block_size=4,
-        prefill={"tp_size": prefill_tp, "num_kv_blocks": 64, "cpus_per_rank": 1},
+        # In-process servers whose engine internals the tests read: the core on a thread.
+        prefill={"tp_size": prefill_tp, "num_kv_blocks": 64, "cpus_per_rank": 1,
+                 "engine_core": "thread"},
         decode={"tp_size": decode_tp, "num_kv_blocks": 96, "cpus_per_rank": 1,
-                "max_num_seqs": 4},
+                "max_num_seqs": 4, "engine_core": "thread"},
         speculation={"num_speculative_tokens": k, "adaptive": False},
         kv_transfer={"timeout_s": 30, "hold_ttl_s": HOLD_TTL_S, "host": "127.0.0.1"},
     )

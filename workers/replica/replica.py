@@ -47,7 +47,7 @@ class EngineReplica:
         self.cfg = cfg
         self.replica_id = replica_tag()  # prefill: put in every KVTransferParams (`release`)
         self.engine_core = (os.environ.get("MTPSERVE_ENGINE_CORE")
-                            or getattr(side, "engine_core", "thread"))
+                            or side.engine_core)
         self.driver = self.engine = self.poller = self.recorder = None
         if self.engine_core == "process":
             from mtpserve.workers.replica.engine_core_proc import ProcessCore
