@@ -63,7 +63,7 @@ def test_a_paced_stream_sends_the_first_chunk_and_the_end_at_once() -> None:
         q.put_nowait(TokenChunk([2], num_output_tokens=2))
         q.put_nowait(TokenChunk([3], num_output_tokens=3))
         held = asyncio.ensure_future(anext(stream))
-        await asyncio.sleep(0.3)  # a chunk that were not held would be here long before
+        await asyncio.sleep(0.3)  # an unheld chunk would be here long before
         assert not held.done()
         q.put_nowait(TokenChunk([4], finished=True, finish_reason="length",
                                 num_output_tokens=4))
