@@ -398,7 +398,10 @@ BENCHMARKS = [
           "process core added 0.26 ms p50 per chunk on the engine -> replica hop (0.57 "
           "against 0.31 ms, stream_hops_bench, `stream-hops-cpu-engine-core.json`): a "
           "shared-memory ring could save at most that, per message, and pacing already "
-          "cut the messages."),
+          "cut the messages. This host's speed drifts: two later runs of `process, paced 20 "
+          "ms` against the offline engine in the same run gave 0.77x (a disturbed run: the "
+          "other variant idled at 59% of a core) and 1.08x (unpaced 1.02x; offline 302 tok/s "
+          "that time)."),
     Bench("guidellm_run.py", "guidellm against `mtpserve up`",
           "python -m mtpserve.benchmarks.guidellm_run --streams 4 1 --engine-core thread "
           "process --stream-interval-ms 0 20 --out out-folder",
