@@ -90,7 +90,8 @@ async def running_stream(client: httpx.AsyncClient, prompt: str, max_tokens: int
 
 
 def tpot_ms(stamps: list[float], t0: float, t1: float) -> float | None:
-    """Time per token over [t0, t1] from the tokens that arrived in it."""
+    """Time per token over [t0, t1] from the tokens that arrived in it (a paced stream's
+    chunk counts whole where it lands: with 20 ms pacing, +-one chunk per window)."""
     n = sum(t0 <= t < t1 for t in stamps)
     return (t1 - t0) * 1e3 / n if n else None
 
