@@ -47,6 +47,13 @@ VARIANTS = {
                              "decode": {"engine_core": "thread", "stream_interval_ms": 50}},
     "core-process-paced-50": {"prefill": {"engine_core": "process"},
                               "decode": {"engine_core": "process", "stream_interval_ms": 50}},
+    # The process core's channel (engine_core_channel; the variants above take shm, the
+    # default since the socket pair was measured against it).
+    "core-process-socket": {"prefill": {"engine_core_channel": "socket"},
+                            "decode": {"engine_core_channel": "socket"}},
+    "core-process-socket-unpaced": {"prefill": {"engine_core_channel": "socket"},
+                                    "decode": {"engine_core_channel": "socket",
+                                               "stream_interval_ms": 0}},
 }
 
 

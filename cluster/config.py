@@ -86,10 +86,15 @@ class RoleSettings(_Strict):
     engine_core: Literal["thread", "process"] = Field(
         "process", description="Where a replica's engine core (rank 0 of its TP group, the "
         "engine loop, KV pullers / senders, compiled graphs) runs: process = in a child "
-        "process the replica starts and stops (token chunks come back over a socket pair, "
-        "batched per engine wake-up; a dead core fails the health check at once and its "
-        "streams migrate); thread = on a thread of the Serve replica's process, sharing its "
-        "GIL with the streaming (starts a few seconds sooner).")
+        "process the replica starts and stops (token chunks come back batched per engine "
+        "wake-up, see engine_core_channel; a dead core fails the health check at once and "
+        "its streams migrate); thread = on a thread of the Serve replica's process, sharing "
+        "its GIL with the streaming (starts a few seconds sooner).")
+    engine_core_channel: Literal["shm", "socket"] = Field(
+        "shm", description="How a process engine core and its replica exchange messages: "
+        "shm = a ring per direction in shared memory with an eventfd doorbell, rung only "
+        "when the receiver sleeps (Linux; elsewhere the socket is used); socket = a Unix "
+        "socket pair, one send and one receive system call per message.")
 
 
 class PrefillSettings(RoleSettings):

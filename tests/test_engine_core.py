@@ -6,7 +6,8 @@ Covers: disaggregated greedy and seeded outputs == the offline engine (the same 
 on a thread); the named commands (stats, autoscaling, routing, health, release); a dead core ends
 its streams with an engine error at once, fails the health check and refuses work, and the
 request resumes token-exact elsewhere; a stopped (stuck) core fails the health check; replica
-shutdown stops its core; `kill -9` of the replica leaves no orphan core.
+shutdown stops its core (over the shared-memory rings, the default, and over the socket pair);
+`kill -9` of the replica leaves no orphan core.
 """
 
 from __future__ import annotations
@@ -25,15 +26,18 @@ from test_disagg_datapath import greq, prompts
 
 from mtpserve.cluster.config import ClusterConfig
 from mtpserve.workers.messages import ERROR_ENGINE, GenerateRequest
+from mtpserve.workers.replica import shm_channel
 from mtpserve.workers.sampling_params import SamplingParams
 
 
-def core_config(model, mode: str = "process", k: int = 2) -> ClusterConfig:
+def core_config(model, mode: str = "process", k: int = 2,
+                channel: str = "shm") -> ClusterConfig:
     return ClusterConfig(
         model=str(model),
-        prefill={"num_kv_blocks": 64, "cpus_per_rank": 1, "engine_core": mode},
+        prefill={"num_kv_blocks": 64, "cpus_per_rank": 1, "engine_core": mode,
+                 "engine_core_channel": channel},
         decode={"num_kv_blocks": 256, "cpus_per_rank": 1, "max_num_seqs": 8,
-                "engine_core": mode},
+                "engine_core": mode, "engine_core_channel": channel},
         speculation={"num_speculative_tokens": k, "adaptive": False},
         kv_transfer={"timeout_s": 20, "hold_ttl_s": 30, "host": "127.0.0.1"},
     )
@@ -176,12 +180,22 @@ def test_a_dead_core_ends_its_streams_and_the_request_resumes_token_exact(
     print(f"dead core detected after {detect_s * 1000:.1f} ms")
 
 
-def test_replica_shutdown_stops_its_core(tiny_qwen3) -> None:
+@pytest.mark.parametrize("channel", ["shm", "socket"])
+def test_replica_shutdown_stops_its_core(tiny_qwen3, channel: str) -> None:
+    """Over either channel (the servers above use shm): the core serves, then stops."""
     from mtpserve.workers.replica.prefill_server import PrefillServer
 
-    p = PrefillServer.func_or_class(core_config(tiny_qwen3))
+    p = PrefillServer.func_or_class(core_config(tiny_qwen3, channel=channel))
     pid = p.core.pid
     assert alive(pid)
+    uses_rings = isinstance(p.core._conn, shm_channel.ShmChannel)
+    assert uses_rings == (channel == "shm")
+    x = prompts(1, length=24, seed=36)[0]
+    want = run_to_completion(make_engine(tiny_qwen3, 2, num_kv_blocks=64), [x],
+                             [greq("r", x, 1).params])
+    first, held = asyncio.run(p.prefill(greq("r", x, 1)))
+    assert first.token_ids == want[0] and held is None
+    assert asyncio.run(p.core.call("stats"))["used_blocks"] == 0
     p.shutdown()
     assert p.core.proc.returncode == 0  # stopped politely, not killed
     assert not alive(pid)

@@ -4,10 +4,13 @@ The Serve replica keeps asyncio I/O only; a child process it starts owns the `Co
 (rank 0 of the TP group, the engine thread, KV pullers / senders, compiled graphs), so the
 engine's Python work and the replica's streaming no longer share one GIL.
 
-The boundary is one Unix socket pair (multiprocessing `Connection` framing, pickle of plain
-messages; tensors never cross it: KV moves between ranks and replicas as before, and held
-extras stay in the child). Shell -> core: `gen` (add a request and stream it), `call` (a
-named `CoreHost` command with a reply), `cast` (no reply), `abort`, `stop`. Core -> shell:
+The boundary (`engine_core_channel`): a shared-memory ring per direction with an eventfd
+doorbell (shm_channel.py; the default on Linux), or one Unix socket pair (multiprocessing
+`Connection` framing). Either way pickles plain messages; tensors never cross it: KV moves
+between ranks and replicas as before, and held extras stay in the child. With rings, the
+socket pair carries only doorbell bytes (to wake a sleeping reader) and signals death by its EOF. Shell -> core: `gen` (add
+a request and stream it), `call` (a named `CoreHost` command with a reply), `cast` (no
+reply), `abort`, `stop`. Core -> shell:
 one message per engine wake-up holding every chunk and reply that piled up since the last
 (`AsyncEngine.on_tick`), plus the core's failed flag when it changes and a heartbeat.
 
@@ -47,6 +50,7 @@ from mtpserve.workers.messages import (
     KVTransferParams,
     TokenChunk,
 )
+from mtpserve.workers.replica import shm_channel
 from mtpserve.workers.replica.engine_core import ReplicaUnavailableError
 
 logger = logging.getLogger(__name__)
@@ -81,6 +85,7 @@ class ProcessCore:
 
         self.role = role
         side = role_settings(cfg, role)
+        self.channel: str = getattr(side, "engine_core_channel", "shm")
         spec = rank_spec(cfg, role)
         self.workers: list = []
         rendezvous = pending = None
@@ -89,7 +94,7 @@ class ProcessCore:
 
             spec, self.workers, pending, rendezvous = spawn_workers(
                 spec, side.cpus_per_rank, side.gpus_per_rank)
-        self._conn: Connection | None = None
+        self._conn: Connection | shm_channel.ShmChannel | None = None
         self._send_lock = threading.Lock()
         self._ids = itertools.count()
         self._replies: dict[int, concurrent.futures.Future] = {}
@@ -127,17 +132,25 @@ class ProcessCore:
     # The reader thread ---------------------------------------------------------------------
     def _run(self, boot: dict) -> None:
         parent_sock, child_sock = socket.socketpair()
+        argv = [sys.executable, "-m", "mtpserve.workers.replica.engine_core_proc",
+                str(child_sock.fileno()), str(os.getpid())]
+        fds = [child_sock.fileno()]
+        rings = None
+        if self.channel == "shm" and shm_channel.available():
+            rings = shm_channel.Ring.create(), shm_channel.Ring.create()  # to core, to shell
+            argv.append(shm_channel.fds_arg(*rings))
+            fds += [fd for ring in rings for fd in ring.fds()]
         try:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "mtpserve.workers.replica.engine_core_proc",
-                 str(child_sock.fileno()), str(os.getpid())],
-                pass_fds=[child_sock.fileno()], env=child_env(), close_fds=True)
+            self.proc = subprocess.Popen(argv, pass_fds=fds, env=child_env(), close_fds=True)
         except BaseException as e:
             self._ready.set_exception(e)
             return
         finally:
             child_sock.close()
-        conn = self._conn = Connection(parent_sock.detach())
+        if rings is not None:
+            conn = self._conn = shm_channel.ShmChannel(*rings, sock=parent_sock)
+        else:
+            conn = self._conn = Connection(parent_sock.detach())
         try:
             conn.send(boot)
             while True:
@@ -152,6 +165,10 @@ class ProcessCore:
             self.proc.kill()
         code = self.proc.wait()
         self._on_death(f"the engine core process exited (code {code})")
+        with self._send_lock:  # no send is under way (and none follows: _dead is set)
+            conn.close()
+            if isinstance(conn, shm_channel.ShmChannel):
+                conn.release()
 
     def _dispatch(self, batch: list) -> None:
         per_loop: dict[asyncio.AbstractEventLoop, list] = {}
@@ -324,7 +341,7 @@ class _Outbox:
     """Messages to the shell, shipped as one batch per engine wake-up (`flush` is the
     engine's `on_tick`) or at once for replies from other threads."""
 
-    def __init__(self, conn: Connection) -> None:
+    def __init__(self, conn: Connection | shm_channel.ShmChannel) -> None:
         self.conn = conn
         self._items: list[tuple] = []
         self._lock = threading.Lock()  # _items
@@ -356,7 +373,7 @@ class _Outbox:
             self._last_sent = time.monotonic()
 
 
-def _serve(conn: Connection, boot: dict) -> None:
+def _serve(conn: Connection | shm_channel.ShmChannel, boot: dict) -> None:
     """The child's main thread: build the host, then execute the shell's messages."""
     from mtpserve.workers.replica.engine_core import HOSTS
     from mtpserve.workers.replica.tp_group import RankCore, TPDriver
@@ -448,7 +465,10 @@ def main(argv: list[str]) -> None:
     die_with_parent(parent_pid)
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s engine-core %(levelname)s %(name)s: %(message)s")
-    conn = Connection(fd)
+    if len(argv) > 2:  # the shell made shared-memory rings: the socket only signals death
+        conn = shm_channel.child_channel(argv[2], socket.socket(fileno=fd))
+    else:
+        conn = Connection(fd)
     boot = conn.recv()
     try:
         _serve(conn, boot)
