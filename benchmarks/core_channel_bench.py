@@ -130,7 +130,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     if not shm_channel.available():
-        sys.exit("shared-memory rings need Linux (memfd_create, eventfd)")
+        sys.exit("shared-memory rings need Linux (memfd_create)")
     runs: dict[str, list[dict]] = {k: [] for k in CHANNELS}
     for _ in range(args.repeats):  # alternate, so drift on the host hits both alike
         for kind in CHANNELS:

@@ -10,9 +10,10 @@ p50 / p90 milliseconds over every decode-side chunk, and tokens per chunk (a chu
 whole round; more when the consumer fell behind and chunks were merged), and the decode-side
 tokens per second of each load.
 
-`--engine-core thread process` starts one server per value of `decode.engine_core` and
-`prefill.engine_core` (the engine core on a thread of the Serve replica, or in its own process),
-one after another in one run, and writes them under `variants`.
+`--engine-core thread process process-socket` starts one server per value of
+`decode.engine_core` and `prefill.engine_core` (the engine core on a thread of the Serve
+replica, or in its own process over shared memory or the socket pair), one after another in
+one run, and writes them under `variants`.
 
     python -m mtpserve.benchmarks.stream_hops_bench --json benchmarks/results/stream-hops-cpu.json
 """
@@ -80,20 +81,29 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 4])
-    ap.add_argument("--engine-core", nargs="+", choices=("thread", "process"),
+    ap.add_argument("--engine-core", nargs="+", choices=("thread", "process", "process-socket"),
                     help="one server per value of prefill/decode.engine_core (default: the "
-                         "config's)")
+                         "config's); process-socket: a process core over the socket pair "
+                         "(engine_core_channel: socket) instead of shared memory")
+    ap.add_argument("--stream-interval-ms", type=float,
+                    help="decode.stream_interval_ms (default: the config's); 0 sends one "
+                         "chunk per round, so the engine -> decode_out hop is the boundary "
+                         "alone, not time a paced chunk was held")
     ap.add_argument("--json")
     a = ap.parse_args()
     os.environ[ENV] = "1"  # `mtpserve up` passes it on to every replica
     prompts = held_out_prompts(a.requests, num_chars=512)
     head: dict = {"config": a.config, "k": a.k, "max_tokens": a.max_tokens,
-                  "requests": a.requests}
+                  "requests": a.requests, "stream_interval_ms": a.stream_interval_ms}
     variants: dict[str, dict] = {}
     for core in a.engine_core or [None]:
         over: dict = {"speculation": {"num_speculative_tokens": a.k, "adaptive": False}}
         if core is not None:
-            over |= {"prefill": {"engine_core": core}, "decode": {"engine_core": core}}
+            mode, _, channel = core.partition("-")
+            side = {"engine_core": mode} | ({"engine_core_channel": channel} if channel else {})
+            over |= {"prefill": dict(side), "decode": dict(side)}
+        if a.stream_interval_ms is not None:
+            over.setdefault("decode", {})["stream_interval_ms"] = a.stream_interval_ms
         res: dict = {}
         with running_server(variant_config(Path(a.config), over, a.port), 900) as start_s:
             res["start_seconds"] = start_s

@@ -92,9 +92,9 @@ class RoleSettings(_Strict):
         "its GIL with the streaming (starts a few seconds sooner).")
     engine_core_channel: Literal["shm", "socket"] = Field(
         "shm", description="How a process engine core and its replica exchange messages: "
-        "shm = a ring per direction in shared memory with an eventfd doorbell, rung only "
-        "when the receiver sleeps (Linux; elsewhere the socket is used); socket = a Unix "
-        "socket pair, one send and one receive system call per message.")
+        "shm = a ring per direction in shared memory; a doorbell byte on the socket pair "
+        "wakes the receiver only when it sleeps (Linux; elsewhere the socket is used); "
+        "socket = a Unix socket pair, one send and one receive system call per message.")
 
 
 class PrefillSettings(RoleSettings):

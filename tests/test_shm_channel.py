@@ -21,7 +21,7 @@ import pytest
 
 from mtpserve.workers.replica import shm_channel
 
-pytestmark = pytest.mark.skipif(not shm_channel.available(), reason="Linux memfd / eventfd")
+pytestmark = pytest.mark.skipif(not shm_channel.available(), reason="Linux memfd_create")
 
 # The child echoes every message back until it gets None, then exits; "die" exits at once.
 _ECHO = """

@@ -4,13 +4,13 @@ The Serve replica keeps asyncio I/O only; a child process it starts owns the `Co
 (rank 0 of the TP group, the engine thread, KV pullers / senders, compiled graphs), so the
 engine's Python work and the replica's streaming no longer share one GIL.
 
-The boundary (`engine_core_channel`): a shared-memory ring per direction with an eventfd
-doorbell (shm_channel.py; the default on Linux), or one Unix socket pair (multiprocessing
-`Connection` framing). Either way pickles plain messages; tensors never cross it: KV moves
-between ranks and replicas as before, and held extras stay in the child. With rings, the
-socket pair carries only doorbell bytes (to wake a sleeping reader) and signals death by its EOF. Shell -> core: `gen` (add
-a request and stream it), `call` (a named `CoreHost` command with a reply), `cast` (no
-reply), `abort`, `stop`. Core -> shell:
+The boundary (`engine_core_channel`): a shared-memory ring per direction (shm_channel.py;
+the default on Linux), or one Unix socket pair (multiprocessing `Connection` framing). Either
+way pickles plain messages; tensors never cross it: KV moves between ranks and replicas as
+before, and held extras stay in the child. With rings, the socket pair carries only doorbell
+bytes (to wake a sleeping reader) and signals death by its EOF. Shell -> core: `gen` (add a
+request and stream it), `call` (a named `CoreHost` command with a reply), `cast` (no reply),
+`abort`, `stop`. Core -> shell:
 one message per engine wake-up holding every chunk and reply that piled up since the last
 (`AsyncEngine.on_tick`), plus the core's failed flag when it changes and a heartbeat.
 
