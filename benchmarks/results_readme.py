@@ -177,19 +177,11 @@ def stream_hops(name: str) -> list[str]:
 
 
 def _core_label(variant: str) -> str:
-    """core-thread-unpaced -> "thread, unpaced"; core-process -> "process, paced 20 ms";
-    core-process-socket-unpaced -> "process (socket), unpaced" (topology_bench's variants
-    without a pacing suffix take the default, 20 ms; without a channel, the default)."""
-    core, _, rest = variant.removeprefix("core-").partition("-")
-    channel, _, pace = rest.partition("-") if rest.startswith("socket") else ("", "", rest)
-    core += f" ({channel})" if channel else ""
+    """core-thread-unpaced -> "thread, unpaced"; core-process -> "process, paced 20 ms"
+    (topology_bench's variants without a pacing suffix take the default, 20 ms)."""
+    core, _, pace = variant.removeprefix("core-").partition("-")
     return f"{core}, " + ("unpaced" if pace == "unpaced" else
                           f"paced {pace.removeprefix('paced-') or 20} ms")
-
-
-def engine_core(serving: str, burst: str) -> list[str]:
-    return [*core_serving(serving), "", "The 16-arrival burst (`kv_burst_bench.py`):", "",
-            *kv_burst(burst), *running_streams(burst)]
 
 
 def core_channel(channel: str, hops: str) -> list[str]:
@@ -222,7 +214,7 @@ def core_channel(channel: str, hops: str) -> list[str]:
             *_table(["hop", *(f"{v}, {n} stream(s)" for v, n in cols)], hop_rows)]
 
 
-def core_serving(serving: str) -> list[str]:
+def engine_core(serving: str, burst: str) -> list[str]:
     d = _load(serving)
     ref = d["offline_decode_tokens_per_s"]["on"]
     rows = []
@@ -243,7 +235,9 @@ def core_serving(serving: str) -> list[str]:
                      "1 stream tok/s, 1/TPOT p50 (vs offline)",
                      "1 stream decode tok/s (vs offline)", "4 streams output tok/s",
                      "4 streams TPOT p50 ms", "4 streams TTFT p50 ms",
-                     "idle CPU % of a core"], rows)]
+                     "idle CPU % of a core"], rows),
+            "", "The 16-arrival burst (`kv_burst_bench.py`):", "", *kv_burst(burst),
+            *running_streams(burst)]
 
 
 def running_streams(name: str) -> list[str]:

@@ -13,7 +13,8 @@ tokens per second of each load.
 `--engine-core thread process process-socket` starts one server per value of
 `decode.engine_core` and `prefill.engine_core` (the engine core on a thread of the Serve
 replica, or in its own process over shared memory or the socket pair), one after another in
-one run, and writes them under `variants`.
+one run, and writes them under `variants`; a value given again runs again, kept as
+`process (run 2)` and so on (repeats show the host's drift).
 
     python -m mtpserve.benchmarks.stream_hops_bench --json benchmarks/results/stream-hops-cpu.json
 """
@@ -96,7 +97,8 @@ def main() -> None:
     head: dict = {"config": a.config, "k": a.k, "max_tokens": a.max_tokens,
                   "requests": a.requests, "stream_interval_ms": a.stream_interval_ms}
     variants: dict[str, dict] = {}
-    for core in a.engine_core or [None]:
+    cores = a.engine_core or [None]
+    for i, core in enumerate(cores):
         over: dict = {"speculation": {"num_speculative_tokens": a.k, "adaptive": False}}
         if core is not None:
             mode, _, channel = core.partition("-")
@@ -115,7 +117,8 @@ def main() -> None:
                 res[f"streams_{n}"] = summarize(chunks) | {
                     "decode_tokens_per_s": sum(c["tokens"] for c in chunks)
                     / (time.perf_counter() - t0)}
-        variants[core or "config"] = res
+        earlier = cores[:i].count(core)
+        variants[(core or "config") + (f" (run {earlier + 1})" if earlier else "")] = res
         _print(a, core, res)
     if a.json:
         out = head | ({"variants": variants} if a.engine_core else variants["config"])
