@@ -9,7 +9,8 @@ one non-blocking copy into a pinned host buffer, one wait on an event recorded a
 Every device -> host read of the engine's hot path goes through it and `HOST_SYNCS` counts
 them by reason, so a CPU test can hold a round to one (tests/test_host_syncs.py); on a GPU
 `benchmarks/gpu_check.py` also counts, with CUDA sync debug mode, any sync that bypasses it.
-Off CUDA the copy is a plain copy and nothing waits (pinned memory needs CUDA).
+Off CUDA the copy is a plain copy and nothing waits (pinned memory needs CUDA). The CUDA copy
+is the device seam's `read_host` (workers/device.py), which the fake-CUDA tier supplies.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import threading
 from collections.abc import Sequence
 
 import torch
+
+from mtpserve.workers.device import runtime
 
 
 class HostSyncs:
@@ -53,15 +56,7 @@ def to_host(tensors: Sequence[torch.Tensor], reason: str) -> list[list]:
     device = tensors[0].device
     flat = [t.reshape(-1).to(torch.long) for t in tensors]
     packed = flat[0] if len(flat) == 1 else torch.cat(flat)
-    if device.type == "cuda":
-        host = torch.empty(packed.shape, dtype=torch.long, pin_memory=True)
-        host.copy_(packed, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        done.synchronize()
-    else:
-        host = packed
-    values = host.tolist()
+    values = runtime().read_host(packed) if device.type == "cuda" else packed.tolist()
     out, n = [], 0
     for t in tensors:
         m = t.numel()

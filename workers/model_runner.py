@@ -18,6 +18,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from mtpserve.workers import graph_memory
+from mtpserve.workers.device import runtime
 from mtpserve.workers.engine_config import (
     DEFAULT_NUM_KV_BLOCKS,
     KVMemoryBudget,
@@ -110,21 +111,21 @@ class CUDAMemory:
         self.device = device
 
     def info(self) -> tuple[int, int]:
-        return torch.cuda.mem_get_info(self.device)
+        return runtime().mem_get_info(self.device)
 
     def allocated(self) -> int:
-        return torch.cuda.memory_allocated(self.device)
+        return runtime().memory_allocated(self.device)
 
     def reset_peak(self) -> None:
-        torch.cuda.reset_peak_memory_stats(self.device)
+        runtime().reset_peak_memory_stats(self.device)
 
     def peak(self) -> int:
-        torch.cuda.synchronize(self.device)
-        return torch.cuda.max_memory_allocated(self.device)
+        runtime().synchronize(self.device)
+        return runtime().max_memory_allocated(self.device)
 
     def empty_cache(self) -> None:
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()
+        runtime().synchronize(self.device)
+        runtime().empty_cache()
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -258,7 +259,7 @@ class ModelRunner:
                 default_cache_dir() if compile_cache_dir is None else compile_cache_dir)
             self._graph_key = graph_memory.record_key(
                 model_path, dtype, block_size, self.attention_backend, get_tp().size,
-                get_tp().rank, torch.cuda.get_device_name(self.device), torch.__version__)
+                get_tp().rank, runtime().name(self.device), torch.__version__)
         if graph_reserve_bytes is None:
             graph_reserve_bytes = (self._graph_record.reserve(self._graph_key)
                                    if self._graph_record is not None else 0)
@@ -353,11 +354,12 @@ class ModelRunner:
         if self.cuda_graphs is not None:  # capturing costs milliseconds per bucket
             # Measured as reserved (not allocated) bytes: after capture the graphs' private
             # pool keeps their intermediates reserved though no tensor holds them.
-            torch.cuda.synchronize(self.device)
-            before = torch.cuda.memory_reserved(self.device)
+            rt = runtime()
+            rt.synchronize(self.device)
+            before = rt.memory_reserved(self.device)
             captured = self.cuda_graphs.capture_pending()
-            torch.cuda.synchronize(self.device)
-            self.graph_memory_bytes += max(0, torch.cuda.memory_reserved(self.device) - before)
+            rt.synchronize(self.device)
+            self.graph_memory_bytes += max(0, rt.memory_reserved(self.device) - before)
             if captured and self._graph_record is not None:
                 self._graph_record.store(self._graph_key, self.graph_memory_bytes)
             if log and captured:

@@ -17,11 +17,13 @@ Written without a GPU to hand: the probe is the guard for a kernel or layout tor
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mtpserve.workers.device import runtime
 from mtpserve.workers.model.parallel import (
     ColumnParallelLinear,
     ReplicatedLinear,
@@ -29,6 +31,9 @@ from mtpserve.workers.model.parallel import (
     _all_reduce,
 )
 from mtpserve.workers.model.quantization import FP8BlockConfig, dequantize
+
+if TYPE_CHECKING:
+    from mtpserve.workers.model.config import ModelConfig
 
 FP8 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(FP8).max
@@ -127,6 +132,27 @@ class Fp8BlockLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+# --- routed experts ----------------------------------------------------------------------
+
+# Devices whose float8 storage and indexing the expert path was checked on (meta: a memory
+# plan builds the model there and must get the layout the load will).
+_FP8_EXPERT_DEVICES = ("cuda", "cpu", "meta")
+
+
+def keep_experts_fp8(cfg: ModelConfig, tp_size: int, device_type: str) -> bool:
+    """Whether routed experts keep the checkpoint's FP8 values and 128x128 block scales
+    (`moe.Experts`, dequantized at use) rather than being dequantized at load: an FP8
+    128x128-block checkpoint whose per-rank expert slice (intermediate / tp) and hidden size
+    lie on the 128 grid, on a device listed above. A pure function of its arguments, applied
+    when `Experts` is built, so a meta-device model gets the same parameters as a load."""
+    q, moe = cfg.quant, cfg.moe
+    if q is None or moe is None or tuple(q.block) != (GROUP, GROUP):
+        return False
+    if device_type not in _FP8_EXPERT_DEVICES or cfg.hidden_size % GROUP:
+        return False
+    return moe.intermediate_size % tp_size == 0 and (moe.intermediate_size // tp_size) % GROUP == 0
+
+
 # --- which linears, and loading their block scales -------------------------------------------
 
 def _local_out(linear: nn.Module) -> list[tuple[int, int]]:
@@ -184,8 +210,9 @@ def select_path(quant: FP8BlockConfig | None, dtype: torch.dtype,
         return DEQUANTIZED, f"serving dtype {dtype} (bf16 only)"
     if not hasattr(F, "scaled_mm"):
         return DEQUANTIZED, "this torch has no F.scaled_mm"
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    cap = torch.cuda.get_device_capability(index)
+    rt = runtime()
+    index = device.index if device.index is not None else rt.current_index()
+    cap = rt.capability(index)
     if cap < (8, 9):
         return DEQUANTIZED, f"compute capability {cap[0]}.{cap[1]} < 8.9 (no fp8)"
     problem = _probe(index)
