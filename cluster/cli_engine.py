@@ -13,8 +13,26 @@ def _ints(s: str) -> tuple[int, ...]:
 
 def add_commands(sub: argparse._SubParsersAction, bench: argparse._SubParsersAction,
                  default_model: str) -> None:
-    p = sub.add_parser("check", help="print a checkpoint's tensor inventory; non-zero on problems")
+    p = sub.add_parser("check", help="print a checkpoint's tensor inventory and, with --tp-size "
+                       "/ --gpu-memory-gib (or with config.json only), its memory plan per TP "
+                       "rank; non-zero on problems or when it does not fit")
     p.add_argument("path", nargs="?", default=default_model)
+    p.add_argument("--tp-size", type=int, help="plan for this many TP ranks (default 1)")
+    p.add_argument("--gpu-memory-gib", type=float,
+                   help="device memory of one rank's GPU, GiB (the plan's verdict needs it)")
+    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16",
+                   help="serving dtype of the plan (the engine's default on CUDA)")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="requests per decode round (default: the engine's, 32)")
+    p.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help="drafts per round, k (default: the engine's, 2)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="largest prefill chunk (default: the engine's, 512)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="context the KV must hold for one request (default: the model's)")
+    p.add_argument("--kv-cache-memory-fraction", type=float, default=None,
+                   help="share of the GPU a rank may use (default: the engine's, 0.9)")
+    p.add_argument("--json", action="store_true", help="print the memory plan as JSON")
     p.set_defaults(func=_check)
 
     p = sub.add_parser("generate", help="generate offline with MTP speculative decoding")
@@ -91,6 +109,13 @@ def _read_prompts(path: str) -> list[str]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def _has_weights(path: str) -> bool:
+    from pathlib import Path
+
+    p = Path(path)
+    return (p / "model.safetensors.index.json").is_file() or any(p.glob("*.safetensors"))
+
+
 def _check(args: argparse.Namespace) -> int:
     from mtpserve.workers.model.checkpoint import inventory
     from mtpserve.workers.model.config import ModelConfig
@@ -99,20 +124,53 @@ def _check(args: argparse.Namespace) -> int:
     # is refused here by name, before any tensor is read or any replica starts.
     try:
         cfg = ModelConfig.from_pretrained(args.path)
-    except ValueError as e:
+    except (ValueError, FileNotFoundError) as e:
         print(f"mtpserve check: {e}", file=sys.stderr)
         return 1
-    for line in cfg.describe():
-        print(line)
-    entries = inventory(args.path, cfg)
-    width = max(len(e.tensor) for e in entries)
-    print(f"{'tensor':<{width}}  {'shape':<16} {'dtype':<6} status")
-    for e in entries:
-        shape = "x".join(map(str, e.shape)) if e.shape is not None else "-"
-        print(f"{e.tensor:<{width}}  {shape:<16} {e.dtype or '-':<6} {e.status}")
-    bad = [e for e in entries if e.is_problem]
-    print(f"{len(entries)} tensors, {len(bad)} problem(s)")
-    return 1 if bad else 0
+    weights = _has_weights(args.path)
+    want_plan = (args.tp_size is not None or args.gpu_memory_gib is not None or args.json
+                 or not weights)
+    bad = []
+    if not args.json:
+        for line in cfg.describe():
+            print(line)
+    if weights:
+        entries = inventory(args.path, cfg)
+        bad = [e for e in entries if e.is_problem]
+        if not args.json:
+            width = max(len(e.tensor) for e in entries)
+            print(f"{'tensor':<{width}}  {'shape':<16} {'dtype':<6} status")
+            for e in entries:
+                shape = "x".join(map(str, e.shape)) if e.shape is not None else "-"
+                print(f"{e.tensor:<{width}}  {shape:<16} {e.dtype or '-':<6} {e.status}")
+            print(f"{len(entries)} tensors, {len(bad)} problem(s)")
+    elif not args.json:
+        print("weights: none here (config.json only); the memory plan needs none")
+    if not want_plan:
+        return 1 if bad else 0
+    plan = _plan(args, cfg)
+    if args.json:
+        out = plan.to_json()
+        if weights:
+            out["inventory_problems"] = len(bad)
+        print(json.dumps(out, indent=2))
+    else:
+        for line in plan.lines():
+            print(line)
+    return 1 if bad or plan.fits is False else 0
+
+
+def _plan(args: argparse.Namespace, cfg):  # noqa: ANN001, ANN202 - lazy import of the types
+    from mtpserve.workers.memory_plan import PlanSettings, plan_memory, plan_settings_from_gib
+
+    given = {"tp_size": args.tp_size, "max_num_seqs": args.max_num_seqs,
+             "num_speculative_tokens": args.num_speculative_tokens,
+             "max_num_batched_tokens": args.max_num_batched_tokens,
+             "max_model_len": args.max_model_len,
+             "kv_cache_memory_fraction": args.kv_cache_memory_fraction}
+    kw = {k: v for k, v in given.items() if v is not None}
+    settings: PlanSettings = plan_settings_from_gib(args.gpu_memory_gib, dtype=args.dtype, **kw)
+    return plan_memory(args.path, settings, cfg)
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -12,7 +12,8 @@ TP ranks run compiled decode graphs too (an opaque op in the graph, called back 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -45,6 +46,21 @@ def set_tp(rank: int, size: int, group: dist.ProcessGroup | None,
     """Set this process's TP coordinates; call before building the model."""
     global _TP
     _TP = TPGroup(rank, size, group, shm)
+
+
+@contextmanager
+def construction_tp(rank: int, size: int) -> Iterator[TPGroup]:
+    """TP coordinates (no process group) for building one rank's shard, e.g. on the meta
+    device for a memory plan (workers/memory_plan.py); the previous ones come back on exit.
+    Layers read `get_tp()` when built, so the shapes are the rank's; a forward of such a
+    model would need the group. Process-global, like `set_tp`: not for a process that is
+    serving."""
+    global _TP
+    prev, _TP = _TP, TPGroup(rank, size, None)
+    try:
+        yield _TP
+    finally:
+        _TP = prev
 
 
 @torch.library.custom_op("mtpserve::tp_all_reduce", mutates_args=())
