@@ -62,6 +62,9 @@ GIB = 1 << 30
 MIN_KV_BLOCKS = 8  # kv_blocks_for_memory's floor: an engine below it does not start
 DEFAULT_FRACTION = EngineConfig.__dataclass_fields__["kv_cache_memory_fraction"].default
 TP_CANDIDATES = (1, 2, 4, 8, 16, 32, 64)
+# config.json only: families whose published checkpoints give each MTP module its own
+# embedding and head (`model.layers.{L}.embed_tokens`, `.shared_head.head`).
+OWN_MTP_HEAD_TYPES = ("deepseek_v3",)
 # Checkpoint projection -> the fused parameter the loader loads it into (loader._FUSED).
 _FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
           "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
@@ -165,7 +168,12 @@ class MemoryPlan:
 
 
 def _g(n: int | None) -> str:
-    return "-" if n is None else f"{n / GIB:.2f} GiB"
+    if n is None:
+        return "-"
+    for unit, size in (("GiB", GIB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
 
 
 def _by_dtype(d: dict[str, int]) -> str:
@@ -194,9 +202,9 @@ def checkpoint_view(path: str | Path, cfg: ModelConfig) -> CheckpointView:
                               "checkpoint headers")
     required, optional = expected_tensors(cfg)
     present = set(required)
-    if cfg.mtp_naming == "deepseek_v3":
-        # The published DeepSeek-V3 / GLM checkpoints repeat the embedding and head in each
-        # MTP layer (the loader then builds them per module): assumed present.
+    if cfg.model_type in OWN_MTP_HEAD_TYPES and cfg.mtp_naming == "deepseek_v3":
+        # The published DeepSeek-V3 checkpoints repeat the embedding and head in each MTP
+        # layer (the loader then builds them per module): assumed present.
         present |= set(optional) - {"lm_head.weight"}
     quantized = ({n for n in present if n.endswith("proj.weight")} if cfg.quant else set())
     return CheckpointView(frozenset(present), frozenset(quantized), "config.json")
@@ -399,6 +407,9 @@ def plan_memory(path: str | Path, settings: PlanSettings, cfg: ModelConfig | Non
         if view.source == "config.json":
             plan.notes.append("config.json only: every *_proj weight assumed to carry "
                               "128x128 block scales, as the published FP8 checkpoints do")
+    if view.source == "config.json" and any(m.head is not None for m in model.mtp):
+        plan.notes.append("config.json only: each MTP module assumed to have its own embedding "
+                          "and head, as the published checkpoints of this family do")
     main, mtp = weight_bytes(model)
     total: dict[str, int] = {}
     for d in (main, mtp):
