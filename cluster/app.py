@@ -6,6 +6,7 @@ Usable as `import_path` in `serve run` / `serve deploy` configs (`args:` is the 
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from ray.serve import Application
@@ -13,6 +14,8 @@ from ray.serve.config import RequestRouterConfig
 
 from mtpserve.cluster.config import ClusterConfig
 from mtpserve.cluster.serve_options import autoscaling_config, max_ongoing
+
+log = logging.getLogger(__name__)
 
 ROUTER = "mtpserve.router.routing:CacheAwareRouter"
 ROUTING_STATS_PERIOD_S = 1.0  # = router.routing.ROUTING_STATS_PERIOD_S (no Serve import here)
@@ -79,6 +82,52 @@ def with_kv_secret(cfg: ClusterConfig) -> ClusterConfig:
     return cfg.model_copy(update={"kv_transfer": kv})
 
 
+def _gpu_memory_bytes(cfg: ClusterConfig) -> int | None:
+    if cfg.engine.gpu_memory_gib is not None:
+        return int(cfg.engine.gpu_memory_gib * 2**30)
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return int(torch.cuda.get_device_properties(0).total_memory)
+
+
+def memory_refusal(cfg: ClusterConfig) -> str | None:
+    """Why the cluster's layout cannot fit its GPUs (each role's memory plan,
+    workers/memory_plan.py), or None: it fits, the check is off, the device is not CUDA (no
+    device memory to check), there is no config.json, or no GPU size is known here."""
+    if cfg.device != "cuda" or not cfg.engine.memory_check:
+        return None
+    if not (Path(cfg.model) / "config.json").is_file():
+        return None
+    total = _gpu_memory_bytes(cfg)
+    if total is None:
+        log.warning("memory check skipped: no CUDA device here and engine.gpu_memory_gib unset")
+        return None
+    from mtpserve.workers.memory_plan import PlanSettings, plan_memory
+
+    for role in ("prefill", "decode"):
+        side = getattr(cfg, role)
+        share = min(1.0, side.gpus_per_rank or 1.0)  # ranks splitting one GPU
+        settings = PlanSettings(
+            tp_size=side.tp_size, gpu_memory_bytes=int(total * share),
+            dtype="bfloat16" if cfg.dtype == "auto" else cfg.dtype,
+            max_num_seqs=getattr(side, "max_num_seqs", 64),
+            num_speculative_tokens=cfg.speculation.num_speculative_tokens,
+            max_num_batched_tokens=getattr(side, "max_num_batched_tokens", 512),
+            block_size=cfg.block_size,
+            kv_cache_memory_fraction=cfg.engine.kv_cache_memory_fraction,
+            max_model_len=cfg.max_model_len)
+        plan = plan_memory(cfg.model, settings)
+        if plan.fits is False:
+            fit = "; ".join(plan.suggestions)
+            return (f"{role} replicas (TP {side.tp_size}) do not fit the GPU: {plan.message}"
+                    + (f". Would fit: {fit}" if fit else "")
+                    + " (`mtpserve check` prints the plan; engine.memory_check: false skips "
+                    "this check)")
+    return None
+
+
 def build_app(args: ClusterConfig) -> Application:
     from mtpserve.router.ingress import OpenAIIngress
     from mtpserve.workers.replica.decode_server import DecodeServer
@@ -86,6 +135,9 @@ def build_app(args: ClusterConfig) -> Application:
 
     cfg = with_kv_secret(resolve(args if isinstance(args, ClusterConfig)
                                  else ClusterConfig(**args)))
+    refusal = memory_refusal(cfg)
+    if refusal:
+        raise ValueError(refusal)
     prefill = PrefillServer.options(**deployment_options(cfg, "prefill")).bind(cfg)
     decode = DecodeServer.options(**deployment_options(cfg, "decode")).bind(cfg)
     return OpenAIIngress.options(**ingress_options(cfg)).bind(prefill, decode, cfg)

@@ -116,6 +116,12 @@ def _up(args: argparse.Namespace) -> int:
     except RuntimeError as e:
         print(f"mtpserve: {e}", file=sys.stderr)
         return 2
+    from mtpserve.cluster.app import memory_refusal
+
+    refusal = memory_refusal(cfg)  # CUDA: the layout's memory plan, before Ray starts
+    if refusal:
+        print(f"mtpserve: {refusal}", file=sys.stderr)
+        return 2
     stop = threading.Event()
     ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False,
              log_to_driver=False)

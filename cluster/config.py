@@ -210,6 +210,15 @@ class EngineSettings(_Strict):
         "times gpus_per_rank when that is below 1); its KV pool gets what is left after the "
         "weights, a profiled prefill's peak activations and a reserve for CUDA graphs, and "
         "never more than the GPU has free.")
+    memory_check: bool = Field(
+        True, description="device cuda: before any replica starts, `mtpserve up` and the Serve "
+        "app builder compute each role's memory plan from the model's config.json (the "
+        "plan of `mtpserve check --tp-size --gpu-memory-gib`) and refuse a layout whose "
+        "weights, activations, graph reserve and states leave no room for one request of "
+        "max_model_len, with the numbers and what would fit. false skips it (CPU: never run).")
+    gpu_memory_gib: float | None = Field(
+        None, gt=0, description="Memory of one GPU for the memory check, GiB; null: the first "
+        "CUDA device the builder's process sees (none there: the check is skipped).")
 
 
 class SpeculationSettings(_Strict):

@@ -181,3 +181,27 @@ def test_config_only_plan_text(name, capsys) -> None:
     assert main(["check", str(CONFIGS / name), "--tp-size", "4", "--gpu-memory-gib", "141"]) == 0
     text = capsys.readouterr().out
     assert "weights: none here" in text and "KV per token" in text
+
+
+def _cuda_cluster(model: Path, tp: int, **engine) -> object:
+    from mtpserve.cluster.config import ClusterConfig
+
+    side = {"tp_size": tp, "gpus_per_rank": 1}
+    return ClusterConfig(model=str(model), device="cuda", prefill=side, decode=side,
+                         engine={"gpu_memory_gib": 141, **engine})
+
+
+def test_serve_app_refuses_a_cuda_layout_that_does_not_fit() -> None:
+    from mtpserve.cluster.app import build_app, memory_refusal
+
+    cfg = _cuda_cluster(CONFIGS / "deepseek-v3-bf16", 8)
+    why = memory_refusal(cfg)
+    assert why.startswith("prefill replicas (TP 8) do not fit the GPU: a rank's budget is "
+                          "126.90 GiB") and "Would fit: TP 16" in why
+    with pytest.raises(ValueError, match="do not fit the GPU"):
+        build_app(cfg)
+    assert memory_refusal(_cuda_cluster(CONFIGS / "deepseek-v3-bf16", 8,
+                                        memory_check=False)) is None
+    assert memory_refusal(_cuda_cluster(CONFIGS / "qwen3-next-80b-a3b", 2)) is None
+    cpu = cfg.model_copy(update={"device": "cpu"})  # no device memory limit to check on CPU
+    assert memory_refusal(cpu) is None
