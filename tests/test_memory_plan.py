@@ -205,3 +205,16 @@ def test_serve_app_refuses_a_cuda_layout_that_does_not_fit() -> None:
     assert memory_refusal(_cuda_cluster(CONFIGS / "qwen3-next-80b-a3b", 2)) is None
     cpu = cfg.model_copy(update={"device": "cpu"})  # no device memory limit to check on CPU
     assert memory_refusal(cpu) is None
+
+
+def test_simulator_takes_a_replicas_weight_bytes_from_the_plan() -> None:
+    from mtpserve.cluster.sim.hardware import DATA_DIR, load_hardware
+    from mtpserve.cluster.sim.model_arch import load_arch
+    from mtpserve.cluster.sim.replica_models import RooflineReplicaModel
+    from mtpserve.workers.model.config import ModelConfig
+
+    cfg = ModelConfig.from_dict(json.loads((DATA_DIR / "qwen3-32b-like.json").read_text()))
+    per_rank = plan_memory(DATA_DIR, PlanSettings(tp_size=2), cfg).per_rank.weight_bytes
+    model = RooflineReplicaModel(load_hardware("h200"), load_arch("qwen3-32b-like"), tp=2,
+                                 k_max=2, max_num_seqs=8)
+    assert model.weight_bytes == 2 * per_rank

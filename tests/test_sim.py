@@ -351,8 +351,11 @@ def test_replica_start_delay_is_made_of_stated_parts() -> None:
 
     hw = load_hardware("h200")
     arch = load_arch("mimo-7b-like")
-    weights_s = arch.total_params() * arch.weight_bytes / hw.load_bw
     pre, dec = build_models(SimConfig())
+    # A rank's weights as the engine allocates them (the memory plan), at the stated bandwidth.
+    weights_s = arch.planned_weight_bytes(pre.tp) / hw.load_bw
+    assert weights_s == pytest.approx(arch.total_params() * arch.weight_bytes / pre.tp
+                                      / hw.load_bw, rel=0.01)
     assert pre.start_parts == pytest.approx(
         {"process_s": hw.process_start_s, "weights_s": weights_s, "graphs_s": 0.0})
     assert dec.start_parts["graphs_s"] == hw.graph_warm_s

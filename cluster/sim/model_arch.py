@@ -5,7 +5,10 @@ Understood: dense GQA transformers (Qwen3, MiMo, Llama-like), DeepSeek-style MLA
 (`kv_lora_rank`) and routed-expert MoE layers (`n_routed_experts`), MTP layers
 (`num_nextn_predict_layers`: one transformer layer plus the 2h x h projection each, sharing the
 embedding and the head), FP8 weights (`quantization_config.quant_method == "fp8"`). Norms and
-biases are ignored (well under 0.1% of the parameters).
+biases are ignored (well under 0.1% of the parameters). `weight_bytes` (1 for FP8) prices the
+bytes a forward reads; the memory a replica's weights take comes from the engine's memory plan
+(`planned_weight_bytes`, workers/memory_plan.py: the model built on the meta device per TP rank)
+wherever the engine can build the config, and from the parameter count otherwise.
 
 | shipped config | source of the numbers |
 |---|---|
@@ -16,8 +19,9 @@ biases are ignored (well under 0.1% of the parameters).
 
 from __future__ import annotations
 
+import functools
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from mtpserve.cluster.sim.hardware import DATA_DIR
@@ -54,6 +58,15 @@ class ModelArch:
     n_shared: int = 0
     first_dense: int = 0
     defaults: tuple[tuple[str, object], ...] = ()  # the JSON's `mtpserve_sim` block
+    # The config.json text: the engine's memory plan (workers/memory_plan.py) gives the bytes
+    # a TP rank holds (`planned_weight_bytes`) where the engine can build the model.
+    config_text: str = field(default="", compare=False, repr=False)
+
+    def planned_weight_bytes(self, tp: int) -> float | None:
+        """Weight bytes of one TP rank as the engine allocates them (bf16 serving; FP8
+        checkpoints as the engine keeps them, so routed experts count at bf16 unless their
+        construction keeps them FP8), or None where the engine would not build it."""
+        return _planned_weight_bytes(self.config_text, tp) if self.config_text else None
 
     @property
     def mla(self) -> bool:
@@ -163,6 +176,19 @@ def load_arch(name_or_path: str) -> ModelArch:
     return arch_from_config(json.loads(path.read_text()), path.stem)
 
 
+@functools.lru_cache(maxsize=64)
+def _planned_weight_bytes(config_text: str, tp: int) -> float | None:
+    from mtpserve.workers.memory_plan import PlanSettings, plan_memory
+    from mtpserve.workers.model.config import ModelConfig
+
+    try:
+        cfg = ModelConfig.from_dict(json.loads(config_text))
+        plan = plan_memory("<config.json>", PlanSettings(tp_size=tp), cfg, suggest=False)
+    except (ValueError, KeyError, NotImplementedError):  # a family or key the engine refuses
+        return None
+    return None if plan.per_rank is None else float(plan.per_rank.weight_bytes)
+
+
 def arch_from_config(cfg: dict, name: str = "model") -> ModelArch:
     # Some configs nest the language model (multimodal wrappers).
     cfg = cfg.get("text_config", cfg)
@@ -189,4 +215,5 @@ def arch_from_config(cfg: dict, name: str = "model") -> ModelArch:
         n_shared=int(cfg.get("n_shared_experts") or 0),
         first_dense=int(cfg.get("first_k_dense_replace") or 0) if experts else 0,
         defaults=tuple(sorted((cfg.get("mtpserve_sim") or {}).items())),
+        config_text=json.dumps(cfg, sort_keys=True),
     )

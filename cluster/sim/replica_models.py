@@ -159,7 +159,9 @@ class RooflineReplicaModel:
             else 0.0
         self.expert_bytes = a.expert_params() * a.weight_bytes if a.moe else 0.0
         self.moe_layers = a.layers - a.first_dense if a.moe else 0
-        weights = a.total_params() * a.weight_bytes
+        # What the engine allocates per rank (memory plan), else the parameter count.
+        planned = a.planned_weight_bytes(tp)
+        weights = planned * tp if planned is not None else a.total_params() * a.weight_bytes
         free = hw.hbm_bytes * hw.mem_util * tp - weights - hw.activation_reserve_bytes * tp
         if free <= 0:
             raise ValueError(f"{arch.name} ({weights / 1e9:.0f} GB of weights) does not fit "
