@@ -46,7 +46,7 @@ class CUDARuntime:
     def synchronize(self, device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
-    def read_host(self, packed: torch.Tensor) -> list:
+    def read_host(self, packed: torch.Tensor, reason: str) -> list:
         """The device -> host copy of `host_sync.to_host`: one non-blocking copy of a 1-D long
         tensor into pinned memory, one wait on an event recorded after it, its values."""
         host = torch.empty(packed.shape, dtype=torch.long, pin_memory=True)

@@ -19,6 +19,8 @@ import dataclasses
 import logging
 import time
 
+import torch
+
 from mtpserve.workers.adaptive_k import AdaptiveK
 from mtpserve.workers.block_manager import BlockManager, blocks_for
 from mtpserve.workers.engine_config import (
@@ -247,9 +249,18 @@ class Engine:
         self.requests[req.request_id] = req
         self.scheduler.add_transferred(req, num_slots)
 
-    def activate_transferred(self, req: Request) -> None:
+    def activate_transferred(self, req: Request,
+                             extras: dict[str, torch.Tensor] | None = None) -> None:
         """Every TP rank has received the request's KV: it joins the decode rounds (or, if
-        it was aborted meanwhile, its blocks are freed now)."""
+        it was aborted meanwhile, its blocks are freed now). `extras`: what the prefill sent
+        beside the KV, as the puller copied it to the host: the drafts and, for a sampled
+        request, their q, which moves to this engine's device here: its first verify round
+        stacks it with the other rows' q (on CUDA a host q there fails the whole batch)."""
+        if extras is not None:
+            drafts = extras.get("draft_token_ids")
+            req.draft_token_ids = drafts.tolist() if drafts is not None else []
+            q = extras.get("draft_probs")
+            req.draft_probs = None if q is None else q.to(self.runner.kv_cache.buffers[0].device)
         if req.request_id in self.scheduler.cancelled:
             self.scheduler.drop_transfer(req)
             return

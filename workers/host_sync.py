@@ -56,7 +56,7 @@ def to_host(tensors: Sequence[torch.Tensor], reason: str) -> list[list]:
     device = tensors[0].device
     flat = [t.reshape(-1).to(torch.long) for t in tensors]
     packed = flat[0] if len(flat) == 1 else torch.cat(flat)
-    values = runtime().read_host(packed) if device.type == "cuda" else packed.tolist()
+    values = runtime().read_host(packed, reason) if device.type == "cuda" else packed.tolist()
     out, n = [], 0
     for t in tensors:
         m = t.numel()

@@ -132,10 +132,7 @@ class KVArrivals(_RankPoller):
                 req = receiving[o.request_id]
                 cancelled = o.request_id in sched.cancelled
                 if o.ok:
-                    drafts = o.extras.get("draft_token_ids")
-                    req.draft_token_ids = drafts.tolist() if drafts is not None else []
-                    req.draft_probs = o.extras.get("draft_probs")
-                    engine.activate_transferred(req)
+                    engine.activate_transferred(req, o.extras)
                     if not cancelled:  # its stream is gone: nothing would take the note
                         hop_trace.note(o.request_id, "activated")
                 else:

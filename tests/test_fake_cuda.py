@@ -1,0 +1,124 @@
+"""The fake-CUDA tier (issue 41 item 1): the engine's GPU code paths on this CPU-only machine.
+
+Every engine here runs with `device="cuda"` inside `fake_cuda()` (tests/fake_cuda.py): fake
+tensors carry shapes, dtypes and devices without data, so what a GPU run would break on
+fails here too: a host tensor meeting device tensors in one op (device mismatch), and any
+read of device values on the host besides the round's one counted sync (`to_host`, whose
+values the test supplies). CUDA's defaults apply: flex attention, the device-side draft
+chain, pinned staging. What this cannot show (numerics, kernels, graphs, NCCL, speed) is
+`benchmarks/gpu_check.py`'s; CONTRIBUTING.md says which is which.
+"""
+
+from __future__ import annotations
+
+import collections
+from pathlib import Path
+
+import pytest
+import torch
+from fake_cuda import fake_cuda, zeros
+from tiny_models import make_hf_checkpoint
+
+from mtpserve.workers.engine import Engine
+from mtpserve.workers.engine_config import EngineConfig
+from mtpserve.workers.sampling_params import SamplingParams
+from mtpserve.workers.scheduler import decode_slots, draft_slots
+
+PROMPTS = [[5, 17, 99, 3, 250, 7, 42, 8, 1, 77, 31], [3, 4, 5, 6, 7, 8],
+           [100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111, 112, 113]]
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0)
+SAMPLED = SamplingParams(max_tokens=6, temperature=1.0, top_p=0.9, seed=7)
+LOGPROBS = SamplingParams(max_tokens=6, temperature=0.8, seed=3, logprobs=2)
+
+
+def accept_some(n: int, reason: str) -> list[int]:
+    """Host values of a counted sync: 1 wherever it is read (one draft accepted per row,
+    token 1): the accepting branches run, not only the all-rejected ones."""
+    return [1] * n
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory) -> dict[str, Path]:
+    from test_qwen3_next import make_qwen3_next_checkpoint
+
+    root = tmp_path_factory.mktemp("fake_cuda")
+    return {
+        "qwen3": make_hf_checkpoint(root / "qwen3", "qwen3", num_mtp=1),
+        "qwen3_moe": make_hf_checkpoint(root / "qwen3_moe", "qwen3_moe", num_mtp=1),
+        "deepseek_v3": make_hf_checkpoint(root / "deepseek_v3", "deepseek_v3", num_mtp=1),
+        "qwen3_next": make_qwen3_next_checkpoint(root / "qwen3_next"),
+    }
+
+
+def cuda_engine(model: Path, k: int = 2, **kw) -> Engine:
+    return Engine(EngineConfig(model=str(model), num_speculative_tokens=k, device="cuda",
+                               compile="off", num_kv_blocks=64, block_size=4, **kw))
+
+
+def _assert_on_cuda(eng: Engine) -> None:
+    assert {b.device.type for b in eng.runner.kv_cache.buffers} == {"cuda"}
+    assert {p.device.type for p in eng.runner.model.parameters()} == {"cuda"}
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "deepseek_v3", "qwen3_next"])
+@pytest.mark.parametrize("values", ["zeros", "accept_some"])
+def test_rounds_run_on_cuda_with_one_sync_each(ckpts, family: str, values: str) -> None:
+    """Prefill with MTP drafts, then mixed greedy / sampled / logprobs verify rounds and the
+    draft chain, per family (dense GQA, MoE, MLA + MoE, hybrid Gated DeltaNet): everything
+    on the device, one counted host read per step."""
+    with fake_cuda(zeros if values == "zeros" else accept_some) as rt:
+        eng = cuda_engine(ckpts[family])
+        _assert_on_cuda(eng)
+        for i, (p, sp) in enumerate(zip(PROMPTS, (GREEDY, SAMPLED, LOGPROBS), strict=True)):
+            eng.add_request(f"r{i}", p, sp)
+        steps = 0
+        while eng.has_unfinished():
+            before = len(rt.reads)
+            outs = eng.step()
+            steps += 1
+            assert len(rt.reads) - before == 1, rt.reads[before:]
+            assert steps < 40
+            for o in outs:
+                assert o.error is None, o.error
+        reasons = collections.Counter(r for r, _ in rt.reads)
+        assert reasons["first tokens"] >= 1 and reasons["accepted ids"] >= 1, reasons
+        assert set(reasons) <= {"first tokens", "accepted ids"}, reasons
+        assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+
+
+def test_transferred_request_first_sampled_round(ckpts) -> None:
+    """The P/D bug of issue 41: a transferred sampled request's draft q arrives as the
+    puller's host copy; its first verify round runs beside local sampled rows whose q is on
+    the device. Installing the arrival's extras moves the q to the device: one round, no
+    device mismatch, and the transferred request's drafts are verified."""
+    ckpt = ckpts["qwen3"]
+    with fake_cuda(accept_some):
+        pre = cuda_engine(ckpt, role="prefill")
+        dec = cuda_engine(ckpt, role="decode")
+        dec.add_request("local", PROMPTS[1], SAMPLED)
+        dec.step()  # prefill: its drafts' q on the device
+        dec.step()  # a sampled round
+        local = dec.requests["local"]
+        assert local.draft_probs is not None and local.draft_probs.device.type == "cuda"
+        pre.add_request("x", PROMPTS[0], SAMPLED)
+        (first,) = pre.step()
+        held = pre.prefilled["x"]
+        k = len(held.draft_token_ids)
+        assert k == 2 and held.draft_probs is not None
+        # What the decode side's puller hands over: host copies of the prefill's extras.
+        extras = {"draft_token_ids": torch.tensor(held.draft_token_ids, dtype=torch.long),
+                  "draft_probs": torch.rand(k, held.draft_probs.shape[-1])}
+        r = dec.make_request("x", PROMPTS[0], SAMPLED)
+        r.output_token_ids += first.new_token_ids
+        r.num_computed_tokens = held.num_computed_tokens
+        dec.add_transferred(r, max(draft_slots(held), decode_slots(r)))
+        assert dec.scheduler.admit_transferred() == [r]
+        dec.activate_transferred(r, extras)
+        assert r.draft_token_ids == held.draft_token_ids
+        assert r.draft_probs is not None and r.draft_probs.device.type == "cuda"
+        outs = dec.step()  # the first round of "x" beside "local": q stacked on the device
+        by_id = {o.request_id: o for o in outs}
+        assert by_id["x"].error is None and by_id["local"].error is None
+        assert (by_id["x"].num_drafted, by_id["x"].num_accepted) == (2, 1)  # 1: the values
+        assert len(r.output_token_ids) == 3  # first token, one accepted draft, the bonus
+        pre.release_prefilled("x")
