@@ -197,7 +197,7 @@ class DecoderLayer(nn.Module):
             from mtpserve.workers.model.moe import MoE  # moe.py builds on MLP from here
 
             assert cfg.moe is not None
-            self.mlp = MoE(cfg.hidden_size, cfg.moe)
+            self.mlp = MoE(cfg.hidden_size, cfg.moe, cfg)  # cfg: the FP8-experts rule
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 

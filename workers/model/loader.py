@@ -19,6 +19,7 @@ from mtpserve.workers.model.checkpoint import (
     weight_files,
 )
 from mtpserve.workers.model.config import ModelConfig
+from mtpserve.workers.model.moe import Experts
 from mtpserve.workers.model.quantization import SCALE_SUFFIX, dequantize
 from mtpserve.workers.model.transformer import CausalLM
 
@@ -125,6 +126,9 @@ def load_model(
     path_, reason = fp8.select_path(cfg.quant, dtype, device)
     kept = _fp8_linears(model, cfg, present, files, required, optional, target_of, device) \
         if path_ == fp8.SCALED_MM else {}
+    # Routed experts that keep their fp8 values (`fp8.keep_experts_fp8`, decided when the
+    # Experts modules were built), by module name.
+    fp8_experts = {n: m for n, m in model.named_modules() if isinstance(m, Experts) and m.fp8}
     with torch.no_grad():
         for f, names in by_file.items():
             with safe_open(f, framework="pt") as sf:
@@ -138,9 +142,20 @@ def load_model(
                         with safe_open(files[scale], framework="pt") as sc:
                             scale_inv = sc.get_tensor(scale)
                         module = target.removesuffix(".weight")
+                        experts = fp8_experts.get(target.rpartition(".")[0])
                         if module in kept:  # fp8 values load as they are (exact in bf16)
                             linear, local = kept[module]
                             fp8.local_scale(linear, scale_inv.to(local.device), shard, local)
+                        elif experts is not None and shard is not None:
+                            # One expert part at a time: its fp8 values and its blocks, no
+                            # wider copy of the expert tensor.
+                            try:
+                                experts.scale_loader(param, scale_inv, shard)
+                            except ValueError as e:
+                                raise CheckpointError(f"{scale}: {e}") from e
+                        elif experts is not None:
+                            raise CheckpointError(f"{name}: stacked fp8 experts are not "
+                                                  "supported (per-expert tensors only)")
                         else:
                             tensor = dequantize(tensor, scale_inv, cfg.quant.block)
                     try:
@@ -155,6 +170,9 @@ def load_model(
     if cfg.quant is not None:
         model.quant_path = (f"{path_} ({reason}): {len(kept)} linears kept fp8"
                             if kept else f"{fp8.DEQUANTIZED} ({reason})")
+        if fp8_experts:
+            model.quant_path += (f"; {len(fp8_experts)} expert layers kept fp8 (dequantized "
+                                 "at use)")
         logger.info("%s: fp8 weights %s", path, model.quant_path)
     return model.eval()
 

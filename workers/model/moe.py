@@ -7,12 +7,29 @@ Routers (each the exact op sequence of its transformers reference, so expert cho
   scores of the chosen experts, renormalised, times `routed_scaling_factor`: DeepSeek-V3 and
   GLM-4.5 (`Glm4MoeTopkRouter`). Router weight and bias are fp32, as transformers keeps them.
 
-Experts run batched, never one token at a time:
-- gathered (decode; always inside compiled graphs): each (token, slot) pair gathers its
-  expert's weights and one `bmm` runs them all. Static shapes, so the compiled decode graphs
-  cover MoE layers; it reads T*K experts' weights, which is what decode reads anyway.
-- grouped by expert (large eager batches: prefill): pairs sorted by expert, one matmul per
-  expert that has tokens (a loop over experts, not tokens).
+Experts run batched, never one token at a time, with static shapes and no host read (so the
+compiled decode graphs cover MoE layers and CUDA graphs can capture them):
+- grouped (every batch above `_GATHER_PAIRS` (token, slot) pairs): pairs sorted by expert,
+  the group offsets (cumulative counts) computed on the device with `searchsorted`, and two
+  grouped matmuls over the stacked weights as they are (`group_mm`: `F.grouped_mm`, the CUDA
+  kernel for bf16; on CPU the same op in any float dtype, wrapped in a custom op under
+  torch.compile because its meta function takes bf16 only; elsewhere (fp32 / fp16 on CUDA) a
+  masked loop over experts, E times the FLOPs). Results go back to (token, slot) order by a
+  permutation, then the slots' weighted sum, the gathered path's arithmetic.
+- gathered (a single pair): the pair gathers its expert's weights, one `bmm`. Gathering
+  copies T*K experts' weights (a 64 x 8 DeepSeek-V3 decode bucket at TP=8: ~22 GB per layer),
+  so it is kept only where it measured cheaper. CPU, one thread, fp32, median of 21, us
+  gathered / grouped by pairs: H=64 I=32 E=8: 1: 77/175, 2: 96/175, 16: 240/203; H=256 I=128
+  E=16: 1: 144/225, 2: 434/242; H=1024 I=256 E=64: 1: 654/530, 2: 3063/640; H=2048 I=256 E=64:
+  1: 1338/632, 4: 13099/2506. Grouped wins from 2 pairs at every size but toy ones.
+
+FP8 experts (`fp8.keep_experts_fp8`: an FP8 128x128-block checkpoint whose per-rank expert
+slice lies on the 128 grid, decided when `Experts` is built, so a meta-device build agrees):
+w13 / w2 hold the checkpoint's float8_e4m3fn values and `*_scale_inv` their block scales,
+loaded expert part by expert part. They are dequantized at use, in fp32 rounded once to the
+serving dtype (the values a dequantized-at-load twin holds): the gathered path the gathered
+experts, the grouped path min(E, pairs) experts, the used ones first (a static count). On CUDA
+`fp8_grouped_kernel` is the seam for a grouped FP8 kernel reading fp8 directly; none is wired.
 
 Tensor parallelism: every rank holds a 1/tp slice of every expert's intermediate dimension
 (and of the shared experts'); the router is replicated and runs on the same (all-reduced)
@@ -26,11 +43,15 @@ a combine back, the router staying replicated. `MoE.experts` is the only piece t
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from mtpserve.workers.model.families.base import MoEConfig
+from mtpserve.workers.model.fp8 import FP8, GROUP, keep_experts_fp8
 from mtpserve.workers.model.layers import MLP
 from mtpserve.workers.model.parallel import (
     ReplicatedLinear,
@@ -40,7 +61,16 @@ from mtpserve.workers.model.parallel import (
     get_tp,
 )
 
-_GATHER_BYTES = 64 << 20
+if TYPE_CHECKING:
+    from mtpserve.workers.model.config import ModelConfig
+
+_GATHER_PAIRS = 1  # the measured crossover (module docstring)
+
+# The seam for a grouped FP8 kernel on CUDA (FlashInfer's fused MoE, torch._scaled_grouped_mm
+# with 128x128 weight blocks): (experts, rows [M, hidden] grouped by expert, offs [E] int32)
+# -> [M, hidden], reading `w13` / `w2` and their `*_scale_inv` in fp8. None: no such kernel is
+# wired in or verified here, so FP8 experts are dequantized at use on every device.
+fp8_grouped_kernel: Callable[[Experts, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
 
 class Router(nn.Module):
@@ -87,21 +117,113 @@ class Router(nn.Module):
         return (weights * c.routed_scaling_factor).to(x.dtype), idx
 
 
+def _cpu_group_mm_impl(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    if _aligned(a) and _aligned(b):
+        return F.grouped_mm(a, b, offs=offs)
+    # Off the kernel's 16-byte stride grid (odd test sizes): one matmul per group. Reading
+    # offs here costs nothing: on CPU there is no device to wait for.
+    out = a.new_zeros(a.shape[0], b.shape[-1])
+    start = 0
+    for g, end in enumerate(offs.tolist()):
+        if end > start:
+            out[start:end] = a[start:end] @ b[g]
+        start = end
+    return out
+
+
+# torch 2.13 runs `grouped_mm` on CPU in any float dtype, but its meta function (what
+# torch.compile traces with) accepts bf16 only; an opaque op with its own fake keeps fp32 CPU
+# models compilable. CUDA calls F.grouped_mm directly (the kernel the graph captures).
+_cpu_group_mm = torch.library.custom_op("mtpserve::group_mm_cpu", mutates_args=())(
+    _cpu_group_mm_impl)
+
+
+@_cpu_group_mm.register_fake
+def _(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return a.new_empty(a.shape[0], b.shape[-1])
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    """grouped_mm's layout rule: the non-unit stride of the last two dims a multiple of 16 B."""
+    step = 16 // t.element_size()
+    s = t.stride()
+    return (s[-1] == 1 and s[-2] % step == 0) or (s[-2] == 1 and s[-1] % step == 0)
+
+
+def _masked_group_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """The grouped product with static shapes and no host read, without a grouped kernel:
+    every group's matmul over all rows, each row keeping its own group's. G times the FLOPs,
+    so only for what the CUDA kernel refuses (fp32 / fp16 serving on CUDA)."""
+    rows = torch.arange(a.shape[0], device=a.device, dtype=offs.dtype)
+    group = torch.searchsorted(offs, rows, right=True)  # the group each row falls in
+    out = a.new_zeros(a.shape[0], b.shape[-1])
+    for g in range(b.shape[0]):
+        out = torch.where((group == g).unsqueeze(-1), a @ b.select(0, g), out)
+    return out
+
+
+def group_mm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """a [M, K] rows sorted by group, w [G, N, K], offs [G] int32 (end row of each group,
+    offs[-1] == M) -> [M, N], row r times w[its group]^T. Static shapes, no host read."""
+    b = w.transpose(1, 2)  # [G, K, N] column-major: the layout grouped GEMM kernels take
+    if a.device.type == "cpu":  # the op only where traced: its dispatch costs ~40 us eager
+        op = _cpu_group_mm if torch.compiler.is_compiling() else _cpu_group_mm_impl
+        return op(a, b, offs)
+    if a.dtype == w.dtype == torch.bfloat16 and _aligned(a) and _aligned(b):
+        return F.grouped_mm(a, b, offs=offs)
+    return _masked_group_mm(a, b, offs)
+
+
+def dequantize_experts(w: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype,
+                       chunk: int = 8) -> torch.Tensor:
+    """[G, R, C] fp8 experts with [G, R / 128, C / 128] block scales -> `dtype`, computed in
+    fp32 and rounded once (the values a dequantize-at-load twin holds); `chunk` experts at a
+    time, so the fp32 intermediate stays small."""
+    g, r, c = w.shape
+    out = torch.empty(g, r, c, dtype=dtype, device=w.device)
+    # narrow / index_copy_ rather than indexing and copy_: the ops a CPU build's fake CUDA
+    # tensors run (the no-host-read test), and the same kernels on a real device.
+    for i in range(0, g, chunk):
+        n = min(chunk, g - i)
+        blocks = w.narrow(0, i, n).float().view(n, r // GROUP, GROUP, c // GROUP, GROUP)
+        si = scale_inv.narrow(0, i, n).float().view(n, r // GROUP, 1, c // GROUP, 1)
+        out.index_copy_(0, torch.arange(i, i + n, device=w.device),
+                        (blocks * si).view(n, r, c).to(dtype))
+    return out
+
+
 class Experts(nn.Module):
     """Routed experts as stacked weights: w13 [E, 2 * I_local, hidden] (gate; up) and
-    w2 [E, hidden, I_local]; checkpoint tensors `experts.{e}.{gate,up,down}_proj.weight`."""
+    w2 [E, hidden, I_local]; checkpoint tensors `experts.{e}.{gate,up,down}_proj.weight`.
 
-    def __init__(self, hidden: int, cfg: MoEConfig) -> None:
+    With `model_cfg` given and `fp8.keep_experts_fp8(model_cfg, tp, device type)` true, w13 and
+    w2 hold the checkpoint's float8_e4m3fn values and `w13_scale_inv` [E, 2 I_local / 128,
+    hidden / 128] / `w2_scale_inv` [E, hidden / 128, I_local / 128] their 128x128 block
+    scales (fp32), this rank's blocks; they are dequantized at use."""
+
+    def __init__(self, hidden: int, cfg: MoEConfig, model_cfg: ModelConfig | None = None
+                 ) -> None:
         super().__init__()
         tp = get_tp()
         self.num_experts, self.tp_rank = cfg.num_experts, tp.rank
         self.full_inter = cfg.intermediate_size
         self.local_inter = _divide(cfg.intermediate_size, tp.size, "moe_intermediate_size")
+        # The same rule wherever the module is built (a load, a meta-device memory plan).
+        self.fp8 = model_cfg is not None and keep_experts_fp8(
+            model_cfg, tp.size, torch.get_default_device().type)
         n, i = cfg.num_experts, self.local_inter
-        self.w13 = nn.Parameter(torch.empty(n, 2 * i, hidden))
+        dtype = FP8 if self.fp8 else None
+        self.w13 = nn.Parameter(torch.empty(n, 2 * i, hidden, dtype=dtype),
+                                requires_grad=not self.fp8)
         self.w13.weight_loader = self.weight_loader
-        self.w2 = nn.Parameter(torch.empty(n, hidden, i))
+        self.w2 = nn.Parameter(torch.empty(n, hidden, i, dtype=dtype),
+                               requires_grad=not self.fp8)
         self.w2.weight_loader = self.weight_loader
+        # fp32 block scales of the fp8 experts (None otherwise).
+        self.register_buffer("w13_scale_inv", torch.ones(
+            n, 2 * i // GROUP, hidden // GROUP, dtype=torch.float32) if self.fp8 else None)
+        self.register_buffer("w2_scale_inv", torch.ones(
+            n, hidden // GROUP, i // GROUP, dtype=torch.float32) if self.fp8 else None)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard: tuple[int, int | None]) -> None:
@@ -112,21 +234,50 @@ class Experts(nn.Module):
         want = (hidden, full) if part is None else (full, hidden)
         if tuple(loaded.shape) != want:
             raise ValueError(f"shape mismatch: expected {want}, got {tuple(loaded.shape)}")
+        if self.fp8 and loaded.dtype != FP8:
+            raise ValueError(f"expert weight of dtype {loaded.dtype} where the experts keep "
+                             "the checkpoint's fp8 values (a weight_scale_inv is needed)")
         if part is None:
             param.data[expert].copy_(loaded.narrow(1, self.tp_rank * i, i))
         else:
             param.data[expert, part * i:(part + 1) * i].copy_(
                 loaded.narrow(0, self.tp_rank * i, i))
 
+    def scale_loader(self, param: nn.Parameter, scale_inv: torch.Tensor,
+                     shard: tuple[int, int | None]) -> None:
+        """One expert part's `weight_scale_inv` [rows / 128, cols / 128] -> this rank's blocks,
+        the slice `weight_loader` takes of the weight (the local slice is on the 128 grid)."""
+        expert, part = shard
+        full, b = self.full_inter // GROUP, self.local_inter // GROUP
+        hidden = self.w13.shape[2] // GROUP
+        want = (hidden, full) if part is None else (full, hidden)
+        if tuple(scale_inv.shape) != want:
+            raise ValueError(f"scale shape mismatch: expected {want}, "
+                             f"got {tuple(scale_inv.shape)}")
+        if part is None:
+            self.w2_scale_inv[expert].copy_(scale_inv.narrow(1, self.tp_rank * b, b))
+        else:
+            self.w13_scale_inv[expert, part * b:(part + 1) * b].copy_(
+                scale_inv.narrow(0, self.tp_rank * b, b))
+
+    def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202 - nn.Module's signature
+        # `.to(dtype)` (lower_mtp_precision) casts every float tensor: fp8 experts keep their
+        # fp8 values and fp32 scales, following only the device.
+        if not self.fp8:
+            return super()._apply(fn, recurse)
+        keep = {n: getattr(self, n).data for n in
+                ("w13", "w2", "w13_scale_inv", "w2_scale_inv")}
+        device = fn(torch.empty(0, device=self.w13.device)).device
+        super()._apply(fn, recurse)
+        for n, t in keep.items():
+            getattr(self, n).data = t.to(device)
+        return self
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """x [T, hidden], weights/idx [T, K] -> this rank's partial sum [T, hidden]."""
         T, K = idx.shape
-        # Gathering costs T*K experts' weights of traffic; grouping reads each hit expert once
-        # but loops over experts with a host sync. Gather while it reads no more than all the
-        # experts would, or no more than _GATHER_BYTES (small models: always at decode sizes).
-        pair_bytes = self.w13[0].nbytes + self.w2[0].nbytes
-        if (torch.compiler.is_compiling() or T * K <= self.num_experts
-                or T * K * pair_bytes <= _GATHER_BYTES):
+        # T and K are static (a compiled bucket's shape), so this choice is too.
+        if T * K <= _GATHER_PAIRS:
             return self._gathered(x, weights, idx)
         return self._grouped(x, weights, idx)
 
@@ -136,40 +287,67 @@ class Experts(nn.Module):
 
     def _gathered(self, x: torch.Tensor, weights: torch.Tensor,
                   idx: torch.Tensor) -> torch.Tensor:
+        """Each (token, slot) pair gathers its expert's weights; one bmm runs them all."""
         T, K = idx.shape
         flat = idx.reshape(-1)
+        w13, w2 = self.w13[flat], self.w2[flat]
+        if self.fp8:
+            w13 = dequantize_experts(w13, self.w13_scale_inv[flat], x.dtype)
+            w2 = dequantize_experts(w2, self.w2_scale_inv[flat], x.dtype)
         xk = x.unsqueeze(1).expand(T, K, x.shape[-1]).reshape(T * K, -1, 1)
-        h = self._swiglu(torch.bmm(self.w13[flat], xk).squeeze(-1))  # [T*K, I]
-        out = torch.bmm(self.w2[flat], h.unsqueeze(-1)).view(T, K, -1)
+        h = self._swiglu(torch.bmm(w13, xk).squeeze(-1))  # [T*K, I]
+        out = torch.bmm(w2, h.unsqueeze(-1)).view(T, K, -1)
         return (out * weights.unsqueeze(-1)).sum(dim=1)
 
     def _grouped(self, x: torch.Tensor, weights: torch.Tensor,
                  idx: torch.Tensor) -> torch.Tensor:
+        """Pairs sorted by expert, group offsets computed on the device, two grouped matmuls
+        over the experts' own weights: static shapes, no host read, no weight copies."""
         T, K = idx.shape
+        E, M = self.num_experts, T * K
         flat = idx.reshape(-1)
         order = torch.argsort(flat, stable=True)
-        token = order // K
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        w = weights.reshape(-1)[order].unsqueeze(-1)
-        rows = x[token]
-        out = torch.empty_like(rows)
-        start = 0
-        for e, n in enumerate(counts):
-            if n:
-                seg = slice(start, start + n)
-                h = self._swiglu(F.linear(rows[seg], self.w13[e]))
-                out[seg] = F.linear(h, self.w2[e])
-                start += n
-        return torch.zeros_like(x).index_add_(0, token, out * w)
+        experts = torch.arange(E, device=idx.device, dtype=flat.dtype)
+        # offs[e] = pairs routed to experts <= e: the end row of expert e's group.
+        offs = torch.searchsorted(flat.index_select(0, order), experts, right=True,
+                                  out_int32=True)
+        rows = x.index_select(0, order // K)  # [M, hidden], grouped by expert
+        w13, w2 = self.w13, self.w2
+        if self.fp8 and x.is_cuda and fp8_grouped_kernel is not None:
+            out = fp8_grouped_kernel(self, rows, offs)
+        else:
+            if self.fp8:
+                w13, w2, offs = self._used_experts_dequantized(offs, min(E, M), x.dtype)
+            h = self._swiglu(group_mm(rows, w13, offs))
+            out = group_mm(h, w2, offs)  # [M, hidden], still by expert
+        # Back to (token, slot) order (a permutation: no atomics, deterministic), then the
+        # gathered path's weighted sum over slots.
+        out = torch.empty_like(out).index_copy_(0, order, out).view(T, K, -1)
+        return (out * weights.unsqueeze(-1)).sum(dim=1)
+
+    def _used_experts_dequantized(self, offs: torch.Tensor, n: int, dtype: torch.dtype
+                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(w13, w2, offs) over `n` = min(E, pairs) experts: those that have pairs first, in
+        expert order, padded with unused ones (zero rows), dequantized to `dtype`. A static
+        count, yet never more experts than pairs, so a decode step dequantizes what it uses."""
+        counts = torch.diff(offs, prepend=offs.new_zeros(1))
+        sel = torch.argsort((counts == 0).to(torch.int8), stable=True).narrow(0, 0, n)
+        offs = torch.cumsum(counts.index_select(0, sel), 0, dtype=torch.int32)
+        w13 = dequantize_experts(self.w13.index_select(0, sel),
+                                 self.w13_scale_inv.index_select(0, sel), dtype)
+        w2 = dequantize_experts(self.w2.index_select(0, sel),
+                                self.w2_scale_inv.index_select(0, sel), dtype)
+        return w13, w2, offs
 
 
 class MoE(nn.Module):
     """Router + routed experts (+ shared experts); one all-reduce per layer under TP."""
 
-    def __init__(self, hidden: int, cfg: MoEConfig) -> None:
+    def __init__(self, hidden: int, cfg: MoEConfig, model_cfg: ModelConfig | None = None
+                 ) -> None:
         super().__init__()
         self.gate = Router(hidden, cfg)
-        self.experts = Experts(hidden, cfg)
+        self.experts = Experts(hidden, cfg, model_cfg)
         self.shared_experts = (
             MLP(hidden, cfg.intermediate_size * cfg.num_shared_experts, reduce=False)
             if cfg.num_shared_experts else None
