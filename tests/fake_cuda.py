@@ -164,14 +164,22 @@ def _setitem(t: torch.Tensor, index: Any, value: Any) -> None:
         aten.fill_.Scalar(view, value)
 
 
+# Dtype casts bind like `.to` (a device guard first).
+_CASTS = {torch.Tensor.float: torch.float32, torch.Tensor.double: torch.float64,
+          torch.Tensor.half: torch.float16, torch.Tensor.bfloat16: torch.bfloat16,
+          torch.Tensor.long: torch.long, torch.Tensor.int: torch.int32,
+          torch.Tensor.short: torch.int16, torch.Tensor.char: torch.int8,
+          torch.Tensor.byte: torch.uint8, torch.Tensor.bool: torch.bool}
+
+
 class HostRead(RuntimeError):
     """A read of device values on the host outside the counted sync."""
 
 
 class _DeviceGuardFree(TorchFunctionMode):
-    """`Tensor.copy_` / `.to` / `.cuda` / indexing as their aten ops: their Python bindings
-    open a CUDA device guard before dispatch, which a CPU-only torch cannot, fake tensor or
-    not."""
+    """The Tensor methods whose Python bindings open a CUDA device guard before dispatch
+    (which a CPU-only torch cannot, fake tensor or not) as their aten ops: `copy_`, `to` and
+    the dtype casts, `cpu` / `cuda`, `contiguous`, `~`, indexing."""
 
     def __init__(self, fake: FakeTensorMode) -> None:
         super().__init__()
@@ -179,6 +187,13 @@ class _DeviceGuardFree(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch.Tensor.contiguous:
+            t = args[0]
+            fmt = kwargs.get("memory_format", torch.contiguous_format)
+            return t if t.is_contiguous(memory_format=fmt) else aten.clone.default(
+                t, memory_format=fmt)
+        if func is torch.Tensor.__invert__:
+            return aten.bitwise_not.default(args[0])
         if func is torch.Tensor.__getitem__:
             return _getitem(*args)
         if func is torch.Tensor.__setitem__:
@@ -191,6 +206,8 @@ class _DeviceGuardFree(TorchFunctionMode):
             return aten.copy_.default(dst, src)
         if func is torch.Tensor.cpu:
             func, args = torch.Tensor.to, (args[0], "cpu")
+        elif func in _CASTS:
+            func, args = torch.Tensor.to, (args[0], _CASTS[func])
         if func is torch.Tensor.to:
             t = args[0]
             device, dtype = _to_target(t, args[1:], kwargs)
