@@ -32,8 +32,9 @@ class FP8BlockConfig:
             return (f"fp8 e4m3, {self.block[0]}x{self.block[1]} weight blocks (dequantized "
                     "to the serving dtype at load)")
         return ("fp8 e4m3, 128x128 weight blocks (plain linears kept fp8 with a blockwise "
-                "scaled matmul on CUDA with fp8 (cc >= 8.9) serving bf16; kv_b_proj, experts "
-                "and every other device dequantized to the serving dtype at load)")
+                "scaled matmul on CUDA with fp8 (cc >= 8.9) serving bf16, routed experts "
+                "kept fp8 where their TP slice is on the 128 grid and dequantized at use; "
+                "kv_b_proj and every other device dequantized to the serving dtype at load)")
 
     def scale_shape(self, weight_shape: tuple[int, ...]) -> tuple[int, int]:
         out, inp = weight_shape
