@@ -30,8 +30,8 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake
 from torch.overrides import TorchFunctionMode
 
 import mtpserve.workers.model.loader as loader
-from mtpserve.workers.model import flex_paged_attention
 from mtpserve.workers.device import use_runtime
+from mtpserve.workers.model import flex_paged_attention
 
 CUDA = torch.device("cuda", 0)
 

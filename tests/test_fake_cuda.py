@@ -28,7 +28,7 @@ PROMPTS = [[5, 17, 99, 3, 250, 7, 42, 8, 1, 77, 31], [3, 4, 5, 6, 7, 8],
            [100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111, 112, 113]]
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0)
 SAMPLED = SamplingParams(max_tokens=6, temperature=1.0, top_p=0.9, seed=7)
-LOGPROBS = SamplingParams(max_tokens=6, temperature=0.8, seed=3)
+LOGPROBS = SamplingParams(max_tokens=6, temperature=0.8, seed=3, logprobs=2)
 
 
 def accept_some(n: int, reason: str) -> list[int]:

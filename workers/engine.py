@@ -399,15 +399,19 @@ class Engine:
         n_verify = len(logit_rows)
         outputs, extends, done = [], [], []
         first = None  # chunks' first tokens, when they came back with the round's accepted ids
+        first_lp = None  # and their logprob rows
         if reqs:
             # A mixed step's first tokens ride along the round's one host sync.
             dev_first = (self.outcomes.first_tokens(chunks, raw[n_verify:], last)
                          if chunks else None)
+            dev_lp = (self.outcomes.first_logprobs(chunks, raw[n_verify:], last, dev_first)
+                      if chunks else None)
+            rides = [t for t in (dev_first, dev_lp) if t is not None]
             outputs, extends, done, ride = self.outcomes.verify(
-                reqs, raw[:n_verify], S, W, inputs,
-                ride_along=[dev_first] if dev_first is not None else None)
+                reqs, raw[:n_verify], S, W, inputs, ride_along=rides or None)
             if chunks:
                 first = ride[0] if dev_first is not None else []
+                first_lp = ride[1] if dev_lp is not None else None
             if self.hybrid:  # keep each row's state at its last accepted token
                 keep = [(b, r.num_computed_tokens - 1 - starts[b]) for b, r in enumerate(reqs)
                         if not r.finished and r.num_computed_tokens - starts[b] < len(
@@ -415,7 +419,7 @@ class Engine:
                 self.runner.keep_states([b for b, _ in keep], [p for _, p in keep])
         if chunks:
             p_out, p_ext = self.outcomes.prefilled_chunks(chunks, raw[n_verify:], last,
-                                                          chunk_rows, W, first)
+                                                          chunk_rows, W, first, first_lp)
             outputs += p_out
             extends += p_ext
         for r in done:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import struct
 import time
 from dataclasses import dataclass
 
@@ -50,25 +51,31 @@ def append_tokens(req: Request, tokens: list[int], eos_ids: set[int], max_model_
     return kept
 
 
-def token_logprobs(raw: torch.Tensor, token_ids: list[int], num_top: int | None
-                   ) -> list[TokenLogprobs] | None:
-    """log_softmax of the raw target logits (raw [N, V], row i decided token_ids[i]): each
-    emitted token's log probability and the `num_top` most likely alternatives. Under
-    speculation the rows come from the verify forward, i.e. they are the plain forward's.
-    None when the request did not ask for logprobs."""
-    if num_top is None or not token_ids:
-        return None
+def logprob_rows(raw: torch.Tensor, tokens: torch.Tensor, num_top: int) -> torch.Tensor:
+    """On the logits' device: log_softmax of the raw target logits (raw [N, V]; row i decided
+    tokens[i], a device tensor [N]) -> [N, 1 + 2 * num_top] int64 holding the float64 bits of
+    each row's chosen log probability, its `num_top` best values and their ids. Integer bits,
+    so the rows ride the step's one counted host copy (`host_sync.to_host`) with its ids:
+    a GPU step that returns logprobs adds no sync. Under speculation the rows come from the
+    verify forward, i.e. they are the plain forward's."""
     lp = torch.log_softmax(raw.float(), dim=-1)  # [N, V]
-    ids = torch.tensor(token_ids, device=lp.device)
-    chosen = lp.gather(1, ids.unsqueeze(1))  # [N, 1]
+    chosen = lp.gather(1, tokens.reshape(-1, 1))  # [N, 1]
     top_v, top_i = lp.topk(num_top, dim=-1)  # [N, num_top]; num_top may be 0
-    # One transfer from the logits' device (float64 holds the float32 values and the ids
-    # exactly).
-    rows = torch.cat([chosen.double(), top_v.double(), top_i.double()], dim=1).tolist()
-    n = num_top
-    return [TokenLogprobs(t, r[0], [(int(i), v) for i, v in zip(r[1 + n:], r[1:1 + n],
-                                                                strict=True)])
-            for t, r in zip(token_ids, rows, strict=True)]
+    # float64 holds the float32 values and the ids exactly.
+    return torch.cat([chosen.double(), top_v.double(), top_i.double()], dim=1).view(torch.long)
+
+
+def logprobs_from_rows(rows: list[list[int]], token_ids: list[int], num_top: int
+                       ) -> list[TokenLogprobs]:
+    """`logprob_rows`' host values (one row per emitted token, in order) -> TokenLogprobs
+    with the request's own `num_top` (<= the rows' width: top-k rows are sorted)."""
+    out = []
+    for t, row in zip(token_ids, rows, strict=False):
+        v = struct.unpack(f"<{len(row)}d", struct.pack(f"<{len(row)}q", *row))
+        n = (len(row) - 1) // 2
+        out.append(TokenLogprobs(t, v[0], [(int(i), x) for i, x in zip(
+            v[1 + n: 1 + n + num_top], v[1: 1 + num_top], strict=True)]))
+    return out
 
 
 def request_output(req: Request, emitted: list[int],

@@ -24,7 +24,12 @@ from mtpserve.workers.adaptive_k import AdaptiveK
 from mtpserve.workers.block_manager import BlockManager
 from mtpserve.workers.host_sync import to_host
 from mtpserve.workers.model.attention_metadata import stage_lists
-from mtpserve.workers.outputs import RequestOutput, request_output, token_logprobs
+from mtpserve.workers.outputs import (
+    RequestOutput,
+    logprob_rows,
+    logprobs_from_rows,
+    request_output,
+)
 from mtpserve.workers.request import Request
 from mtpserve.workers.round_limits import RoundLimits
 from mtpserve.workers.scheduler import PrefillChunk, draft_slots
@@ -120,19 +125,45 @@ class RoundOutcomes:
                                                                           logits.device)[0]]
         return self.sample_on_device(rows, [chunks[last[i]].request for i in fresh])
 
+    def first_logprobs(self, chunks: list[PrefillChunk], logits: torch.Tensor, last: list[int],
+                       tokens: torch.Tensor | None) -> torch.Tensor | None:
+        """Logprob rows (`outputs.logprob_rows`) of the first tokens `first_tokens()` gave
+        (`tokens`, on the device) for the fresh requests that asked for logprobs, in their
+        order; None when none asked. They ride the same host copy as the tokens."""
+        if tokens is None:
+            return None
+        fresh = [i for i, j in enumerate(last) if not chunks[j].request.output_token_ids]
+        want = [f for f, i in enumerate(fresh)
+                if chunks[last[i]].request.params.logprobs is not None]
+        if not want:
+            return None
+        n = max(chunks[last[fresh[f]]].request.params.logprobs for f in want)
+        rows, toks = logits, tokens
+        if len(want) < len(last):
+            rows_idx, tok_idx = stage_lists([[fresh[f] for f in want], want], logits.device)
+            rows, toks = logits[rows_idx], tokens[tok_idx]
+        return logprob_rows(rows, toks, n)
+
     def prefilled_chunks(self, chunks: list[PrefillChunk], logits: torch.Tensor,
                           last: list[int], chunk_rows: list[list[int]], W: int,
-                          first_tokens: list[int] | None = None
+                          first_tokens: list[int] | None = None,
+                          first_lp: list[list[int]] | None = None,
                           ) -> tuple[list[RequestOutput], list[MTPExtend]]:
         """Bookkeeping after the forward that computed `chunks` (logits [len(last), V]: the
         rows of the chunks that complete a prompt): first tokens and MTP extends.
-        `first_tokens`: `first_tokens()`'s values when they came to the host already (with a
-        round's accepted ids); None: sampled and copied here."""
+        `first_tokens` / `first_lp`: `first_tokens()` / `first_logprobs()` values when they
+        came to the host already (with a round's accepted ids); None: sampled and copied
+        here, in one host copy."""
         fresh = [i for i, j in enumerate(last) if not chunks[j].request.output_token_ids]
         if first_tokens is None:
             dev = self.first_tokens(chunks, logits, last)
-            first_tokens = [] if dev is None else to_host([dev], "first tokens")[0]
+            lp_dev = self.first_logprobs(chunks, logits, last, dev)
+            host = ([] if dev is None else
+                    to_host([dev] + ([lp_dev] if lp_dev is not None else []), "first tokens"))
+            first_tokens = host[0] if host else []
+            first_lp = host[1] if lp_dev is not None else None
         first = dict(zip(fresh, first_tokens, strict=True))
+        lp_rows = iter(first_lp or [])
         for c in chunks:
             c.request.num_computed_tokens = c.end
         outputs: list[RequestOutput] = []
@@ -143,7 +174,8 @@ class RoundOutcomes:
                 i = last.index(j)
                 emitted = self.limits.append(req, [first[i]])
                 self.totals["emitted"] += len(emitted)
-                lp = token_logprobs(logits[i : i + 1], emitted, req.params.logprobs)
+                lp = (logprobs_from_rows([next(lp_rows)], emitted, req.params.logprobs)
+                      if req.params.logprobs is not None else None)
                 outputs.append(request_output(req, emitted, lp))
             if req.num_speculative_tokens == 0 or req.finished:
                 # No MTP extend: only the blocks before this chunk are whole.
@@ -181,11 +213,15 @@ class RoundOutcomes:
             [r.params for r in reqs], [r.seed for r in reqs], first_pos)
         on_device = any(r.device_drafts is not None for r in reqs)
         rides = list(ride_along or [])
-        host = to_host([acc, extra, *rides] + ([inputs[:, 1:]] if on_device else []),
-                       "accepted ids")
+        lp_reqs = [b for b, r in enumerate(reqs) if r.params.logprobs is not None]
+        lp_dev = (self._verify_logprobs(reqs, raw, inputs, acc, extra, lp_reqs, S)
+                  if lp_reqs else None)
+        host = to_host([acc, extra, *rides] + ([inputs[:, 1:]] if on_device else [])
+                       + ([lp_dev] if lp_dev is not None else []), "accepted ids")
         accepted, final = host[0], host[1]
         ride_values = host[2: 2 + len(rides)]
-        drafts_host = host[-1] if on_device else None
+        drafts_host = host[2 + len(rides)] if on_device else None
+        lp_host = dict(zip(lp_reqs, host[-1], strict=True)) if lp_dev is not None else {}
         outputs, extends = [], []
         emitted_rows: list[list[int]] = []
         for b, r in enumerate(reqs):
@@ -209,11 +245,33 @@ class RoundOutcomes:
                 extends.append(MTPExtend(r, n, emitted, [b * W + i for i in range(a + 1)],
                                          self.limits.num_drafts(r)))
         for b, r in enumerate(reqs):
-            # Row (b, s) of the verify forward is the plain forward's row for emitted token s.
-            lp = token_logprobs(raw[b * S : b * S + len(emitted_rows[b])], emitted_rows[b],
-                                r.params.logprobs)
+            lp = None
+            if b in lp_host:
+                flat = lp_host[b]
+                w = len(flat) // S
+                lp = logprobs_from_rows([flat[s * w: (s + 1) * w] for s in range(S)],
+                                        emitted_rows[b], r.params.logprobs)
             outputs.append(request_output(r, emitted_rows[b], lp))
         return outputs, extends, [r for r in reqs if r.finished], ride_values
+
+    @staticmethod
+    def _verify_logprobs(reqs: list[Request], raw: torch.Tensor, inputs: torch.Tensor,
+                         acc: torch.Tensor, extra: torch.Tensor, rows: list[int], S: int
+                         ) -> torch.Tensor:
+        """[len(rows), S * (1 + 2n)] logprob rows of the round's candidate tokens, on the
+        device before anyone knows what was accepted: row (b, s) of the verify forward (the
+        plain forward's row for emitted token s) decided draft s + 1 below the accepted
+        count and the recovered / bonus token at it; rows past it are never read."""
+        R = inputs.shape[0]
+        cand = torch.cat([inputs[:, 1:], extra.unsqueeze(1)], dim=1)  # [R, S]
+        cand = cand.scatter(1, acc.unsqueeze(1), extra.unsqueeze(1))
+        logits = raw.view(R, S, -1)
+        if len(rows) < R:
+            (idx,) = stage_lists([rows], raw.device)
+            logits, cand = logits[idx], cand[idx]
+        n = max(reqs[b].params.logprobs for b in rows)
+        return logprob_rows(logits.reshape(len(rows) * S, -1), cand.reshape(-1), n).view(
+            len(rows), -1)
 
     def sample(self, logits: torch.Tensor, reqs: list[Request]) -> list[int]:
         """The first token of each request (logits [R, V]), keyed at its position."""
