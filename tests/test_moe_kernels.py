@@ -233,6 +233,14 @@ def test_fp8_experts_per_rank_equal_dequantized_twin(tp2_rank1) -> None:
             assert torch.equal(q._gathered(x[:t], w, idx), twin._gathered(x[:t], w, idx))
     with pytest.raises(ValueError, match="fp8 values"):
         q.weight_loader(q.w2, torch.zeros(128, 256), (0, None))
+    # `.to(bf16)` (lower_mtp_precision) keeps fp8 values and fp32 scales; bf16 serving then
+    # dequantizes to exactly the twin's bf16 weights (the grouped bf16 kernel on both).
+    q.to(torch.bfloat16), twin.to(torch.bfloat16)
+    assert q.w13.dtype == torch.float8_e4m3fn and q.w2_scale_inv.dtype == torch.float32
+    w, idx = _route(10, 2, 8, seed=11, only=5, dtype=torch.bfloat16)
+    with torch.no_grad():
+        xb = x.bfloat16()
+        assert torch.equal(q._grouped(xb, w, idx), twin._grouped(xb, w, idx))
 
 
 @pytest.fixture(scope="module")

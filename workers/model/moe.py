@@ -262,15 +262,13 @@ class Experts(nn.Module):
 
     def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202 - nn.Module's signature
         # `.to(dtype)` (lower_mtp_precision) casts every float tensor: fp8 experts keep their
-        # fp8 values and fp32 scales, following only the device.
+        # fp8 values and fp32 scales and follow only the device (no transient wide copy).
         if not self.fp8:
             return super()._apply(fn, recurse)
-        keep = {n: getattr(self, n).data for n in
-                ("w13", "w2", "w13_scale_inv", "w2_scale_inv")}
         device = fn(torch.empty(0, device=self.w13.device)).device
-        super()._apply(fn, recurse)
-        for n, t in keep.items():
-            getattr(self, n).data = t.to(device)
+        for n in ("w13", "w2", "w13_scale_inv", "w2_scale_inv"):
+            t = getattr(self, n)
+            t.data = t.data.to(device)
         return self
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
