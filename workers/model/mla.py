@@ -150,9 +150,15 @@ class MLAttention(nn.Module):
         w_uk, w_uv = w.split([m.qk_nope_head_dim, m.v_head_dim], dim=1)  # [Hl, *, kv_lora]
         q_lat = torch.einsum("bshn,hnr->bhsr", q_nope, w_uk)
         q = torch.cat([q_lat, q_rot.transpose(1, 2)], dim=-1)  # [B, Hl, S, kv_lora + rope]
-        kv = latent.unsqueeze(1)  # [B, 1, L, kv_lora + rope]: one latent "head" for all
+        # Every local head attends the same single latent "head": fold the heads into query
+        # rows (row h * S + s) against one KV head. SDPA's GQA form would repeat the latent
+        # once per head (its math backend: the mask and head dim 576 rule out the fused
+        # ones), Hl times the latent traffic; folded, the latent is read once per row block.
+        kv = latent.unsqueeze(1)  # [B, 1, L, kv_lora + rope]
+        rows = q.reshape(B, 1, Hl * S, q.shape[-1])
+        fold_mask = None if mask is None else mask.repeat(1, 1, Hl, 1)  # [B, 1, Hl * S, L]
         out = F.scaled_dot_product_attention(
-            q, kv, kv[..., : m.kv_lora_rank], attn_mask=mask, scale=self.scale,
-            enable_gqa=True)  # [B, Hl, S, kv_lora]
+            rows, kv, kv[..., : m.kv_lora_rank], attn_mask=fold_mask, scale=self.scale,
+        ).view(B, Hl, S, m.kv_lora_rank)
         out = torch.einsum("bhsr,hvr->bshv", out, w_uv)
         return self.o_proj(out.reshape(B, S, Hl * m.v_head_dim))
