@@ -71,6 +71,15 @@ class FakeRuntime:
     def synchronize(self, device: torch.device) -> None:
         pass
 
+    def sync_stream(self, stream: Any) -> None:
+        pass
+
+    def wait_event(self, stream: Any, event: Any) -> None:
+        pass
+
+    def event_done(self, event: Any) -> bool:
+        return True
+
     def read_host(self, packed: torch.Tensor, reason: str) -> list:
         assert packed.device.type == "cuda" and packed.dim() == 1 and packed.dtype == torch.long
         n = packed.shape[0]

@@ -122,3 +122,45 @@ def test_transferred_request_first_sampled_round(ckpts) -> None:
         assert (by_id["x"].num_drafted, by_id["x"].num_accepted) == (2, 1)  # 1: the values
         assert len(r.output_token_ids) == 3  # first token, one accepted draft, the bonus
         pre.release_prefilled("x")
+
+
+def test_kv_pack_reshard_scatter_and_state_install_on_cuda(ckpts) -> None:
+    """The KV wire on the device: a prefill rank packs a request's blocks and extras into one
+    payload, decode ranks of TP 2 unpack it and scatter their heads into their own caches
+    (TP 1 -> 2 re-sharding); a hybrid slot's states travel as extras and are installed.
+    No host read, no host tensor in a device op."""
+    from mtpserve.workers.kv_transfer.packing import pack_payload, scatter_blocks, unpack_payload
+    from mtpserve.workers.kv_transfer.resharding import pull_plan
+    from mtpserve.workers.kv_transfer.states import install_states, split_states, state_extras
+
+    with fake_cuda(accept_some) as rt:
+        pre = cuda_engine(ckpts["qwen3"], role="prefill")
+        pre.add_request("x", PROMPTS[2], SAMPLED)
+        pre.step()
+        held = pre.prefilled["x"]
+        layers = pre.runner.kv_cache.layers
+        H = layers[0].shape[3]
+        extras = {"draft_token_ids": torch.tensor(held.draft_token_ids, dtype=torch.long),
+                  "draft_probs": held.draft_probs.float().contiguous()}
+        reads = len(rt.reads)
+        for dst_rank in range(2):
+            dst = [torch.zeros(2, 16, *lay.shape[2:3], H // 2, lay.shape[4], dtype=lay.dtype,
+                               device="cuda") for lay in layers]
+            (pull,) = pull_plan(H, 1, 2, dst_rank)
+            payload, kv, meta = pack_payload(layers, held.block_ids,
+                                             slice(pull.head_start, pull.head_end), extras,
+                                             device="cuda")
+            got, got_extras = unpack_payload(payload, list(kv.shape), kv.dtype, meta)
+            assert got.device.type == "cuda" and got.shape[4] == H // 2
+            scatter_blocks(dst, list(range(len(held.block_ids))), got)
+            assert got_extras["draft_probs"].device.type == "cuda"
+        assert len(rt.reads) == reads  # the wire reads nothing on the host
+        pre.release_prefilled("x")
+
+        hybrid = cuda_engine(ckpts["qwen3_next"], role="prefill")
+        cache = hybrid.runner.state_cache
+        states, rest = split_states({**state_extras(cache, 0), "draft_token_ids": extras[
+            "draft_token_ids"]})
+        assert states and set(rest) == {"draft_token_ids"}
+        install_states(cache, 1, [(0, states)], 1, 1, 0)
+        assert {t.device.type for t in cache.recurrent.values()} == {"cuda"}

@@ -46,6 +46,16 @@ class CUDARuntime:
     def synchronize(self, device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
+    def sync_stream(self, stream: Any) -> None:
+        stream.synchronize()
+
+    def wait_event(self, stream: Any, event: Any) -> None:
+        """`stream`'s later work waits for `event` (no host wait)."""
+        stream.wait_event(event)
+
+    def event_done(self, event: Any) -> bool:
+        return event.query()
+
     def read_host(self, packed: torch.Tensor, reason: str) -> list:
         """The device -> host copy of `host_sync.to_host`: one non-blocking copy of a 1-D long
         tensor into pinned memory, one wait on an event recorded after it, its values."""

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mtpserve.workers.device import runtime
 from mtpserve.workers.kv_transfer.auth import KVAuth
 from mtpserve.workers.kv_transfer.mailbox import BadMessage, QueueReader, post
 from mtpserve.workers.kv_transfer.packing import as_bytes
@@ -117,11 +118,10 @@ def wait_stream(device: torch.device, timeout_s: float) -> None:
     NCCL op whose peer died. Only this stream is waited for, never the device."""
     if device.type != "cuda":
         return
-    event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(device))
+    event = runtime().record_event(device)
     deadline = time.monotonic() + timeout_s
     pause = 2e-5
-    while not event.query():
+    while not runtime().event_done(event):
         if time.monotonic() >= deadline:
             raise TimeoutError(f"the pair's stream did not finish within {timeout_s:.1f}s")
         time.sleep(pause)

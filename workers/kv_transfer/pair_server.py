@@ -8,7 +8,6 @@ wire protocol, the sender decides what is held and when it is released.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -17,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from mtpserve.workers.device import runtime
 from mtpserve.workers.kv_transfer.channel import MAX_PROBE_BYTES, KVTransferError, PairChannel
 from mtpserve.workers.kv_transfer.packing import Packed, dtype_name, extras_nbytes, pack_payload
 
@@ -54,7 +54,7 @@ class PairServer:
         # thread), after the hold's ready event, so they neither wait for nor delay the
         # engine's stream.
         device = sender._device
-        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._stream = runtime().new_stream(device) if device.type == "cuda" else None
 
     def start(self) -> None:
         self.thread.start()
@@ -132,7 +132,7 @@ class PairServer:
         try:
             try:
                 if self._stream is not None and held.ready is not None:
-                    self._stream.wait_event(held.ready)  # the KV's writes are done
+                    runtime().wait_event(self._stream, held.ready)  # the KV's writes are done
                 with_extras = bool(msg.get("extras", True))
                 payload, kv, meta = self._pack(held, head_start, head_end, with_extras, skip)
             except Exception as e:  # e.g. a malformed hold: fail the request, not the channel
@@ -212,6 +212,6 @@ class PairServer:
         sender._count({"probes": 1, "probe_bytes_sent": num_bytes})
 
 
-def _on_stream(stream: torch.cuda.Stream | None):
-    """`torch.cuda.stream(stream)`, or nothing off CUDA."""
-    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+def _on_stream(stream: Any):
+    """The CUDA stream `stream` current in the block, or nothing off CUDA (None)."""
+    return runtime().on_stream(stream)

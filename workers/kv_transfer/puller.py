@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from mtpserve.workers import hop_trace
+from mtpserve.workers.device import runtime
 from mtpserve.workers.kv_transfer.packing import scatter_blocks
 from mtpserve.workers.kv_transfer.receiver import KVReceiver
 from mtpserve.workers.kv_transfer.resharding import head_range, pull_slices
@@ -184,11 +185,11 @@ class KVPuller:
                 # Scatter on this lane's own stream, not after the engine's step in flight:
                 # the blocks were free when allocated (the engine frees blocks only after its
                 # step's host sync), so no kernel of the engine touches them.
-                with torch.cuda.stream(lane.stream):
+                with runtime().on_stream(lane.stream):
                     scatter_blocks(self.kv_layers, job.block_ids[: kv.shape[2]], kv, heads)
                     if slot is not None:
                         states.append((step.src_rank, _copied(got_states, self.state_cache)))
-                lane.stream.synchronize()  # the buffer is reused by this lane's next pull
+                runtime().sync_stream(lane.stream)  # the buffer is reused by this lane's next pull
             else:
                 scatter_blocks(self.kv_layers, job.block_ids[: kv.shape[2]], kv, heads)
                 if slot is not None:
@@ -199,10 +200,10 @@ class KVPuller:
             # Like the blocks, the slot is this request's alone until it is activated: written
             # on the lane's stream (as the scatter), complete before the result is posted.
             if lane.stream is not None:
-                with torch.cuda.stream(lane.stream):
+                with runtime().on_stream(lane.stream):
                     install_states(self.state_cache, slot, states, job.prefill_tp_size,
                                    self.tp_size, self.rank)
-                lane.stream.synchronize()
+                runtime().sync_stream(lane.stream)
             else:
                 install_states(self.state_cache, slot, states, job.prefill_tp_size,
                                self.tp_size, self.rank)
@@ -221,7 +222,7 @@ class _Lane:
     its timeout may still be writing into it)."""
 
     def __init__(self, device: torch.device) -> None:
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.stream = runtime().new_stream(device) if device.type == "cuda" else None
         self.buffer: torch.Tensor | None = None  # [nbytes] uint8, grow-only
 
     def keep_buffer(self, kv: torch.Tensor) -> None:

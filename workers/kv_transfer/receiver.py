@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from mtpserve.workers.device import runtime
 from mtpserve.workers.kv_transfer.auth import KVAuth, Secret
 from mtpserve.workers.kv_transfer.channel import (
     MAX_PROBE_BYTES,
@@ -227,13 +228,11 @@ class KVReceiver:
                 abandoned = threading.Event()
 
                 if self._device.type == "cuda" and link.stream is None:
-                    link.stream = torch.cuda.Stream(self._device)
+                    link.stream = runtime().new_stream(self._device)
 
                 def run() -> _T:
                     # Issued on this (helper) thread: the stream must be made current here.
-                    ctx = (torch.cuda.stream(link.stream) if link.stream is not None
-                           else contextlib.nullcontext())
-                    with ctx:
+                    with runtime().on_stream(link.stream):
                         return run_ops()
 
                 def run_ops() -> _T:

@@ -14,10 +14,12 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from mtpserve.workers.device import runtime
 from mtpserve.workers.kv_transfer.auth import KVAuth, ReplayGuard, Secret
 from mtpserve.workers.kv_transfer.channel import (
     SENDER_RANK,
@@ -85,7 +87,7 @@ class Held:
     # CUDA: recorded on the holding thread's stream right after the hold, i.e. after the
     # kernels that wrote this KV; pair threads pack on their own streams after waiting for it
     # (never the whole device).
-    ready: torch.cuda.Event | None = None
+    ready: Any = None  # a CUDA event (workers/device.py); None off CUDA
 
 
 class KVSender:
@@ -515,10 +517,8 @@ class KVSender:
             logger.exception("%s: on_release(%r, %r) raised", self.name, request_id, reason)
 
 
-def _record_event(device: torch.device) -> torch.cuda.Event | None:
+def _record_event(device: torch.device) -> Any:
     """An event on the current CUDA stream of this thread (None off CUDA)."""
     if device.type != "cuda":
         return None
-    event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(device))
-    return event
+    return runtime().record_event(device)
