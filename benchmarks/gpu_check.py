@@ -579,6 +579,95 @@ def app_part(out: Path, device: str, dry: bool, backend: str, tp: int, name: str
         return res
 
 
+def _timed_peak(fn, device: str, reps: int) -> tuple[float, int]:
+    """(median ms of `reps` calls after one warm-up, peak bytes allocated beyond the start)."""
+    import statistics
+
+    import torch
+
+    cuda = device.startswith("cuda")
+    fn()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    peak = torch.cuda.max_memory_allocated() - base if cuda else 0
+    return statistics.median(times), peak
+
+
+def kernels_part(out: Path, device: str, dry: bool) -> dict:
+    """Issue 41 items 4 and 5 against the paths they replaced, at a DeepSeek-V3 TP=8 rank's
+    shapes (small ones in a dry run): (a) routed experts of one decode bucket, gathered
+    weights per (token, slot) pair vs sorted pairs through grouped matmuls (`Experts`),
+    bf16; (b) MLA absorbed decode, SDPA's GQA form (the latent repeated per local head) vs
+    the heads folded into query rows. Median ms and peak transient bytes of each, and the
+    largest difference of their outputs."""
+    import torch
+    import torch.nn.functional as F
+
+    from mtpserve.workers.model.families.base import MoEConfig
+    from mtpserve.workers.model.moe import Experts
+
+    dt = torch.bfloat16 if not dry else torch.float32
+    reps = 20 if not dry else 3
+    res: dict = {}
+    # (a) MoE: H 7168, 256 experts of 2048 / TP 8 = 256, top-8, 64 rows x 4 positions.
+    H, E, inter, K, T = (7168, 256, 2048 // 8, 8, 256) if not dry else (256, 16, 64, 4, 16)
+    with torch.device(device):
+        experts = Experts(H, MoEConfig(num_experts=E, top_k=K, intermediate_size=inter,
+                                       scoring="sigmoid", norm_topk_prob=True)).to(dt)
+        torch.nn.init.normal_(experts.w13, std=0.02)
+        torch.nn.init.normal_(experts.w2, std=0.02)
+        x = torch.randn(T, H, dtype=dt)
+        idx = torch.randint(0, E, (T, K))
+        w = torch.rand(T, K, dtype=dt)
+    with torch.no_grad():
+        a = experts._gathered(x, w, idx)
+        b = experts._grouped(x, w, idx)
+        res["moe"] = {
+            "shape": {"tokens": T, "top_k": K, "experts": E, "hidden": H, "inter": inter},
+            "max_abs_diff": (a.float() - b.float()).abs().max().item(),
+            "gathered_ms_peak": _timed_peak(lambda: experts._gathered(x, w, idx), device, reps),
+            "grouped_ms_peak": _timed_peak(lambda: experts._grouped(x, w, idx), device, reps),
+        }
+    # (b) MLA: 128 heads / TP 8 = 16 local, latent 512 + rope 64, 32 rows x 4 queries, 4096
+    # context.
+    Hl, R, B, S, L = (16, 512, 32, 4, 4096) if not dry else (4, 32, 2, 4, 64)
+    D = R + 64 if not dry else R + 8
+    with torch.device(device):
+        q = torch.randn(B, Hl, S, D, dtype=dt)
+        lat = torch.randn(B, 1, L, D, dtype=dt)
+        pos = torch.arange(L - S, L).view(1, S).expand(B, S)
+        mask = (torch.arange(L).view(1, 1, -1) <= pos.unsqueeze(-1)).unsqueeze(1)
+
+    def gqa():
+        return F.scaled_dot_product_attention(q, lat, lat[..., :R], attn_mask=mask,
+                                              enable_gqa=True)
+
+    def folded():
+        return F.scaled_dot_product_attention(
+            q.reshape(B, 1, Hl * S, D), lat, lat[..., :R],
+            attn_mask=mask.repeat(1, 1, Hl, 1)).view(B, Hl, S, R)
+
+    with torch.no_grad():
+        res["mla"] = {
+            "shape": {"rows": B, "queries": S, "local_heads": Hl, "context": L, "dim": D},
+            "max_abs_diff": (gqa().float() - folded().float()).abs().max().item(),
+            "gqa_ms_peak": _timed_peak(gqa, device, reps),
+            "folded_ms_peak": _timed_peak(folded, device, reps),
+        }
+    (out / "kernels.json").write_text(json.dumps(res, indent=2))
+    print(json.dumps(res, indent=2))
+    return res
+
+
 def asyncio_run(coro):
     import asyncio
 
@@ -610,6 +699,7 @@ def main() -> None:
         ("fast-path", lambda: fast_path_part(out, a.device, dry, a.fast_path_budget_s), ""),
         ("disagg-gloo", lambda: app_part(out, a.device, dry, "gloo", 1, "disagg-gloo"), ""),
         ("kv", lambda: kv_part(out, a.device, dry), ""),
+        ("kernels", lambda: kernels_part(out, a.device, dry), ""),
         ("nccl-kv", (lambda: app_part(out, a.device, dry, "nccl", 1, "nccl-kv"))
          if n_gpus >= 2 else None, "needs >= 2 GPUs (one NCCL rank per GPU)"),
         ("nccl-tp", (lambda: app_part(out, a.device, dry, "nccl", 2, "nccl-tp"))
