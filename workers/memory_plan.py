@@ -50,10 +50,8 @@ from mtpserve.workers.model.checkpoint import expected_tensors, has_fused_expert
 from mtpserve.workers.model.config import ModelConfig
 from mtpserve.workers.model.parallel import (
     ColumnParallelLinear,
-    ParallelLMHead,
     ReplicatedLinear,
     RowParallelLinear,
-    VocabParallelEmbedding,
     construction_tp,
 )
 from mtpserve.workers.model.quantization import SCALE_SUFFIX
@@ -243,25 +241,13 @@ def build_rank_model(cfg: ModelConfig, view: CheckpointView, dtype: torch.dtype,
     default dtype, the MTP modules' own head / embedding when the checkpoint has them, the
     FP8 linears swapped for `Fp8BlockLinear`). Raises ValueError where the engine's layers
     refuse the TP size."""
-    from mtpserve.workers.model.transformer import CausalLM
+    from mtpserve.workers.model.loader import build_model
 
-    _, optional = expected_tensors(cfg, has_fused_experts(view.present))
-    owned = {optional[n] for n in view.present if n in optional}
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with construction_tp(rank, tp_size), torch.device("meta"):
-            model = CausalLM(cfg)
-            for m, mod in enumerate(model.mtp):
-                if f"mtp.{m}.head.weight" in owned:
-                    mod.head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
-                if f"mtp.{m}.embed_tokens.weight" in owned:
-                    mod.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-            keep, _ = fp8_path(cfg, dtype)
-            if keep:
-                _swap_fp8_linears(model, cfg, view)
-    finally:
-        torch.set_default_dtype(prev)
+    with construction_tp(rank, tp_size):
+        model = build_model(cfg, set(view.present), dtype, "meta")
+        keep, _ = fp8_path(cfg, dtype)
+        if keep:
+            _swap_fp8_linears(model, cfg, view)
     return model
 
 

@@ -75,6 +75,31 @@ def _fused_target(internal: str) -> tuple[str, object]:
     return internal, None
 
 
+def build_model(cfg: ModelConfig, present: set[str], dtype: torch.dtype,
+                device: str | torch.device) -> CausalLM:
+    """The (TP-sharded, if `set_tp` or `parallel.construction_tp` set it) `CausalLM` a
+    checkpoint with tensors `present` loads into, its parameters allocated on `device` in
+    `dtype` (the memory plan builds it on `meta`). DeepSeek-V3 repeats the embedding / head
+    per MTP module; a module without its own shares the main model's."""
+    from mtpserve.workers.model.parallel import ParallelLMHead, VocabParallelEmbedding
+
+    _, optional = expected_tensors(cfg, has_fused_experts(present))
+    owned = {optional[n] for n in present if n in optional}
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = CausalLM(cfg)
+            for m, mod in enumerate(model.mtp):
+                if f"mtp.{m}.head.weight" in owned:
+                    mod.head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+                if f"mtp.{m}.embed_tokens.weight" in owned:
+                    mod.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+    finally:
+        torch.set_default_dtype(prev)
+    return model
+
+
 def load_model(
     path: str | Path,
     dtype: torch.dtype = torch.float32,
@@ -93,23 +118,7 @@ def load_model(
     present = {e.tensor for e in entries if e.shape is not None}
     required, optional = expected_tensors(cfg, has_fused_experts(present))
 
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = CausalLM(cfg)
-            # DeepSeek-V3 repeats the embedding/head per MTP module; share when absent.
-            from mtpserve.workers.model.parallel import ParallelLMHead, VocabParallelEmbedding
-
-            for m, mod in enumerate(model.mtp):
-                if f"mtp.{m}.head.weight" in {optional[n] for n in present if n in optional}:
-                    mod.head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
-                if f"mtp.{m}.embed_tokens.weight" in {
-                    optional[n] for n in present if n in optional
-                }:
-                    mod.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-    finally:
-        torch.set_default_dtype(prev)
+    model = build_model(cfg, present, dtype, device)
 
     params = dict(model.named_parameters(remove_duplicate=False))
     files = weight_files(path)
