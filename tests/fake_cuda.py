@@ -49,12 +49,13 @@ class FakeRuntime:
     values: Callable[[int, str], list[int]] = zeros
     reads: list[tuple[str, int]] = field(default_factory=list)
     total_memory: int = 80 << 30
+    compute_capability: tuple[int, int] = (9, 0)
 
     def name(self, device: torch.device) -> str:
         return "fake-cuda"
 
     def capability(self, index: int) -> tuple[int, int]:
-        return (9, 0)
+        return self.compute_capability
 
     def current_index(self) -> int:
         return 0

@@ -164,3 +164,30 @@ def test_kv_pack_reshard_scatter_and_state_install_on_cuda(ckpts) -> None:
         assert states and set(rest) == {"draft_token_ids"}
         install_states(cache, 1, [(0, states)], 1, 1, 0)
         assert {t.device.type for t in cache.recurrent.values()} == {"cuda"}
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 64])
+def test_fp8_block_linear_meets_scaled_mm_layout_rules_on_cuda(rows: int) -> None:
+    """The kept-FP8 linear's call of `F.scaled_mm` on a CUDA device, checked by torch's own
+    layout rules for the 1x128 x 128x128 recipe (its meta function runs on fake tensors) at
+    decode and prefill row counts, padded rows included."""
+    from mtpserve.workers.model import fp8
+
+    with fake_cuda():
+        w = torch.zeros(384, 256, device="cuda").to(fp8.FP8)
+        lin = fp8.Fp8BlockLinear(w, torch.ones(3, 2, device="cuda"), use_scaled_mm=True)
+        y = lin(torch.zeros(2, rows, 256, dtype=torch.bfloat16, device="cuda"))
+        assert y.shape == (2, rows, 384) and y.dtype == torch.bfloat16 and y.is_cuda
+
+
+@pytest.mark.parametrize("cap", [(8, 9), (10, 0), (12, 0)])
+def test_fp8_kept_only_on_hopper(cap: tuple[int, int]) -> None:
+    """Ada (8.9) has fp8 tensor cores but torch 2.13's block-scaled recipe dispatches on sm90
+    only; Blackwell parts too are refused until a probe-backed path exists for them."""
+    from mtpserve.workers.model import fp8
+    from mtpserve.workers.model.quantization import FP8BlockConfig
+
+    with fake_cuda() as rt:
+        rt.compute_capability = cap
+        path, why = fp8.select_path(FP8BlockConfig(block=(128, 128)), torch.bfloat16, "cuda")
+    assert path == fp8.DEQUANTIZED and "sm90" in why, why

@@ -225,14 +225,14 @@ def _weight_files(path: Path) -> dict[str, Path]:
 
 def fp8_path(cfg: ModelConfig, dtype: torch.dtype) -> tuple[bool, str]:
     """(plain linears kept FP8?, why): the loader's `fp8.select_path` on a CUDA device that
-    runs the blockwise kernel (cc >= 8.9), which the plan assumes."""
+    runs the blockwise kernel (Hopper, sm90), which the plan assumes."""
     if cfg.quant is None:
         return False, "not quantized"
     if tuple(cfg.quant.block) != (fp8.GROUP, fp8.GROUP):
         return False, f"{cfg.quant.block[0]}x{cfg.quant.block[1]} blocks (128x128 only)"
     if dtype != torch.bfloat16:
         return False, f"serving dtype {dtype} (bf16 only)"
-    return True, "assuming CUDA compute capability >= 8.9 (the load-time probe passes)"
+    return True, "assuming a Hopper (sm90) GPU (the load-time probe passes)"
 
 
 def build_rank_model(cfg: ModelConfig, view: CheckpointView, dtype: torch.dtype,

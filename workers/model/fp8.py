@@ -8,9 +8,13 @@ the layouts torch 2.13 checks in `_check_scaled_mm_sizes_v2` (torch/_meta_regist
 scale_a [M, K / 128] with stride [1, M]; scale_b [L4, N / 128] with stride [1, L4],
 L4 = K / 128 rounded up to 4; mat_b column-major (the weight's transpose view).
 
-`select_path` keeps FP8 only where it is known to work: a CUDA device of compute capability
->= 8.9, bf16 serving, 128x128 blocks, and a probe that runs the kernel once on the device and
-matches `blockwise_reference`; everything else dequantizes at load (quantization.py).
+`select_path` keeps FP8 only where it is known to work: a Hopper (sm90) device (torch 2.13
+dispatches the 1x128 x 128x128 block-scaled GEMM to its sm90 CUTLASS kernel only; Ada's fp8
+tensor cores have no block-scaled recipe there), bf16 serving, 128x128 blocks, and a probe
+that runs the kernel on the device, eagerly and under `torch.compile` (decode runs compiled
+graphs), at several row counts, and matches `blockwise_reference`; everything else
+dequantizes at load (quantization.py). Rows are padded to `M_ALIGN` (the column-major
+activation scales' leading dimension is M: cuBLASLt wants 16-byte multiples).
 Written without a GPU to hand: the probe is the guard for a kernel or layout torch refuses.
 """
 
@@ -38,6 +42,8 @@ if TYPE_CHECKING:
 FP8 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(FP8).max
 GROUP = 128  # the activation group and weight block edge the kernel takes
+M_ALIGN = 16  # activation rows padded to a multiple (decode's 1-4 rows: at most 15 extra)
+BLOCKWISE_MAJOR = 9  # compute capability major the block-scaled recipe dispatches on
 SCALED_MM = "fp8 scaled_mm"
 DEQUANTIZED = "dequantized"
 
@@ -72,10 +78,17 @@ def _scale_b(scale_inv: torch.Tensor) -> torch.Tensor:
 
 def scaled_mm_linear(x2d: torch.Tensor, weight: torch.Tensor, scale_b: torch.Tensor,
                      out_dtype: torch.dtype) -> torch.Tensor:
-    """[M, K] activations (any float dtype) times an fp8 [N, K] weight on the kernel."""
+    """[M, K] activations (any float dtype) times an fp8 [N, K] weight on the kernel, rows
+    padded to `M_ALIGN` (zero rows: their scales clamp to 1e-12 / 448, their outputs are
+    dropped)."""
+    m = x2d.shape[0]
+    pad = -m % M_ALIGN
+    if pad:
+        x2d = F.pad(x2d, (0, 0, 0, pad))
     q, s = quantize_activation(x2d)
-    return F.scaled_mm(q, weight.t(), s.t().contiguous().t(), F.ScalingType.BlockWise1x128,
-                       scale_b, F.ScalingType.BlockWise128x128, output_dtype=out_dtype)
+    y = F.scaled_mm(q, weight.t(), s.t().contiguous().t(), F.ScalingType.BlockWise1x128,
+                    scale_b, F.ScalingType.BlockWise128x128, output_dtype=out_dtype)
+    return y[:m] if pad else y
 
 
 class Fp8BlockLinear(nn.Module):
@@ -213,8 +226,9 @@ def select_path(quant: FP8BlockConfig | None, dtype: torch.dtype,
     rt = runtime()
     index = device.index if device.index is not None else rt.current_index()
     cap = rt.capability(index)
-    if cap < (8, 9):
-        return DEQUANTIZED, f"compute capability {cap[0]}.{cap[1]} < 8.9 (no fp8)"
+    if cap[0] != BLOCKWISE_MAJOR:
+        return DEQUANTIZED, (f"compute capability {cap[0]}.{cap[1]}: torch {torch.__version__}"
+                             "'s block-scaled fp8 GEMM runs on sm90 only")
     problem = _probe(index)
     if problem:
         return DEQUANTIZED, problem
@@ -223,22 +237,31 @@ def select_path(quant: FP8BlockConfig | None, dtype: torch.dtype,
 
 @functools.cache
 def _probe(index: int) -> str | None:
-    """None if the blockwise kernel runs on this device and matches the plain-torch reference
-    on a 3 x 256 x 384 product; else why not."""
+    """None if the blockwise kernel runs on this device, eagerly and compiled, at decode and
+    prefill row counts (PROBE_ROWS: unpadded, padded and past one pad block), and matches the
+    plain-torch reference on an M x 256 x 384 product; else why not."""
     device = torch.device("cuda", index)
     from mtpserve.workers.model.quantization import quantize
 
     g = torch.Generator().manual_seed(0)
     w = torch.randn(384, 256, generator=g) * 0.05
-    x = torch.randn(3, 256, generator=g)
     wq, s = quantize(w, (GROUP, GROUP))
-    ref = blockwise_reference(x, wq, s)
-    try:
-        mod = Fp8BlockLinear(wq.to(device), s.to(device), use_scaled_mm=True)
-        got = mod(x.to(device, torch.bfloat16)).float().cpu()
-    except Exception as e:  # noqa: BLE001 - any refusal means: dequantize instead
-        return f"scaled_mm refused: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
-    err = ((got - ref).abs().max() / ref.abs().max()).item()
-    if not err <= 2e-2:  # bf16 output rounding is ~4e-3 relative
-        return f"scaled_mm probe off by {err:.3g} (relative) from the reference"
+    mod = Fp8BlockLinear(wq.to(device), s.to(device), use_scaled_mm=True)
+    for mode in ("eager", "compiled"):
+        fn = mod if mode == "eager" else torch.compile(mod, fullgraph=True, dynamic=False)
+        for m in PROBE_ROWS:
+            x = torch.randn(m, 256, generator=g)
+            ref = blockwise_reference(x, wq, s)
+            try:
+                got = fn(x.to(device, torch.bfloat16)).float().cpu()
+            except Exception as e:  # noqa: BLE001 - any refusal means: dequantize instead
+                return (f"scaled_mm ({mode}, {m} rows) refused: {type(e).__name__}: "
+                        f"{str(e).splitlines()[0][:160]}")
+            err = ((got - ref).abs().max() / ref.abs().max()).item()
+            if not err <= 2e-2:  # bf16 output rounding is ~4e-3 relative
+                return (f"scaled_mm probe ({mode}, {m} rows) off by {err:.3g} (relative) from "
+                        "the reference")
     return None
+
+
+PROBE_ROWS = (1, 3, M_ALIGN, M_ALIGN + 1)

@@ -7,8 +7,8 @@ real weight is `weight * scale_inv` block by block (DeepSeek's `weight_dequant`)
 
 Served by dequantizing at load, to the serving dtype, before TP sharding (so a block that
 straddles two ranks' slices is still scaled right); except on CUDA devices that run the
-blockwise FP8 scaled matmul (workers/model/fp8.py: 128x128 blocks, bf16 serving, compute
-capability >= 8.9 and a load-time probe), where the plain linears keep their FP8 weights.
+blockwise FP8 scaled matmul (workers/model/fp8.py: 128x128 blocks, bf16 serving,
+a Hopper (sm90) device and a load-time probe), where the plain linears keep their FP8 weights.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ class FP8BlockConfig:
             return (f"fp8 e4m3, {self.block[0]}x{self.block[1]} weight blocks (dequantized "
                     "to the serving dtype at load)")
         return ("fp8 e4m3, 128x128 weight blocks (plain linears kept fp8 with a blockwise "
-                "scaled matmul on CUDA with fp8 (cc >= 8.9) serving bf16, routed experts "
+                "scaled matmul on Hopper (sm90) CUDA serving bf16, routed experts "
                 "kept fp8 where their TP slice is on the 128 grid and dequantized at use; "
                 "kv_b_proj and every other device dequantized to the serving dtype at load)")
 
