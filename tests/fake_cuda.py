@@ -319,7 +319,9 @@ def fake_cuda(values: Callable[[int, str], list[int]] = zeros) -> Iterator[FakeR
     mp.setattr(torch.nn.attention.flex_attention, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", True)
     try:
         fake = _FakeCUDAMode(allow_non_fake_inputs=True)
-        with use_runtime(rt), fake, _DeviceGuardFree(fake):
+        # No autograd: a backward graph on fake CUDA tensors would open a CUDA device guard
+        # in C++ (an abort, not an exception); the engine runs under inference mode anyway.
+        with use_runtime(rt), torch.no_grad(), fake, _DeviceGuardFree(fake):
             yield rt
     finally:
         mp.undo()

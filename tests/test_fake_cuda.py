@@ -26,6 +26,7 @@ from mtpserve.workers.scheduler import decode_slots, draft_slots
 
 PROMPTS = [[5, 17, 99, 3, 250, 7, 42, 8, 1, 77, 31], [3, 4, 5, 6, 7, 8],
            [100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111, 112, 113]]
+LONG = [(7 * i + 3) % 250 + 1 for i in range(40)]  # past MLA's absorbed query length: expanded
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0)
 SAMPLED = SamplingParams(max_tokens=6, temperature=1.0, top_p=0.9, seed=7)
 LOGPROBS = SamplingParams(max_tokens=6, temperature=0.8, seed=3, logprobs=2)
@@ -69,7 +70,8 @@ def test_rounds_run_on_cuda_with_one_sync_each(ckpts, family: str, values: str) 
     with fake_cuda(zeros if values == "zeros" else accept_some) as rt:
         eng = cuda_engine(ckpts[family])
         _assert_on_cuda(eng)
-        for i, (p, sp) in enumerate(zip(PROMPTS, (GREEDY, SAMPLED, LOGPROBS), strict=True)):
+        for i, (p, sp) in enumerate(zip([*PROMPTS, LONG], (GREEDY, SAMPLED, LOGPROBS, GREEDY),
+                                        strict=True)):
             eng.add_request(f"r{i}", p, sp)
         steps = 0
         while eng.has_unfinished():
@@ -191,3 +193,24 @@ def test_fp8_kept_only_on_hopper(cap: tuple[int, int]) -> None:
         rt.compute_capability = cap
         path, why = fp8.select_path(FP8BlockConfig(block=(128, 128)), torch.bfloat16, "cuda")
     assert path == fp8.DEQUANTIZED and "sm90" in why, why
+
+
+def test_moe_both_paths_on_cuda(ckpts) -> None:
+    """The routed experts' gathered path (one pair) and grouped path (sorted pairs, device
+    offsets) on the device: no host read, outputs on the device."""
+    from mtpserve.workers.model.moe import MoE
+
+    with fake_cuda() as rt:
+        eng = cuda_engine(ckpts["qwen3_moe"])
+        moe = next(m for m in eng.runner.model.modules() if isinstance(m, MoE))
+        H = moe.gate.weight.shape[1]
+        for tokens in (1, 37):
+            x = torch.zeros(tokens, H, device="cuda", dtype=moe.experts.w13.dtype)
+            weights, idx = moe.gate(x)
+            if tokens == 1:  # one token, top-k pairs: gather one pair at a time
+                y = moe.experts._gathered(x, weights[:, :1], idx[:, :1])
+            else:
+                y = moe.experts._grouped(x, weights, idx)
+            assert y.shape == (tokens, H) and y.is_cuda
+            assert moe(x.unsqueeze(0)).is_cuda
+        assert not rt.reads
