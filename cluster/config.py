@@ -488,9 +488,11 @@ class ClusterConfig(_Strict):
             heads = hf.get("num_attention_heads")
             kv_heads = hf.get("num_key_value_heads", heads)
             for role, tp in (("prefill", self.prefill.tp_size), ("decode", self.decode.tp_size)):
-                if kv_heads and kv_heads % tp:
+                # TP above the KV heads replicates them (one KV head per rank, as vLLM does).
+                if kv_heads and kv_heads % tp and tp % kv_heads:
                     raise ValueError(
-                        f"{role}.tp_size={tp} must divide the model's {kv_heads} KV heads"
+                        f"{role}.tp_size={tp} must divide the model's {kv_heads} KV heads or "
+                        f"be a multiple of them (each rank then holds one replicated KV head)"
                     )
                 if heads and heads % tp:
                     raise ValueError(

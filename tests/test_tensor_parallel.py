@@ -1,5 +1,6 @@
 """TP=2 == TP=1: two real processes in a gloo group run the sharded model (column/row-parallel
-linears, vocab-parallel embedding and head) over their paged KV shards."""
+linears, vocab-parallel embedding and head) over their paged KV shards; TP 4 (and, slow, 8)
+over 2 KV heads == TP 1, each rank holding one replicated KV head."""
 
 from __future__ import annotations
 
@@ -138,10 +139,10 @@ def install_plane_checker(device: str) -> dict:
     return seen
 
 
-def _spec(path: str, port: int, role: str = "prefill"):
+def _spec(path: str, port: int, role: str = "prefill", tp_size: int = 2):
     from mtpserve.workers.replica.tp_group import RankSpec
 
-    return RankSpec(model=path, role=role, tp_size=2, num_kv_blocks=64, block_size=4,
+    return RankSpec(model=path, role=role, tp_size=tp_size, num_kv_blocks=64, block_size=4,
                     init_method=f"tcp://127.0.0.1:{port}", kv_host="127.0.0.1",
                     kv_interface="lo", num_threads=1)
 
@@ -224,6 +225,95 @@ def test_tp2_engine_keeps_control_and_data_planes_apart(tiny_qwen3, shm: bool) -
             assert seen["shm"] > 0 and seen["data"] == 0, seen
         else:
             assert seen["data"] > 0 and seen["shm"] == 0, seen
+
+
+def _replicated_rank(rank: int, port: int, path: str, tp: int, prompts: list, out) -> None:
+    """One rank of a TP group above the model's KV heads: rank 0 drives the forwards of
+    `batches()` and then a greedy engine; the others follow."""
+    from mtpserve.workers.replica.tp_group import RankCore, TPDriver, worker_loop
+
+    torch.set_num_threads(1)
+    core = RankCore(_spec(path, port, tp_size=tp), rank)
+    if rank:
+        worker_loop(core)
+        out.put(("worker", rank, core.failed))
+        torch.distributed.barrier()
+        return
+    driver = TPDriver(core)
+    logits = [driver.execute(b).tolist() for b in batches()]
+    layout = tuple(core.runner.kv_cache.layers[0].shape[3:])
+    tokens = _greedy_tokens(driver, path, prompts)
+    driver.shutdown()
+    out.put(("driver", 0, (logits, layout, tokens)))
+    torch.distributed.barrier()
+
+
+def _replicated_kv_heads_equal_tp1(path: str, tp: int) -> None:
+    """TP `tp` over a model with fewer KV heads == TP 1: the forwards' logits (fp32) and the
+    greedy tokens (k = 2, prefix caching on), each rank's cache holding one KV head."""
+    prompts = [PROMPT, [9, 8, 7, 6, 5, 4, 3], PROMPT + [1, 2, 3, 4, 5]]
+    single = ModelRunner(path, num_blocks=8, block_size=4)
+    want = [single.execute(b) for b in batches()]
+    want_tokens, _ = _greedy_tokens(None, path, prompts, caching=False)
+    ctx = mp.get_context("spawn")
+    out, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_replicated_rank, args=(r, port, path, tp, prompts, out))
+             for r in range(tp)]
+    for p in procs:
+        p.start()
+    got = {(kind, rank): x for kind, rank, x in (out.get(timeout=300) for _ in procs)}
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert not any(got[("worker", r)] for r in range(1, tp))
+    logits, layout, (tokens, hits) = got[("driver", 0)]
+    assert layout == (1, single.config.head_dim)  # one (replicated) KV head per rank
+    for g, w in zip(logits, want, strict=True):
+        assert torch.allclose(torch.tensor(g), w, atol=1e-4), (torch.tensor(g) - w).abs().max()
+    assert tokens == want_tokens
+    assert hits == 8  # the third prompt reused PROMPT's first two blocks
+
+
+def test_tp4_replicates_the_2_kv_heads_and_equals_tp1(tiny_qwen3) -> None:
+    """4 query heads, 2 KV heads: rank r holds query head r and KV head r // 2."""
+    _replicated_kv_heads_equal_tp1(str(tiny_qwen3), 4)
+
+
+# Slow tier: 8 ranks on 2 cores; test_tp4_replicates_the_2_kv_heads_and_equals_tp1 runs the
+# same replicated-head code path (1 query head per rank there, 2 here).
+@pytest.mark.slow
+def test_tp8_replicates_the_2_kv_heads_and_equals_tp1(tmp_path) -> None:
+    from tiny_models import make_hf_checkpoint
+
+    path = make_hf_checkpoint(tmp_path / "q8", "qwen3", num_mtp=1, num_attention_heads=8)
+    _replicated_kv_heads_equal_tp1(str(path), 8)
+
+
+def test_kv_head_split_and_the_fused_qkv_shards() -> None:
+    """The rank's KV heads and the rows of the fused q/k/v weight it loads, at TP above the
+    KV heads: K and V are the replicated head's, q the rank's own heads."""
+    from mtpserve.workers.model.config import kv_head_split
+    from mtpserve.workers.model.parallel import ColumnParallelLinear, construction_tp
+
+    assert [kv_head_split(2, tp) for tp in (1, 2, 4, 8)] == [(2, 1), (1, 1), (1, 2), (1, 4)]
+    assert kv_head_split(4, 8) == (1, 2) and kv_head_split(8, 4) == (2, 1)
+    with pytest.raises(ValueError, match="must divide the model's 2 KV heads or be a multiple"):
+        kv_head_split(2, 3)
+    H, Hk, D, tp = 8, 2, 4, 8
+    full = [torch.arange(n * D).float().view(n * D, 1) + 1000 * i for i, n in
+            enumerate((H, Hk, Hk))]
+    for rank in range(tp):
+        with construction_tp(rank, tp):
+            qkv = ColumnParallelLinear(1, [H * D, Hk * D, Hk * D],
+                                       replicas=[1, tp // Hk, tp // Hk])
+        for part, t in enumerate(full):
+            qkv.weight.weight_loader(qkv.weight, t, part)
+        q, k, v = qkv.weight.data.split(qkv.local_sizes)
+        head = rank * Hk // tp
+        assert torch.equal(q, full[0][rank * D:(rank + 1) * D])
+        assert torch.equal(k, full[1][head * D:(head + 1) * D])
+        assert torch.equal(v, full[2][head * D:(head + 1) * D])
+        assert qkv.replicated and qkv.shard_start(1) == head * D
 
 
 def _health_rank(rank: int, port: int, path: str, events, deadline_s: float) -> None:

@@ -4,8 +4,9 @@ With TP size `tp` over a cache of H heads, rank r holds the global KV heads
 [r*H/tp, (r+1)*H/tp). A cache with fewer heads than ranks is replicated: rank r holds head
 r*H//tp, the same head as the tp/H - 1 ranks next to it. MLA's latent is such a cache (one
 "head", `ModelConfig.num_cache_heads` == 1): every rank holds the whole latent, as vLLM and
-SGLang shard MLA (heads split in the projections, the compressed cache replicated). GQA never
-gets there (TP must divide its KV heads, `cluster/config.py`).
+SGLang shard MLA (heads split in the projections, the compressed cache replicated). So is GQA
+under a TP size above its KV heads (`workers/model/config.py` `kv_head_split`, as vLLM
+replicates them): Qwen3-Next's 2 KV heads at TP 8 are each held by 4 ranks.
 
 A decode rank pulls exactly its own heads. Each head range comes from one of the prefill ranks
 holding it: the j-th decode replica of a head pulls from the (j mod n)-th of the n prefill
@@ -14,6 +15,12 @@ that needs it. A pull tells its sender how many decode ranks pull those heads fr
 (`HeadPull.copies`): the sender keeps the hold until that many acks came. Prefill replicas
 that no decode rank pulls from (prefill TP > decode TP over a replicated cache) are told to
 drop their holds once the pull succeeded (`unpulled_sources`).
+
+A hybrid model's recurrent state (`kv_transfer/states.py`) is sharded by rank, not by KV head:
+prefill replicas of one KV head hold different state shards. With `states`, a decode rank
+pulls its replicated head from every prefill replica whose rank share overlaps its own (the
+state shards it needs; the KV bytes of such a head then travel once per replica: identical,
+scattered over each other), not round-robin.
 """
 
 from __future__ import annotations
@@ -67,39 +74,51 @@ def holders(num_kv_heads: int, tp_size: int, head: int) -> list[int]:
                 num_kv_heads, tp_size, r)[1]]
 
 
-def _source(num_kv_heads: int, src_tp: int, dst_tp: int, dst_rank: int, head: int
-            ) -> tuple[int, int]:
-    """(prefill rank that decode rank `dst_rank` pulls `head` from, decode ranks that pull
-    `head` from that same prefill rank)."""
-    src, dst = holders(num_kv_heads, src_tp, head), holders(num_kv_heads, dst_tp, head)
-    j = dst.index(dst_rank) % len(src)
-    return src[j], sum(1 for i in range(len(dst)) if i % len(src) == j)
+def _sources(num_kv_heads: int, src_tp: int, dst_tp: int, dst_rank: int, head: int,
+             states: bool) -> list[int]:
+    """Prefill ranks that decode rank `dst_rank` pulls `head` from: one of its holders,
+    round-robin; with `states` and a head replicated on the prefill side, every holder whose
+    rank share [s/src_tp, (s+1)/src_tp) overlaps the decode rank's [r/dst_tp, (r+1)/dst_tp)."""
+    src = holders(num_kv_heads, src_tp, head)
+    if states and len(src) > 1:
+        return [s for s in src
+                if s * dst_tp < (dst_rank + 1) * src_tp and dst_rank * src_tp < (s + 1) * dst_tp]
+    dst = holders(num_kv_heads, dst_tp, head)
+    return [src[dst.index(dst_rank) % len(src)]]
 
 
-def pull_plan(num_kv_heads: int, src_tp: int, dst_tp: int, dst_rank: int) -> list[HeadPull]:
+def pull_plan(num_kv_heads: int, src_tp: int, dst_tp: int, dst_rank: int,
+              states: bool = False) -> list[HeadPull]:
     """What decode rank `dst_rank` (of `dst_tp`) pulls from a prefill group of `src_tp`.
 
-    Ordered by head, so concatenating the pulled slices along the head axis gives the decode
-    rank's local KV. src_tp < dst_tp: one pull of a sub-range; == : one full pull; > : several.
-    A replicated cache: one pull of the rank's head from one of its prefill replicas.
+    Ordered by head (then prefill rank), so concatenating the pulled slices along the head
+    axis gives the decode rank's local KV. src_tp < dst_tp: one pull of a sub-range; == : one
+    full pull; > : several. A replicated cache: one pull of the rank's head from one of its
+    prefill replicas; with `states` (a hybrid model), from each replica whose state shard the
+    rank needs (module docstring), the same head once per such replica.
     """
     plan: list[HeadPull] = []
     for head in range(*head_range(num_kv_heads, dst_tp, dst_rank)):
-        src, copies = _source(num_kv_heads, src_tp, dst_tp, dst_rank, head)
-        last = plan[-1] if plan else None
-        if last and last.src_rank == src and last.head_end == head and last.copies == copies:
-            plan[-1] = HeadPull(src, last.head_start, head + 1, copies)
-        else:
-            plan.append(HeadPull(src, head, head + 1, copies))
+        for src in _sources(num_kv_heads, src_tp, dst_tp, dst_rank, head, states):
+            # Decode ranks that pull `head` from `src`: the sender keeps its hold for them.
+            copies = sum(1 for d in holders(num_kv_heads, dst_tp, head)
+                         if src in _sources(num_kv_heads, src_tp, dst_tp, d, head, states))
+            last = plan[-1] if plan else None
+            if last and last.src_rank == src and last.head_end == head and last.copies == copies:
+                plan[-1] = HeadPull(src, last.head_start, head + 1, copies)
+            else:
+                plan.append(HeadPull(src, head, head + 1, copies))
     return plan
 
 
-def unpulled_sources(num_kv_heads: int, src_tp: int, dst_tp: int, dst_rank: int) -> list[int]:
+def unpulled_sources(num_kv_heads: int, src_tp: int, dst_tp: int, dst_rank: int,
+                     states: bool = False) -> list[int]:
     """Prefill ranks that no decode rank pulls from and whose holds decode rank `dst_rank`
     drops (each such rank is assigned to one decode rank that needs its head). Empty unless
-    the cache is replicated and src_tp > dst_tp."""
+    the cache is replicated, src_tp > dst_tp and not `states` (where every prefill rank's
+    state shard is pulled)."""
     pulled = {p.src_rank for r in range(dst_tp)
-              for p in pull_plan(num_kv_heads, src_tp, dst_tp, r)}
+              for p in pull_plan(num_kv_heads, src_tp, dst_tp, r, states)}
     mine = []
     for s in range(src_tp):
         if s in pulled:
@@ -128,13 +147,14 @@ def pull_slices(
     Yields (step, kv [n_layers, 2, n_blocks, block_size, h, head_dim], extras) in head order.
     Extras are replicated across prefill ranks, so only the first step fetches them (later
     steps yield {}) unless `extras_every_step` (hybrid models: each prefill rank's extras
-    hold its own shard of the recurrent state, kv_transfer/states.py). Pulls run one after
-    another under one deadline; `buffer()` is read before each pull (see `KVReceiver.pull`),
-    so a consumer may swap it between steps.
+    hold its own shard of the recurrent state, kv_transfer/states.py; the plan is then
+    `pull_plan`'s `states` one, where a replicated head may come in several steps). Pulls run
+    one after another under one deadline; `buffer()` is read before each pull (see
+    `KVReceiver.pull`), so a consumer may swap it between steps.
     """
     deadline = time.monotonic() + timeout_s
     src_tp = len(sender_addresses)
-    plan = pull_plan(num_kv_heads, src_tp, dst_tp, dst_rank)
+    plan = pull_plan(num_kv_heads, src_tp, dst_tp, dst_rank, states=extras_every_step)
     for i, step in enumerate(plan):
         kv, extras = receiver.pull(
             sender_addresses[step.src_rank],
@@ -150,7 +170,7 @@ def pull_slices(
         yield step, kv, extras
     # A replicated cache's prefill replicas that nobody pulls from (best effort: their TTL
     # frees them otherwise).
-    for src in unpulled_sources(num_kv_heads, src_tp, dst_tp, dst_rank):
+    for src in unpulled_sources(num_kv_heads, src_tp, dst_tp, dst_rank, extras_every_step):
         if not receiver.drop(sender_addresses[src], request_id,
                              max(deadline - time.monotonic(), 1.0)):
             logger.warning("could not drop the unpulled hold of %r on prefill rank %d; its "

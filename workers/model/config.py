@@ -94,7 +94,8 @@ class ModelConfig:
     def kv_cache_layout(self, tp_size: int) -> tuple[int, int]:
         """(heads, dim) of one rank's paged cache, shaped [2, blocks, block_size, heads, dim].
 
-        GQA: the rank's KV heads, K in plane 0 and V in plane 1. MLA: one replicated "head"
+        GQA: the rank's KV heads, K in plane 0 and V in plane 1 (one replicated head when
+        TP exceeds the KV heads, `kv_head_split`). MLA: one replicated "head"
         holding the per-token latent (normed c_kv + rotated shared rope key, `latent_dim`
         values) split in two halves over the two planes, so the cache keeps one shape for
         every family (KV bytes per token are exactly the latent's) and every TP rank holds
@@ -103,7 +104,7 @@ class ModelConfig:
             if self.mla.latent_dim % 2:
                 raise UnsupportedConfig(f"MLA latent of odd size {self.mla.latent_dim}")
             return 1, self.mla.latent_dim // 2
-        return self.num_key_value_heads // tp_size, self.head_dim
+        return kv_head_split(self.num_key_value_heads, tp_size)[0], self.head_dim
 
     @property
     def num_cache_heads(self) -> int:
@@ -232,6 +233,24 @@ class ModelConfig:
             merged = cfg.eos_token_ids + tuple(t for t in extra if t not in cfg.eos_token_ids)
             cfg = replace(cfg, eos_token_ids=merged)
         return cfg
+
+
+def kv_head_split(num_kv_heads: int, tp_size: int) -> tuple[int, int]:
+    """(KV heads per rank, ranks holding each KV head) of a GQA layer under TP `tp_size`.
+
+    TP divides the KV heads: each rank holds num_kv / tp of them, once. TP above them and a
+    multiple of them: as vLLM does, each rank holds one KV head, replicated on tp / num_kv
+    ranks (rank r holds head r * num_kv // tp, the head its num_heads / tp query heads attend
+    to), so each rank's KV cache holds tp / num_kv times its share of the model's KV."""
+    if tp_size < 1 or num_kv_heads < 1:
+        raise ValueError(f"TP size {tp_size} over {num_kv_heads} KV heads")
+    if num_kv_heads % tp_size == 0:
+        return num_kv_heads // tp_size, 1
+    if tp_size % num_kv_heads == 0:
+        return 1, tp_size // num_kv_heads
+    raise ValueError(
+        f"TP size {tp_size} must divide the model's {num_kv_heads} KV heads or be a multiple "
+        f"of them (then each rank holds one replicated KV head)")
 
 
 def _text_part(cfg: dict[str, Any]) -> dict[str, Any]:

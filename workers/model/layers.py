@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtpserve.workers.model.attention_metadata import AttentionMetadata
-from mtpserve.workers.model.config import ModelConfig
+from mtpserve.workers.model.config import ModelConfig, kv_head_split
 from mtpserve.workers.model.parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -99,12 +99,11 @@ class Attention(nn.Module):
         tp = get_tp().size
         self.head_dim = cfg.head_dim
         self.num_heads = cfg.num_attention_heads // tp
-        self.num_kv_heads = cfg.num_key_value_heads // tp
-        if cfg.num_key_value_heads % tp or cfg.num_attention_heads % tp:
-            raise ValueError(
-                f"TP size {tp} must divide {cfg.num_attention_heads} heads and "
-                f"{cfg.num_key_value_heads} KV heads"
-            )
+        if cfg.num_attention_heads % tp:
+            raise ValueError(f"TP size {tp} must divide {cfg.num_attention_heads} heads")
+        # TP above the KV heads replicates them (`kv_head_split`): rank r holds KV head
+        # r * Hk // tp, which its contiguous query heads [r Hq/tp, (r+1) Hq/tp) all attend to.
+        self.num_kv_heads, kv_replicas = kv_head_split(cfg.num_key_value_heads, tp)
         self.scale = cfg.head_dim**-0.5
         d = cfg.head_dim
         # Qwen3-Next: q_proj holds [q | gate] per head; the output is scaled by sigmoid(gate).
@@ -114,7 +113,7 @@ class Attention(nn.Module):
             cfg.hidden_size,
             [cfg.num_attention_heads * qd, cfg.num_key_value_heads * d,
              cfg.num_key_value_heads * d],
-            bias=cfg.attention_bias,
+            bias=cfg.attention_bias, replicas=[1, kv_replicas, kv_replicas],
         )
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None

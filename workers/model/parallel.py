@@ -148,14 +148,22 @@ class ReplicatedLinear(nn.Module):
 
 class ColumnParallelLinear(nn.Module):
     """Output features split across ranks; `output_sizes` lists fused sub-matrices
-    (e.g. [q, k, v] or [gate, up]) so each is sharded separately."""
+    (e.g. [q, k, v] or [gate, up]) so each is sharded separately. `replicas[i]` ranks hold
+    the same shard of part i (default 1): the part is split into tp / replicas[i] shards and
+    rank r holds shard r // replicas[i] (GQA's K and V when TP exceeds the KV heads)."""
 
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False) -> None:
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False,
+                 replicas: list[int] | None = None) -> None:
         super().__init__()
         tp = get_tp()
         self.tp_rank, self.tp_size = tp.rank, tp.size
         self.full_sizes = list(output_sizes)
-        self.local_sizes = [_divide(s, tp.size, "output size") for s in output_sizes]
+        self.replicas = list(replicas) if replicas else [1] * len(output_sizes)
+        if len(self.replicas) != len(output_sizes) or any(
+                n < 1 or tp.size % n for n in self.replicas):
+            raise ValueError(f"replicas {self.replicas} of {output_sizes} under TP {tp.size}")
+        self.local_sizes = [_divide(s, tp.size // n, "output size")
+                            for s, n in zip(output_sizes, self.replicas, strict=True)]
         out = sum(self.local_sizes)
         self.weight = nn.Parameter(torch.empty(out, in_features))
         self.weight.weight_loader = self.weight_loader
@@ -174,7 +182,18 @@ class ColumnParallelLinear(nn.Module):
                 f"got {tuple(loaded.shape)}"
             )
         offset = sum(self.local_sizes[:shard_id])
-        param.data.narrow(0, offset, local).copy_(loaded.narrow(0, self.tp_rank * local, local))
+        param.data.narrow(0, offset, local).copy_(
+            loaded.narrow(0, self.shard_start(shard_id), local))
+
+    @property
+    def replicated(self) -> bool:
+        """Whether some part is held whole by more than one rank (its rows are not at
+        tp_rank * local in the checkpoint tensor: use `shard_start`)."""
+        return any(n > 1 for n in self.replicas)
+
+    def shard_start(self, part: int = 0) -> int:
+        """Row of checkpoint part `part` where this rank's shard of it starts."""
+        return (self.tp_rank // self.replicas[part]) * self.local_sizes[part]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
