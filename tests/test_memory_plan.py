@@ -149,16 +149,32 @@ def test_deepseek_v3_bf16_is_refused_with_the_numbers_and_what_would_fit(capsys)
 
 
 def test_qwen3_next_80b(capsys) -> None:
-    # TP 8 > its 2 KV heads: the engine's layers (and cluster/config.py) refuse it.
-    rc, out = _check_json(capsys, str(CONFIGS / "qwen3-next-80b-a3b"), "--tp-size", "8",
-                          "--gpu-memory-gib", "141")
-    assert rc == 1 and out["fits"] is False and out["per_rank"] is None
-    assert "2 KV heads" in out["message"]
-    assert out["suggestions"][0].startswith("TP 2:")
-    rc, out = _check_json(capsys, str(CONFIGS / "qwen3-next-80b-a3b"), "--tp-size", "2",
-                          "--gpu-memory-gib", "141")
-    assert rc == 0 and out["fits"]
-    assert out["per_rank"]["state_bytes"] > 0 and out["per_rank"]["verify_state_bytes"] > 0
+    # TP 8 > its 2 KV heads: each rank holds one replicated KV head (kv_head_split), so its
+    # KV per token is TP 2's; the Gated DeltaNet layers split their own 16 key / 32 value
+    # heads 8 ways, so the state shrinks by 4 from TP 2.
+    plans = {}
+    for tp in (2, 8):
+        rc, out = _check_json(capsys, str(CONFIGS / "qwen3-next-80b-a3b"), "--tp-size",
+                              str(tp), "--gpu-memory-gib", "141")
+        assert rc == 0 and out["fits"], out["message"]
+        assert out["per_rank"]["state_bytes"] > 0 and out["per_rank"]["verify_state_bytes"] > 0
+        plans[tp] = out["per_rank"]
+    # 12 full-attention layers + 1 MTP layer, K and V of one 256-dim head, bf16.
+    assert plans[8]["kv_bytes_per_token"] == plans[2]["kv_bytes_per_token"] == 13 * 2 * 256 * 2
+    assert plans[8]["weight_bytes"] < plans[2]["weight_bytes"] / 3
+    assert plans[2]["state_bytes"] // 33 == 4 * (plans[8]["state_bytes"] // 33)
+
+
+def test_qwen3_235b_at_tp8_replicates_its_4_kv_heads(capsys) -> None:
+    plans = {}
+    for tp in (4, 8):
+        rc, out = _check_json(capsys, str(CONFIGS / "qwen3-235b-a22b"), "--tp-size", str(tp),
+                              "--gpu-memory-gib", "141")
+        assert rc == 0 and out["fits"], out["message"]
+        plans[tp] = out["per_rank"]
+    # 94 layers, K and V of one 128-dim head per rank at TP 4 and (replicated) at TP 8.
+    assert plans[8]["kv_bytes_per_token"] == plans[4]["kv_bytes_per_token"] == 94 * 2 * 128 * 2
+    assert plans[8]["kv_capacity_tokens"] > 2 * plans[4]["kv_capacity_tokens"]
 
 
 def test_check_prints_inventory_and_plan_when_weights_are_there(tiny_qwen3, capsys) -> None:
