@@ -162,44 +162,58 @@ def test_torch_delta_rule_equals_fla_reference(S: int) -> None:
     naive = _fla_naive()
     chunk, recurrent = _naive_as_kernels(naive)
     q, k, v, gate, beta, h0 = _inputs(2, S, seed=S)
-    out, final, states = GatedDeltaNet._torch_delta_rule(q, k, v, gate, beta, h0)
+    out, final = GatedDeltaNet._torch_delta_rule(q, k, v, gate, beta, h0)
     kern = chunk if S > gdn.RECURRENT_MAX else recurrent
     ref_out, ref_final = kern(q, k, v, g=gate, beta=beta, scale=LIN.key_head_dim ** -0.5,
                               initial_state=h0, output_final_state=True,
                               use_qk_l2norm_in_kernel=True)
     assert (out.transpose(1, 2) - ref_out).abs().max().item() <= 1e-5
     assert (final - ref_final).abs().max().item() <= 1e-5
-    if states is not None:  # the last per-position state is the final one
-        assert torch.equal(states[:, -1], final)
+    if S <= gdn.RECURRENT_MAX:  # the state kept after each position == fla's over a prefix
+        keep = torch.full((2, S - 1, LIN.num_value_heads, LIN.key_head_dim,
+                           LIN.value_head_dim), float("nan"))
+        out2, final2 = GatedDeltaNet._torch_delta_rule(q, k, v, gate, beta, h0, keep)
+        assert torch.equal(out2, out) and torch.equal(final2, final)
+        for t in range(S - 1):
+            _, ref_t = kern(q[:, :t + 1], k[:, :t + 1], v[:, :t + 1], g=gate[:, :t + 1],
+                            beta=beta[:, :t + 1], scale=LIN.key_head_dim ** -0.5,
+                            initial_state=h0, output_final_state=True,
+                            use_qk_l2norm_in_kernel=True)
+            assert (keep[:, t] - ref_t).abs().max().item() <= 1e-5
 
 
-@pytest.mark.parametrize("per_step", [False, True])
+@pytest.mark.parametrize("keep", [False, True])
 @pytest.mark.parametrize("S", [1, 5, 150])
-def test_fla_path_equals_torch_path_through_the_reference(S: int, per_step: bool) -> None:
+def test_fla_path_equals_torch_path_through_the_reference(S: int, keep: bool) -> None:
     """`fla_gated_delta_rule` (the function the CUDA path calls) with fla's reference as the
     kernels == our torch delta rule: outputs, final state and, for verify rows, the state after
-    every position (what rollback keeps), within 1e-5."""
+    every position but the last (what rollback keeps, written into the given buffer), within
+    1e-5."""
     naive = _fla_naive()
     q, k, v, gate, beta, h0 = _inputs(3, S, seed=10 + S)
-    out, final, states = gdn.fla_gated_delta_rule(q, k, v, gate, beta, h0, per_step=per_step,
-                                                  kernels=_naive_as_kernels(naive))
-    t_out, t_final, t_states = GatedDeltaNet._torch_delta_rule(q, k, v, gate, beta, h0)
+    keep = keep and 1 < S <= gdn.RECURRENT_MAX
+    shape = (3, S - 1, LIN.num_value_heads, LIN.key_head_dim, LIN.value_head_dim)
+    buf, t_buf = (torch.full(shape, float("nan")) if keep else None for _ in range(2))
+    out, final = gdn.fla_gated_delta_rule(q, k, v, gate, beta, h0, buf,
+                                          kernels=_naive_as_kernels(naive))
+    t_out, t_final = GatedDeltaNet._torch_delta_rule(q, k, v, gate, beta, h0, t_buf)
     assert (out.transpose(1, 2) - t_out).abs().max().item() <= 1e-5
     assert (final - t_final).abs().max().item() <= 1e-5
-    if S > gdn.RECURRENT_MAX:
-        assert states is None
-    elif per_step or S == 1:
-        assert states.shape == t_states.shape
-        assert (states - t_states).abs().max().item() <= 1e-5
+    if keep:
+        assert (buf - t_buf).abs().max().item() <= 1e-5
 
 
-def _state(slots: list[int], fresh: list[bool], lens: list[int], seed: int) -> LinearState:
+def _state(slots: list[int], fresh: list[bool], lens: list[int], seed: int,
+           k: int = 3) -> LinearState:
+    """8 slots, verify buffers for 2 rows of k drafts (StateCache's layout)."""
     g = torch.Generator().manual_seed(seed)
     conv = torch.randn(8, LIN.conv_dim, LIN.conv_kernel - 1, generator=g)
     rec = torch.randn(8, LIN.num_value_heads, LIN.key_head_dim, LIN.value_head_dim,
                       generator=g) * 0.5
+    keep_rec = torch.empty(2, k, LIN.num_value_heads, LIN.key_head_dim, LIN.value_head_dim)
+    keep_conv = torch.empty(2, LIN.conv_dim, LIN.conv_kernel - 1 + k)
     return LinearState(conv, rec, torch.tensor(slots), torch.tensor(fresh),
-                       torch.tensor(lens))
+                       torch.tensor(lens), keep_rec, keep_conv)
 
 
 def test_layer_forward_with_fla_backend_equals_torch_and_rolls_back() -> None:

@@ -86,8 +86,9 @@ def test_hybrid_state_and_verify_state_bytes(tmp_path) -> None:
         per_layer = (slots * conv_dim // tp * 3 * 2  # conv window (K - 1), bf16
                      + slots * 4 // tp * 8 * 8 * 4)  # recurrent state, fp32
         assert p.state_slots == seqs and p.state_bytes == 3 * per_layer  # 3 linear layers
-        verify = (seqs * (k + 1) * 4 // tp * 8 * 8 * 4  # a state after every position
-                  + seqs * conv_dim // tp * (3 + k + 1) * 2)  # conv inputs, window included
+        # The state after every position but the last (the slot holds that one), and the
+        # conv inputs up to the last position's window.
+        verify = (seqs * k * 4 // tp * 8 * 8 * 4 + seqs * conv_dim // tp * (3 + k) * 2)
         assert p.verify_state_bytes == 3 * verify
         assert p.kv_bytes_per_token == 2 * (2 // tp) * 16 * 2 * 2  # 1 full + 1 MTP layer
         assert p.graph_reserve_bytes == 0  # hybrids run eagerly

@@ -67,6 +67,7 @@ class Engine:
             num_state_slots=config.max_num_seqs,
             kv_cache_memory_fraction=config.kv_cache_memory_fraction,
             profile_tokens=config.max_num_batched_tokens,
+            num_speculative_tokens=config.num_speculative_tokens,
         )
         if config.num_kv_blocks is None:  # CUDA: the runner sized the pool from memory
             self.config = config = dataclasses.replace(
@@ -85,6 +86,10 @@ class Engine:
             if pool is not None and pool.num_slots < config.max_num_seqs:
                 raise EngineError(f"the runner has {pool.num_slots} state slots, "
                                   f"max_num_seqs is {config.max_num_seqs}")
+            if pool is not None and pool.num_speculative_tokens < config.num_speculative_tokens:
+                raise EngineError(f"the runner keeps verify states for k = "
+                                  f"{pool.num_speculative_tokens} drafts, k is "
+                                  f"{config.num_speculative_tokens}")
         else:
             self.block_manager = BlockManager(
                 config.num_kv_blocks, config.block_size, prefix_caching=config.prefix_caching,

@@ -144,21 +144,25 @@ class KVMemoryBudget:
     graphs: int  # captured CUDA graphs' pool (or the reserve for them, before capture)
     staging: int  # staging buffers on the device: KV pull lanes, send buffers, NCCL
     free: int | None = None  # free device memory once the weights are loaded (None: all)
+    # Allocated beside the weights before sizing, so already outside `free`: a hybrid model's
+    # state pool (slots + verify buffers, workers/state_pool.py StateCache.nbytes).
+    states: int = 0
 
 
 def kv_blocks_for_memory(budget: KVMemoryBudget, fraction: float, bytes_per_block: int,
                          min_blocks: int = 8, extra_blocks: int = 1) -> int:
     """KV blocks this process may allocate: its own budget, `fraction * total` minus weights,
-    activations, graphs and staging (vLLM's gpu_memory_utilization: a share per process, so
-    other processes' memory does not count against it), and never more than the device has
-    free beside the activations, graphs and staging still to come (a GPU shared with another
-    process). `extra_blocks` are allocated next to the pool but never handed out (KVCache's
-    scratch block). Raises when fewer than `min_blocks` fit: an engine that cannot hold one
+    states, activations, graphs and staging (vLLM's gpu_memory_utilization: a share per
+    process, so other processes' memory does not count against it), and never more than the
+    device has free beside the activations, graphs and staging still to come (a GPU shared
+    with another process; the weights and states are already outside `free`).
+    `extra_blocks` are allocated next to the pool but never handed out (KVCache's scratch
+    block). Raises when fewer than `min_blocks` fit: an engine that cannot hold one
     request must not start."""
     if not 0.0 < fraction <= 1.0:
         raise ValueError(f"kv_cache_memory_fraction {fraction}: expected (0, 1]")
     later = budget.activations + budget.graphs + budget.staging
-    used = budget.weights + later
+    used = budget.weights + budget.states + later
     room = int(fraction * budget.total) - used
     if budget.free is not None:
         room = min(room, budget.free - later)
@@ -168,7 +172,7 @@ def kv_blocks_for_memory(budget: KVMemoryBudget, fraction: float, bytes_per_bloc
         raise ValueError(
             f"kv_cache_memory_fraction {fraction} of {budget.total / gib:.1f} GiB leaves "
             f"{max(room, 0) / gib:.2f} GiB for the KV cache after {used / gib:.2f} GiB of "
-            f"weights, activations, graphs and staging"
+            f"weights, states, activations, graphs and staging"
             + ("" if budget.free is None else f" ({budget.free / gib:.2f} GiB free)")
             + f": {blocks} blocks of {bytes_per_block} bytes, fewer than {min_blocks}; "
             "lower what shares the GPU, raise the fraction or set num_kv_blocks")

@@ -15,8 +15,10 @@ its weights are there). Per rank, in bytes:
 - KV per token: `kv_bytes_per_block` (workers/model_runner.py), which the engine's KV sizing
   uses, over `cfg.kv_cache_layout` (GQA heads of the rank, or MLA's whole latent).
 - hybrid models: the state slots (`StateCache`, built on meta: `max_num_seqs` slots + a
-  scratch one) and the per-position states a verify forward keeps (`LinearState.snap_rec` /
-  `snap_conv`: `max_num_seqs * (k + 1)` recurrent states and conv windows per linear layer).
+  scratch one) and the verify buffers the pool allocates beside them for the per-position
+  states a verify forward keeps (`state_pool.verify_state_bytes`, the function the engine's
+  pool and KV sizing use: `max_num_seqs * k` recurrent states and conv inputs per linear
+  layer).
 - the CUDA graph reserve (`graph_memory.DEFAULT_GRAPH_RESERVE`, 0 for hybrids, which run
   eagerly), and an activation peak (`activation_bytes`, its formula in the docstring).
 - the KV pool: `kv_blocks_for_memory` (the engine's function) over those numbers and
@@ -151,7 +153,7 @@ class MemoryPlan:
                 out.append(f"  state slots        {_g(r.state_bytes)} ({r.state_slots} slots "
                            "+ 1 scratch)")
                 out.append(f"  verify states      {_g(r.verify_state_bytes)} (max_num_seqs x "
-                           f"(k + 1) = {s.max_num_seqs * (s.num_speculative_tokens + 1)} "
+                           f"k = {s.max_num_seqs * s.num_speculative_tokens} "
                            "per-position states per linear layer)")
             out.append(f"  KV per token       {r.kv_bytes_per_token} bytes "
                        f"({r.kv_bytes_per_block} per block of {s.block_size})")
@@ -339,17 +341,13 @@ def activation_bytes(model: torch.nn.Module, cfg: ModelConfig, tokens: int, logi
 
 def verify_state_bytes(cfg: ModelConfig, tp_size: int, rows: int, k: int,
                        dtype: torch.dtype) -> int:
-    """Per-position states one verify forward keeps for every linear layer
-    (`LinearState.snap_rec` [B, k + 1, Hv / tp, Dk, Dv] fp32 and `snap_conv`
-    [B, conv_dim / tp, K - 1 + k + 1] in the model dtype, gated_deltanet.py)."""
-    lin = cfg.linear
-    if lin is None:
-        return 0
-    s = k + 1
-    e = torch.empty((), dtype=dtype).element_size()
-    rec = rows * s * (lin.num_value_heads // tp_size) * lin.key_head_dim * lin.value_head_dim * 4
-    conv = rows * (lin.conv_dim // tp_size) * (lin.conv_kernel - 1 + s) * e
-    return (rec + conv) * len(cfg.linear_layers)
+    """A rank's verify buffers for `rows` rows of k drafts over every linear layer: the
+    engine's own formula (`state_pool.verify_state_bytes`: recurrent states [rows, k, Hv / tp,
+    Dk, Dv] fp32 and conv inputs [rows, conv_dim / tp, K - 1 + k] in the model dtype)."""
+    from mtpserve.workers.state_pool import verify_state_bytes as pool_verify_state_bytes
+
+    with construction_tp(0, tp_size):
+        return pool_verify_state_bytes(cfg, rows, k, dtype)
 
 
 # --- the plan --------------------------------------------------------------------------------
@@ -406,7 +404,8 @@ def plan_memory(path: str | Path, settings: PlanSettings, cfg: ModelConfig | Non
         per_block = kv_bytes_per_block(cfg, s.block_size, dtype)
         state_bytes = 0
         if cfg.is_hybrid:
-            state_bytes = StateCache(cfg, s.max_num_seqs, dtype, torch.device("meta")).nbytes
+            state_bytes = StateCache(cfg, s.max_num_seqs, dtype,
+                                     torch.device("meta")).slot_bytes
     rows = s.max_num_seqs * (k + 1)
     profile = max(s.max_num_batched_tokens, rows)  # engine_core.rank_spec's profile_tokens
     r = RankPlan(
@@ -450,13 +449,13 @@ def _reserved(r: RankPlan) -> int:
 
 
 def _capacity(r: RankPlan, s: PlanSettings, weights: int | None = None) -> None:
-    """KV blocks by the engine's own rule (`kv_blocks_for_memory`; the verify states count
-    with the activations, the state slots as staging, as `ModelRunner` counts them)."""
+    """KV blocks by the engine's own rule (`kv_blocks_for_memory`; the state slots and the
+    verify buffers as the pool's states, as `ModelRunner.size_kv_pool` counts them)."""
     assert s.gpu_memory_bytes is not None
     budget = KVMemoryBudget(total=s.gpu_memory_bytes,
                             weights=r.weight_bytes if weights is None else weights,
-                            activations=r.activation_bytes + r.verify_state_bytes,
-                            graphs=r.graph_reserve_bytes, staging=r.state_bytes)
+                            activations=r.activation_bytes, graphs=r.graph_reserve_bytes,
+                            staging=0, states=r.state_bytes + r.verify_state_bytes)
     try:
         blocks = kv_blocks_for_memory(budget, s.kv_cache_memory_fraction, r.kv_bytes_per_block,
                                       min_blocks=0)

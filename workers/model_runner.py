@@ -203,12 +203,16 @@ class ModelRunner:
         profile_tokens: int = 512,
         graph_reserve_bytes: int | None = None,
         staging_bytes: int = 0,
+        num_speculative_tokens: int | None = None,
     ) -> None:
         """`num_blocks` None: off CUDA the default pool; on CUDA sized so the whole process
         stays within `kv_cache_memory_fraction` of the device (`size_kv_pool`), with
         `profile_tokens` the largest forward (max_num_batched_tokens), `graph_reserve_bytes`
         kept for the CUDA graphs captured later and `staging_bytes` for KV-transfer staging
-        on the device."""
+        on the device. Hybrid models: `num_state_slots` (the engine's max_num_seqs) state
+        slots and verify buffers for that many rows of `num_speculative_tokens` (the engine's
+        k; None: the most a hybrid verifies, RECURRENT_MAX - 1) drafts (workers/state_pool.py),
+        both counted by the KV sizing."""
         # What a background compiler needs to build the same runner (background_compile.py).
         self._runner_args: dict = dict(
             model_path=str(model_path), block_size=block_size, dtype=_dtype_name(dtype),
@@ -242,11 +246,14 @@ class ModelRunner:
         self.state_cache = None
         self._linear_states: dict = {}  # the last main forward's LinearState per layer
         if self.config.is_hybrid:
+            from mtpserve.workers.model.gated_deltanet import RECURRENT_MAX
             from mtpserve.workers.state_pool import StateCache
 
-            self.state_cache = StateCache(self.config, num_state_slots, dtype, self.device)
+            if num_speculative_tokens is None:
+                num_speculative_tokens = RECURRENT_MAX - 1
+            self.state_cache = StateCache(self.config, num_state_slots, dtype, self.device,
+                                          num_speculative_tokens)
             decode_graphs = greedy_rounds = cuda_graphs = False
-            staging_bytes += self.state_cache.nbytes
         if cuda_graphs is None:
             cuda_graphs = self.device.type == "cuda"
         self.kv_budget: KVMemoryBudget | None = None
@@ -293,11 +300,16 @@ class ModelRunner:
     def size_kv_pool(self, fraction: float, dtype: torch.dtype, profile_tokens: int,
                      graph_reserve_bytes: int, staging_bytes: int,
                      memory: DeviceMemory | None = None) -> int:
-        """KV blocks that fit in `fraction` of the device once the loaded weights, the peak
-        of a profiled `profile_tokens`-token prefill (main + MTP, through a throwaway cache),
-        the graph reserve and the staging buffers are accounted, within what the device has
-        free (`kv_blocks_for_memory`). Records the budget in `self.kv_budget`. `memory`: how the
-        device's memory is read (default: CUDA's allocator)."""
+        """KV blocks that fit in `fraction` of the device once the loaded weights, a hybrid
+        model's state pool (slots and verify buffers, allocated before: `StateCache.nbytes`),
+        the peak of a profiled `profile_tokens`-token prefill (main + MTP, through a throwaway
+        cache), the graph reserve and the staging buffers are accounted, within what the
+        device has free (`kv_blocks_for_memory`). Records the budget in `self.kv_budget`.
+        `memory`: how the device's memory is read (default: CUDA's allocator).
+
+        The profile is one long row: it keeps no per-position states, so the verify states
+        (max_num_seqs rows x k per linear layer) are reserved by formula, as the buffers the
+        pool allocated (`state_pool.verify_state_bytes`), not measured."""
         mem = memory or CUDAMemory(self.device)
         mem.empty_cache()
         free, total = mem.info()  # the weights are loaded: free is what is left beside them
@@ -321,9 +333,10 @@ class ModelRunner:
         self._hidden.clear()
         del self.kv_cache
         mem.empty_cache()
+        states = self.state_cache.nbytes if self.state_cache is not None else 0
         self.kv_budget = KVMemoryBudget(total=total, weights=weights, activations=activations,
                                         graphs=graph_reserve_bytes, staging=staging_bytes,
-                                        free=free)
+                                        free=free, states=states)
         blocks = kv_blocks_for_memory(self.kv_budget, fraction, per_block)
         tp = get_tp()
         if tp.size > 1:  # one block table serves every rank: the smallest pool of the group
@@ -463,9 +476,16 @@ class ModelRunner:
     def keep_states(self, rows: list[int], positions: list[int]) -> None:
         """Hybrid models, after a verify forward: row `rows[j]` of the last main forward keeps
         the recurrent state after its `positions[j]`-th token (its last accepted one) instead
-        of after its last token; nothing is recomputed (the forward kept every position's)."""
+        of after its last token; nothing is recomputed (the forward kept the states after
+        each position but the last in the state pool's verify buffers)."""
         if not rows or not self._linear_states:
             return
+        kept = min(st.kept for st in self._linear_states.values())
+        if max(positions) >= kept:
+            raise RuntimeError(
+                f"keep_states at position {max(positions)}: the last main forward kept "
+                f"{kept} positions (verify rows of at most k + 1 = "
+                f"{self.state_cache.num_speculative_tokens + 1} tokens, max_num_seqs rows)")
         r, p = stage_lists([rows, positions], self.device)
         for st in self._linear_states.values():
             st.keep(r, p)

@@ -5,7 +5,9 @@ DeltaNet layer, its conv window and its recurrent state (`workers/model/gated_de
 The engine side (`HybridBlockManager`) hands a slot out with a request's first KV blocks and
 takes it back whenever its blocks are freed (finish, abort, preemption, migration), so a slot
 lives exactly as long as the KV it goes with; the runner side (`StateCache`) holds the
-tensors, indexed by slot. `max_num_seqs` bounds the scheduler's requests (running,
+tensors, indexed by slot, and the verify buffers (per layer, the states a verify forward of
+max_num_seqs rows x k drafts keeps for `keep_states`), allocated once, so that KV sizing
+counts them. `max_num_seqs` bounds the scheduler's requests (running,
 prefilling, receiving), so a pool of that many slots never runs out there. A prefill engine's
 held requests (KV kept for transfer) have left the scheduler but keep their slots until
 released, so admission also asks for a free slot (`can_admit`) and waits for a release when
@@ -20,6 +22,7 @@ state at the block's end (no state checkpoints are kept), so a hit would be sile
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 
@@ -32,20 +35,53 @@ from mtpserve.workers.request import Request
 logger = logging.getLogger(__name__)
 
 
+def verify_state_shapes(cfg: ModelConfig, rows: int, k: int) -> tuple[tuple[int, ...],
+                                                                       tuple[int, ...]]:
+    """This rank's (`get_tp()`) verify buffers of one linear layer for `rows` verify rows of
+    k drafts: the recurrent states [rows, k, Hv / tp, Dk, Dv] (fp32) after each position
+    but the last of a [last, d1..dk] row, and the conv inputs [rows, conv_dim / tp, K - 1 + k]
+    (model dtype) up to the last position's window. The state after the last position is
+    the slot's own, so a row keeps k states, not k + 1 (`LinearState`)."""
+    lin = cfg.linear
+    assert lin is not None
+    tp = get_tp().size
+    return ((rows, k, lin.num_value_heads // tp, lin.key_head_dim, lin.value_head_dim),
+            (rows, lin.conv_dim // tp, lin.conv_kernel - 1 + k))
+
+
+def verify_state_bytes(cfg: ModelConfig, rows: int, k: int, dtype: torch.dtype) -> int:
+    """Bytes of this rank's verify buffers over every linear layer (`verify_state_shapes`):
+    what `StateCache` allocates for max_num_seqs rows, KV sizing reserves
+    (`ModelRunner.size_kv_pool`) and the memory plan counts (workers/memory_plan.py). 0 for
+    a model without linear layers or k = 0 (a one-token row keeps nothing)."""
+    if cfg.linear is None or k <= 0 or rows <= 0:
+        return 0
+    rec, conv = verify_state_shapes(cfg, rows, k)
+    elem = torch.empty((), dtype=dtype).element_size()
+    return (math.prod(rec) * 4 + math.prod(conv) * elem) * len(cfg.linear_layers)
+
+
 class StateCache:
     """The state tensors of one rank: per linear layer, conv [slots + 1, conv_dim / tp, K - 1]
     in the model dtype and recurrent [slots + 1, Hv / tp, Dk, Dv] in fp32 (this rank's heads,
     workers/model/gated_deltanet.py); slot `scratch_slot` (the
-    last) serves rows that name none (a runner driven without an engine, memory profiling)."""
+    last) serves rows that name none (a runner driven without an engine, memory profiling).
+
+    Verify buffers (`verify_state_shapes`, `num_speculative_tokens` = k): per linear layer,
+    the states a verify forward of up to `num_slots` rows of k + 1 tokens keeps so that each
+    row can keep the state at its last accepted token (`LinearState.keep`). Allocated once
+    here, beside the slots, and rewritten by every verify forward: their memory is fixed
+    (`verify_bytes`) and counted by KV sizing, never allocated per forward."""
 
     def __init__(self, cfg: ModelConfig, num_slots: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, num_speculative_tokens: int = 0) -> None:
         lin = cfg.linear
         assert lin is not None
         self.linear = lin
         self.layers = cfg.linear_layers
         self.num_slots = num_slots
         self.scratch_slot = num_slots
+        self.num_speculative_tokens = k = max(0, num_speculative_tokens)
         n = num_slots + 1
         tp = get_tp().size  # this rank's heads: conv channels and value heads split by rank
         self.conv = {i: torch.zeros(n, lin.conv_dim // tp, lin.conv_kernel - 1, dtype=dtype,
@@ -53,16 +89,34 @@ class StateCache:
         self.recurrent = {i: torch.zeros(n, lin.num_value_heads // tp, lin.key_head_dim,
                                          lin.value_head_dim, dtype=torch.float32,
                                          device=device) for i in self.layers}
+        self.keep_rec: dict[int, torch.Tensor] = {}
+        self.keep_conv: dict[int, torch.Tensor] = {}
+        if k:
+            rec, conv = verify_state_shapes(cfg, num_slots, k)
+            self.keep_rec = {i: torch.empty(rec, dtype=torch.float32, device=device)
+                             for i in self.layers}
+            self.keep_conv = {i: torch.empty(conv, dtype=dtype, device=device)
+                              for i in self.layers}
+
+    @property
+    def slot_bytes(self) -> int:
+        return sum(t.numel() * t.element_size()
+                   for t in (*self.conv.values(), *self.recurrent.values()))
+
+    @property
+    def verify_bytes(self) -> int:
+        return sum(t.numel() * t.element_size()
+                   for t in (*self.keep_rec.values(), *self.keep_conv.values()))
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size()
-                   for t in (*self.conv.values(), *self.recurrent.values()))
+        return self.slot_bytes + self.verify_bytes
 
     def views(self, slots: torch.Tensor, fresh: torch.Tensor, lens: torch.Tensor
               ) -> dict[int, LinearState]:
         """One `LinearState` per linear layer for a forward with these rows."""
-        return {i: LinearState(self.conv[i], self.recurrent[i], slots, fresh, lens)
+        return {i: LinearState(self.conv[i], self.recurrent[i], slots, fresh, lens,
+                               self.keep_rec.get(i), self.keep_conv.get(i))
                 for i in self.layers}
 
 

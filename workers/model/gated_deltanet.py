@@ -19,9 +19,12 @@ get beta = 0 and g = 0, so they leave the state unchanged and the state written 
 one after the row's last real token.
 
 Forms: rows of more than `RECURRENT_MAX` tokens (prefill chunks) use the chunked form; shorter
-ones (decode and verify rows [last, d1..dk]) use the recurrent form and keep the state after
-every position (`LinearState.snap_*`), so after acceptance the engine keeps the state at the
-last accepted token (`LinearState.keep`) without recomputing anything.
+ones (decode and verify rows [last, d1..dk]) use the recurrent form. A verify forward (rows of
+at most k + 1 tokens) copies the state after each of its first S - 1 positions, and the conv
+inputs of those positions, into buffers the state pool preallocates
+(`LinearState.keep_rec` / `keep_conv`, `StateCache`: max_num_seqs x k states per layer), so
+after acceptance the engine keeps the state at the last accepted token (`LinearState.keep`)
+without recomputing anything; the state after the last position is the slot's own.
 
 Tensor parallelism (as vLLM shards Qwen3-Next): rank r of `tp` holds key heads
 [r Hk/tp, (r+1) Hk/tp) and the value heads they serve. The input projections are column
@@ -116,8 +119,9 @@ def _fla_kernels():
 
 
 def fla_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                         beta: torch.Tensor, state: torch.Tensor, per_step: bool, kernels=None
-                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                         beta: torch.Tensor, state: torch.Tensor,
+                         keep: torch.Tensor | None = None, kernels=None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """The delta rule through fla (fla-core 0.5.2, read in fla/ops/gated_delta_rule/chunk.py
     `chunk_gated_delta_rule`, fused_recurrent.py `fused_recurrent_gated_delta_rule`, naive.py).
 
@@ -138,29 +142,32 @@ def fla_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
       (default), our [B, Hv, Dk, Dv]; o comes back [B, T, HV, V].
     Same dtypes as transformers' Qwen3-Next fast path (q, k, v, beta in the model dtype, g fp32).
 
-    per_step: fla returns only the final state, but a verify row needs the state after every
-    position (`LinearState.keep`), so the fused recurrent kernel runs once per position, each
-    call starting from the previous call's state (S <= RECURRENT_MAX launches). Otherwise the
-    chunked kernel (prefill) or one recurrent call (S == 1: its final state is its only state).
-    -> (out [B, S, Hv, Dv], final state [B, Hv, Dk, Dv], states [B, S, Hv, Dk, Dv] or None)."""
+    keep: fla returns only the final state, but a verify row needs the state after every
+    position but the last (`LinearState.keep`), so with `keep` ([B, S - 1, Hv, Dk, Dv] fp32,
+    the state pool's buffer) the fused recurrent kernel runs once per position, each call
+    starting from the previous call's state (S <= RECURRENT_MAX launches), and the state after
+    position t is copied into keep[:, t]. Otherwise the chunked kernel (S > RECURRENT_MAX) or
+    one recurrent call.
+    -> (out [B, S, Hv, Dv], final state [B, Hv, Dk, Dv])."""
     chunk, recurrent = kernels if kernels is not None else _fla_kernels()
     scale = q.shape[-1] ** -0.5
     kw = dict(scale=scale, output_final_state=True, use_qk_l2norm_in_kernel=True)
     S = q.shape[1]
     if S > RECURRENT_MAX:
+        assert keep is None, "states are kept for recurrent-form rows only"
         out, final = chunk(q, k, v, g=g, beta=beta, initial_state=state, **kw)
-        return out, final.float(), None
-    outs, states = [], []
-    steps = [(0, S)] if not per_step or S == 1 else [(t, t + 1) for t in range(S)]
+        return out, final.float()
+    outs = []
+    steps = [(0, S)] if keep is None or S == 1 else [(t, t + 1) for t in range(S)]
     for a, b in steps:
         o, state = recurrent(q[:, a:b], k[:, a:b], v[:, a:b], g=g[:, a:b], beta=beta[:, a:b],
                              initial_state=state, **kw)
         state = state.float()
         outs.append(o)
-        states.append(state)
+        if keep is not None and a < S - 1:
+            keep[:, a].copy_(state)
     out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
-    snaps = torch.stack(states, dim=1) if per_step or S == 1 else None
-    return out, state, snaps
+    return out, state
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -202,21 +209,23 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
 
 
 def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                               g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
+                               g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
+                               keep: torch.Tensor | None = None
                                ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same inputs as `chunk_gated_delta_rule`, one token at a time -> (out [B, H, S, Dv],
-    the state after every position [B, S, H, Dk, Dv])."""
+    final state). `keep` [B, S - 1, H, Dk, Dv] (the state pool's buffer): receives the state
+    after each position but the last; only one state per row is live at a time otherwise."""
     S = q.shape[2]
     out = torch.zeros_like(v)
-    states = []
     for t in range(S):
         state = state * g[:, :, t].exp()[..., None, None]
         kv_mem = (state * k[:, :, t].unsqueeze(-1)).sum(dim=-2)
         delta = (v[:, :, t] - kv_mem) * beta[:, :, t].unsqueeze(-1)
         state = state + k[:, :, t].unsqueeze(-1) * delta.unsqueeze(-2)
         out[:, :, t] = (state * q[:, :, t].unsqueeze(-1)).sum(dim=-2)
-        states.append(state)
-    return out, torch.stack(states, dim=1)
+        if keep is not None and t < S - 1:
+            keep[:, t].copy_(state)
+    return out, state
 
 
 @dataclass
@@ -225,28 +234,38 @@ class LinearState:
 
     `conv` [slots, conv_dim, K - 1] and `recurrent` [slots, Hv, Dk, Dv] (fp32) are the pool's
     tensors (shared across forwards); `slots` [B] the rows' slots, `fresh` [B] rows starting
-    at position 0, `lens` [B] real tokens per row. After a recurrent-form forward, `snap_conv`
-    [B, conv_dim, K - 1 + S] (the conv inputs, window included) and `snap_rec` [B, S, ...]
-    (the state after each position) let `keep` restore any position's state."""
+    at position 0, `lens` [B] real tokens per row. `keep_rec` [rows, k, Hv, Dk, Dv] (fp32) and
+    `keep_conv` [rows, conv_dim, K - 1 + k] are the pool's verify buffers (None: nothing is
+    kept): a forward of B <= rows rows of S <= k + 1 tokens writes the state after each of its
+    first S - 1 positions into keep_rec[:B, :S - 1] and its conv inputs (window included) into
+    keep_conv[:B, :, :K - 1 + S - 1], and sets `kept` = S - 1, so `keep` can restore any of
+    those positions' state; other forwards keep nothing (`kept` = 0)."""
 
     conv: torch.Tensor
     recurrent: torch.Tensor
     slots: torch.Tensor
     fresh: torch.Tensor
     lens: torch.Tensor
-    snap_conv: torch.Tensor | None = None
-    snap_rec: torch.Tensor | None = None
+    keep_rec: torch.Tensor | None = None
+    keep_conv: torch.Tensor | None = None
+    kept: int = 0  # positions the last forward kept (host int: known from its shape)
+
+    def keeps(self, B: int, S: int) -> bool:
+        """Whether a forward of B rows of S tokens keeps its per-position states."""
+        return (self.keep_rec is not None and 1 < S <= self.keep_rec.shape[1] + 1
+                and B <= self.keep_rec.shape[0])
 
     def keep(self, rows: torch.Tensor, positions: torch.Tensor) -> None:
         """Rows `rows` of the last forward keep the state after their `positions`-th token
-        (0-based: 0 = after the row's first token) instead of after their last one."""
-        assert self.snap_rec is not None and self.snap_conv is not None, \
-            "keep() needs a recurrent-form forward (rows of at most RECURRENT_MAX tokens)"
+        (0-based: 0 = after the row's first token; below `kept`) instead of after their last
+        one."""
+        assert self.kept > 0 and self.keep_rec is not None and self.keep_conv is not None, \
+            "keep() needs a verify forward (rows of at most k + 1 tokens, k the pool's)"
         slots = self.slots[rows]
-        self.recurrent[slots] = self.snap_rec[rows, positions]
+        self.recurrent[slots] = self.keep_rec[rows, positions]
         K1 = self.conv.shape[-1]
         idx = (positions + 1).view(-1, 1, 1) + torch.arange(K1, device=rows.device).view(1, 1, -1)
-        win = self.snap_conv[rows].gather(2, idx.expand(-1, self.snap_conv.shape[1], -1))
+        win = self.keep_conv[rows].gather(2, idx.expand(-1, self.keep_conv.shape[1], -1))
         self.conv[slots] = win.to(self.conv.dtype)
 
 
@@ -345,11 +364,11 @@ class GatedDeltaNet(nn.Module):
 
     @staticmethod
     def _torch_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                          beta: torch.Tensor, init: torch.Tensor
-                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                          beta: torch.Tensor, init: torch.Tensor,
+                          keep: torch.Tensor | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
         """The torch delta rule over `fla_gated_delta_rule`'s inputs (sequence-first, q and k
-        un-normalised, Hk heads) -> (out [B, Hv, S, Dv], final state, per-position states of a
-        recurrent-form row or None)."""
+        un-normalised, Hk heads; `keep` as there) -> (out [B, Hv, S, Dv], final state)."""
         Hk, Hv = q.shape[2], v.shape[2]
         if Hv != Hk:
             q = q.repeat_interleave(Hv // Hk, dim=2)
@@ -358,10 +377,9 @@ class GatedDeltaNet(nn.Module):
         q, k = l2norm(q), l2norm(k)
         q = q * q.shape[-1] ** -0.5
         if q.shape[2] <= RECURRENT_MAX:
-            out, states = recurrent_gated_delta_rule(q, k, v, g, beta, init)
-            return out, states[:, -1], states
-        out, final = chunk_gated_delta_rule(q, k, v, g, beta, init)
-        return out, final, None
+            return recurrent_gated_delta_rule(q, k, v, g, beta, init, keep)
+        assert keep is None, "states are kept for recurrent-form rows only"
+        return chunk_gated_delta_rule(q, k, v, g, beta, init)
 
     def forward(self, x: torch.Tensor, state: LinearState | None) -> torch.Tensor:
         lin = self.lin
@@ -393,22 +411,30 @@ class GatedDeltaNet(nn.Module):
             init = x.new_zeros(B, Hv, lin.key_head_dim, lin.value_head_dim, dtype=torch.float32)
         else:
             init = torch.where(state.fresh.view(-1, 1, 1, 1), 0, state.recurrent[state.slots])
+        # A verify forward keeps its per-position states in the pool's buffers, allocated
+        # once for max_num_seqs rows x k positions (so KV sizing counts them): the kept
+        # memory cannot grow with anything but rows x k. Kept rather than recomputed: the
+        # restore is then a copy of the very states the forward computed (exact on either
+        # backend, fla's kernel included), with no replay of the recurrence after acceptance.
+        keep = None
+        if state is not None:
+            state.kept = S - 1 if state.keeps(B, S) else 0
+            if state.kept:
+                keep = state.keep_rec[:B, : S - 1]
+                state.keep_conv[:B, :, : K1 + S - 1].copy_(full[:, :, : K1 + S - 1])
         # A layer moved off CUDA after its build falls back to torch (`kernels` set = a test's
         # stand-in for fla on CPU).
         if self.backend == "fla" and (x.is_cuda or self.kernels is not None):
-            out, final, states = fla_gated_delta_rule(
-                q, k, v, g, beta, init, per_step=state is not None, kernels=self.kernels)
+            out, final = fla_gated_delta_rule(q, k, v, g, beta, init, keep, kernels=self.kernels)
             out = out.transpose(1, 2)  # [B, Hv, S, Dv] like the torch path's
         else:
-            out, final, states = self._torch_delta_rule(q, k, v, g, beta, init)
+            out, final = self._torch_delta_rule(q, k, v, g, beta, init, keep)
         if state is not None:
             # The conv window ending at each row's last real token: full[len : len + K1].
             ends = state.lens.view(-1, 1, 1) + torch.arange(K1, device=x.device).view(1, 1, -1)
             state.conv[state.slots] = full.gather(
                 2, ends.expand(-1, full.shape[1], -1)).to(state.conv.dtype)
             state.recurrent[state.slots] = final
-            state.snap_conv = full if states is not None else None
-            state.snap_rec = states
         out = out.transpose(1, 2).to(x.dtype)  # [B, S, Hv, Dv]
         out = self.norm(out.reshape(-1, lin.value_head_dim), z.reshape(-1, lin.value_head_dim))
         return self.out_proj(out.view(B, S, -1))

@@ -78,6 +78,7 @@ def rank_spec(cfg, role: str) -> RankSpec:
         profile_tokens=max(getattr(side, "max_num_batched_tokens", 512),
                            getattr(side, "max_num_seqs", 1)
                            * (cfg.speculation.num_speculative_tokens + 1)),
+        num_speculative_tokens=cfg.speculation.num_speculative_tokens,
     )
 
 

@@ -101,6 +101,9 @@ class RankSpec:
     kv_cache_memory_fraction: float = 0.9  # EngineConfig.kv_cache_memory_fraction
     num_state_slots: int = 64  # hybrid models: the engine's max_num_seqs (one per request)
     profile_tokens: int = 512  # the largest forward the engine runs (sizes the KV pool on CUDA)
+    # Hybrid models: verify buffers for num_state_slots rows of this many drafts (the engine's
+    # k; None: the runner's default), counted by the KV sizing.
+    num_speculative_tokens: int | None = None
     # The deployment's KV secret (cluster.app builds it; its repr is redacted): senders
     # accept only pairs, drops and renewals signed with it. None: no KV auth (tests).
     kv_secret: Secret | None = None
@@ -185,7 +188,8 @@ class RankCore:
                                       spec.attention_backend, spec.device),
                                   kv_cache_memory_fraction=spec.kv_cache_memory_fraction,
                                   num_state_slots=spec.num_state_slots,
-                                  profile_tokens=spec.profile_tokens)
+                                  profile_tokens=spec.profile_tokens,
+                                  num_speculative_tokens=spec.num_speculative_tokens)
         cfg = self.runner.config
         self.head_start = rank * cfg.num_cache_heads // spec.tp_size
         self._lock = threading.Lock()
