@@ -9,6 +9,9 @@ engine applies either the same way.
 
 from __future__ import annotations
 
+import bisect
+from collections import OrderedDict
+
 import numpy as np
 import torch
 import xgrammar as xgr
@@ -63,28 +66,68 @@ class GrammarConstraint(Constraint):
         return bool(self.matcher.is_terminated())
 
 
+class PrefixMasks:
+    """Packed masks of the tokens allowed while `rest` bytes are left to spell, for one
+    vocabulary, built from a table sorted once (not a scan of the vocabulary per prompt
+    tail): the tokens whose bytes start with `rest` are one contiguous run of the sorted
+    table (two bisections), the tokens that are a start of `rest` at most len(rest) exact
+    look-ups. Built masks are kept in a bounded LRU, so a stream of prompts with distinct
+    tails neither rescans nor grows memory. Special tokens (no bytes) are never allowed."""
+
+    def __init__(self, token_bytes: list[bytes], max_cached: int = 1024) -> None:
+        ids = sorted((i for i, b in enumerate(token_bytes) if b), key=token_bytes.__getitem__)
+        self._sorted = [token_bytes[i] for i in ids]
+        self._ids = np.asarray(ids, dtype=np.int64)
+        self._exact: dict[bytes, list[int]] = {}
+        for i in ids:
+            self._exact.setdefault(token_bytes[i], []).append(i)
+        self.token_bytes = token_bytes
+        self._words = -(-len(token_bytes) // 32)
+        self._lru: OrderedDict[bytes, np.ndarray] = OrderedDict()
+        self.max_cached = max_cached
+
+    def packed(self, rest: bytes) -> np.ndarray:
+        m = self._lru.get(rest)
+        if m is not None:
+            self._lru.move_to_end(rest)
+            return m
+        ok = np.zeros(self._words * 32, dtype=bool)
+        lo = bisect.bisect_left(self._sorted, rest)
+        end = _past_prefix(rest)
+        hi = len(self._sorted) if end is None else bisect.bisect_left(self._sorted, end, lo)
+        ok[self._ids[lo:hi]] = True  # b.startswith(rest)
+        for i in range(1, len(rest)):  # rest.startswith(b), b shorter
+            ok[self._exact.get(rest[:i], [])] = True
+        m = np.packbits(ok, bitorder="little").view(np.int32)
+        self._lru[rest] = m
+        if len(self._lru) > self.max_cached:
+            self._lru.popitem(last=False)
+        return m
+
+
+def _past_prefix(prefix: bytes) -> bytes | None:
+    """The least byte string above every string that starts with `prefix` (None: none)."""
+    b = bytearray(prefix)
+    while b and b[-1] == 0xFF:
+        b.pop()
+    if not b:
+        return None
+    b[-1] += 1
+    return bytes(b)
+
+
 class PrefixConstraint(Constraint):
     """The output begins with `prefix` (bytes). A token is allowed while the prefix is not
     spelled out yet if its bytes start with what is left of it, or are a start of that rest
     (special tokens have no bytes and so never are: no end of text before the prefix)."""
 
-    def __init__(self, prefix: bytes, token_bytes: list[bytes],
-                 masks: dict[bytes, np.ndarray]) -> None:
+    def __init__(self, prefix: bytes, masks: PrefixMasks) -> None:
         self.rest = [prefix]  # what is left after each accepted token (a stack for rollback)
-        self.token_bytes = token_bytes
-        self.masks = masks  # shared per tokenizer: packed masks by remaining prefix
+        self.token_bytes = masks.token_bytes
+        self.masks = masks  # shared per tokenizer
 
     def _packed(self, rest: bytes) -> np.ndarray:
-        m = self.masks.get(rest)
-        if m is None:
-            ok = np.fromiter(((b != b"" and (b.startswith(rest) or rest.startswith(b)))
-                              for b in self.token_bytes), dtype=bool,
-                             count=len(self.token_bytes))
-            pad = (-len(ok)) % 32
-            m = np.packbits(np.concatenate([ok, np.zeros(pad, dtype=bool)]),
-                            bitorder="little").view(np.int32)
-            self.masks[rest] = m
-        return m
+        return self.masks.packed(rest)
 
     def fill(self, bitmask: torch.Tensor, row: int) -> bool:
         rest = self.rest[-1]

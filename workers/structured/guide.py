@@ -18,13 +18,12 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
 from mtpserve.workers.structured.spec import StructuredSpec
 
 if TYPE_CHECKING:  # xgrammar (~2 s to import) loads with the first constrained request
-    from mtpserve.workers.structured.constraint import Constraint
+    from mtpserve.workers.structured.constraint import Constraint, PrefixMasks
     from mtpserve.workers.structured.grammars import GrammarCache
 
 logger = logging.getLogger(__name__)
@@ -39,7 +38,7 @@ class StructuredGuide:
         self.vocab_size = vocab_size
         self.eos_ids = sorted(eos_ids)
         self._cache: GrammarCache | None = None
-        self._prefix_masks: dict[bytes, np.ndarray] = {}
+        self._prefix_masks: PrefixMasks | None = None  # token healing, built on first use
 
     @property
     def cache(self) -> GrammarCache:
@@ -53,11 +52,16 @@ class StructuredGuide:
 
     def new_constraint(self, spec: StructuredSpec) -> Constraint:
         """A fresh matcher; raises `GrammarError` when the spec does not compile."""
-        from mtpserve.workers.structured.constraint import GrammarConstraint, PrefixConstraint
+        from mtpserve.workers.structured.constraint import (
+            GrammarConstraint,
+            PrefixConstraint,
+            PrefixMasks,
+        )
 
         if spec.kind == "prefix":
-            return PrefixConstraint(spec.prefix_bytes, self.cache.token_bytes,
-                                    self._prefix_masks)
+            if self._prefix_masks is None:
+                self._prefix_masks = PrefixMasks(self.cache.token_bytes)
+            return PrefixConstraint(spec.prefix_bytes, self._prefix_masks)
         return GrammarConstraint(self.cache.compile(spec), self.eos_ids)
 
     # Lifecycle ---------------------------------------------------------------------------
