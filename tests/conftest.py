@@ -109,6 +109,23 @@ def tiny_factory(tmp_path_factory):
     return make
 
 
+@pytest.fixture(scope="session")
+def chat_checkpoint(tmp_path_factory):
+    """`chat_checkpoint(style, family=None)`: a tiny checkpoint with the chat template and
+    special tokens of `style` (tests/chat_models.py), built once per session."""
+    from chat_models import make_chat_checkpoint
+
+    made: dict[tuple, Path] = {}
+
+    def make(style: str, family: str | None = None) -> Path:
+        if (style, family) not in made:
+            made[style, family] = make_chat_checkpoint(
+                tmp_path_factory.mktemp("chat") / f"{style}-{family or 'own'}", style, family)
+        return made[style, family]
+
+    return make
+
+
 @pytest.fixture
 def compile_as_configured(monkeypatch) -> None:
     """Engines take their configured compile mode (the suite runs eager by default, above):
