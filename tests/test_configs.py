@@ -165,3 +165,17 @@ def test_prefix_caching_accepts_a_bool_and_reaches_the_engines() -> None:
                                             "min_hit_fraction": 0.5}
     with pytest.raises(ValueError):
         ClusterConfig(prefix_caching={"routing": "random"})
+
+
+def test_tp_above_the_kv_heads_is_accepted_as_a_multiple_of_them(tiny_qwen3) -> None:
+    """TP 4 and 8 over 2 KV heads replicate them (one KV head per rank); TP 3 divides
+    neither way and is refused by name."""
+    models = Path(__file__).parent / "data" / "configs"
+    for model, tp in ((tiny_qwen3, 4), (models / "qwen3-next-80b-a3b", 4),
+                      (models / "qwen3-next-80b-a3b", 8), (models / "qwen3-235b-a22b", 8)):
+        cfg = ClusterConfig(model=str(model), prefill={"tp_size": 1}, decode={"tp_size": tp},
+                            speculation={"num_speculative_tokens": 0})  # 235B has no MTP
+        assert cfg.decode.tp_size == tp
+    with pytest.raises(ValueError, match=r"decode.tp_size=3 must divide the model's 2 KV "
+                                         r"heads or be a multiple of them"):
+        ClusterConfig(model=str(tiny_qwen3), decode={"tp_size": 3})

@@ -157,9 +157,45 @@ def test_state_resharding_between_tp_layouts(ckpt, src_tp: int, dst_tp: int) -> 
     """A random state, sharded as prefill TP `src_tp` holds it, installed by every decode rank
     of `dst_tp` from the prefill ranks `pull_plan` names == that rank's shard of the same
     state; a wrong set of prefill ranks is refused."""
+    dst = _check_state_resharding(ModelConfig.from_pretrained(ckpt), src_tp, dst_tp)
+    if src_tp == 2 and dst_tp == 1:
+        src = _shard_all(ModelConfig.from_pretrained(ckpt), src_tp)
+        with pytest.raises(ValueError, match="do not cover"):
+            install_states(dst, 0, [(1, src[1])], src_tp, dst_tp, 0)
+
+
+# A hybrid model with 2 KV heads and linear heads that split 8 ways (Qwen3-Next: 2 KV heads,
+# 16 key / 32 value linear heads).
+_REPLICATED_NEXT = dict(
+    model_type="qwen3_next", vocab_size=256, hidden_size=64, intermediate_size=96,
+    num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, head_dim=16,
+    linear_num_value_heads=16, linear_num_key_heads=8, linear_key_head_dim=8,
+    linear_value_head_dim=8, linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2,
+    moe_intermediate_size=32, shared_expert_intermediate_size=48, decoder_sparse_step=1,
+    max_position_embeddings=512, mtp_num_hidden_layers=1, full_attention_interval=4)
+
+
+@pytest.mark.parametrize(("src_tp", "dst_tp"),
+                         [(1, 4), (4, 1), (2, 8), (8, 2), (4, 8), (8, 4), (4, 4)])
+def test_state_resharding_with_replicated_kv_heads(src_tp: int, dst_tp: int) -> None:
+    """TP above the 2 KV heads: a KV head is held by several prefill ranks whose state shards
+    differ; the hybrid pull plan (`pull_plan(..., states=True)`, what the puller uses) names
+    the replicas each decode rank's state share needs, and the installed state is exact."""
+    _check_state_resharding(ModelConfig.from_dict(_REPLICATED_NEXT), src_tp, dst_tp)
+
+
+def _shard_all(cfg: ModelConfig, tp: int) -> list[dict[str, torch.Tensor]]:
+    whole = StateCache(cfg, 2, torch.float32, torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    for i in whole.layers:
+        whole.conv[i].copy_(torch.randn(whole.conv[i].shape, generator=g))
+        whole.recurrent[i].copy_(torch.randn(whole.recurrent[i].shape, generator=g))
+    return [_shard(whole, 1, tp, r) for r in range(tp)]
+
+
+def _check_state_resharding(cfg: ModelConfig, src_tp: int, dst_tp: int) -> StateCache:
     from mtpserve.workers.kv_transfer.resharding import pull_plan
 
-    cfg = ModelConfig.from_pretrained(ckpt)
     whole = StateCache(cfg, 2, torch.float32, torch.device("cpu"))
     g = torch.Generator().manual_seed(0)
     for i in whole.layers:
@@ -167,7 +203,7 @@ def test_state_resharding_between_tp_layouts(ckpt, src_tp: int, dst_tp: int) -> 
         whole.recurrent[i].copy_(torch.randn(whole.recurrent[i].shape, generator=g))
     src = [_shard(whole, 1, src_tp, r) for r in range(src_tp)]
     for rank in range(dst_tp):
-        plan = pull_plan(cfg.num_cache_heads, src_tp, dst_tp, rank)
+        plan = pull_plan(cfg.num_cache_heads, src_tp, dst_tp, rank, states=True)
         dst = StateCache(cfg, 2, torch.float32, torch.device("cpu"))
         for i in dst.layers:  # the decode rank's slot holds only its own shard
             dst.conv[i] = dst.conv[i][:, : dst.conv[i].shape[1] // dst_tp].contiguous()
@@ -178,9 +214,7 @@ def test_state_resharding_between_tp_layouts(ckpt, src_tp: int, dst_tp: int) -> 
         for i in dst.layers:
             assert torch.equal(dst.conv[i][0], want[f"state.conv.{i}"])
             assert torch.equal(dst.recurrent[i][0], want[f"state.rec.{i}"])
-    if src_tp == 2 and dst_tp == 1:
-        with pytest.raises(ValueError, match="do not cover"):
-            install_states(dst, 0, [(1, src[1])], src_tp, dst_tp, 0)
+    return dst
 
 
 # A killed decode replica: the orchestrator resumes its streams elsewhere -------------------------

@@ -15,7 +15,12 @@ from mtpserve.workers.kv_transfer.packing import (
     unpack_extras,
     unpack_payload,
 )
-from mtpserve.workers.kv_transfer.resharding import HeadPull, head_range, pull_plan
+from mtpserve.workers.kv_transfer.resharding import (
+    HeadPull,
+    head_range,
+    pull_plan,
+    unpulled_sources,
+)
 
 
 def _cache(num_layers: int = 3, heads: int = 4, dtype=torch.float32) -> list[torch.Tensor]:
@@ -127,3 +132,63 @@ def test_pull_plans_cover_every_head_exactly_once():
             assert heads == list(range(8)), (src_tp, dst_tp)
     with pytest.raises(ValueError):
         pull_plan(4, 1, 6, 0)
+
+
+# GQA heads replicated (TP above the KV heads: workers/model/config.py kv_head_split) --------
+
+@pytest.mark.parametrize(
+    ("src_tp", "dst_tp", "plans", "dropped"),
+    [
+        # 1 -> 4: decode rank r pulls head r // 2 from the one prefill rank, 2 ranks per head.
+        (1, 4, [[HeadPull(0, r // 2, r // 2 + 1, 2)] for r in range(4)], [[]] * 4),
+        # 4 -> 1: each head from its first prefill replica; the other replicas are dropped.
+        (4, 1, [[HeadPull(0, 0, 1), HeadPull(2, 1, 2)]], [[1, 3]]),
+        # 2 -> 8: prefill rank h holds head h, pulled by the 4 decode ranks replicating it.
+        (2, 8, [[HeadPull(r // 4, r // 4, r // 4 + 1, 4)] for r in range(8)], [[]] * 8),
+    ],
+)
+def test_pull_plan_of_replicated_gqa_heads(src_tp, dst_tp, plans, dropped):
+    assert [pull_plan(2, src_tp, dst_tp, r) for r in range(dst_tp)] == plans
+    assert [unpulled_sources(2, src_tp, dst_tp, r) for r in range(dst_tp)] == dropped
+
+
+def _fraction_covered(plan, src_tp, dst_tp, rank) -> bool:
+    """install_states' rule: the plan's prefill ranks are consecutive and their rank shares
+    cover the decode rank's share."""
+    ranks = sorted({p.src_rank for p in plan})
+    return ranks == list(range(ranks[0], ranks[-1] + 1)) and (
+        ranks[0] * dst_tp <= rank * src_tp and (rank + 1) * src_tp <= (ranks[-1] + 1) * dst_tp)
+
+
+@pytest.mark.parametrize("states", [False, True], ids=["kv-only", "hybrid-states"])
+def test_replicated_gqa_plans_are_consistent(states):
+    """Every TP pair over 2 KV heads: each decode rank pulls exactly its heads; each
+    (prefill rank, head) is told the number of decode ranks that pull it from there (the
+    sender's hold waits for that many acks); every prefill rank is pulled or dropped by
+    exactly one decode rank. With `states` (a hybrid model, whose recurrent state is sharded
+    by rank, not by KV head) the pulled prefill ranks also cover the decode rank's state
+    share, and none is dropped."""
+
+    for src_tp in (1, 2, 4, 8):
+        for dst_tp in (1, 2, 4, 8):
+            pulls: dict[tuple[int, int], list[int]] = {}
+            dropped: list[int] = []
+            for r in range(dst_tp):
+                plan = pull_plan(2, src_tp, dst_tp, r, states)
+                heads = {h for p in plan for h in range(p.head_start, p.head_end)}
+                assert heads == set(range(*head_range(2, dst_tp, r))), (src_tp, dst_tp, r)
+                for p in plan:
+                    assert head_range(2, src_tp, p.src_rank)[0] <= p.head_start
+                    assert p.head_end <= head_range(2, src_tp, p.src_rank)[1]
+                    for h in range(p.head_start, p.head_end):
+                        pulls.setdefault((p.src_rank, h), []).append(p.copies)
+                if states:
+                    assert _fraction_covered(plan, src_tp, dst_tp, r), (src_tp, dst_tp, r)
+                dropped += unpulled_sources(2, src_tp, dst_tp, r, states)
+            for key, copies in pulls.items():
+                assert copies == [len(copies)] * len(copies), (src_tp, dst_tp, key)
+            pulled = {s for s, _ in pulls}
+            assert sorted(pulled | set(dropped)) == list(range(src_tp))
+            assert not pulled & set(dropped) and len(dropped) == len(set(dropped))
+            if states:
+                assert dropped == []
