@@ -123,6 +123,55 @@ def test_size_kv_pool_profiles_then_accounts(tiny_qwen3) -> None:
     assert not runner._hidden  # the profile's hidden states are not left behind
 
 
+def test_kv_blocks_for_memory_counts_states_once() -> None:
+    # A hybrid's state pool is allocated before sizing: it comes out of the process's share
+    # but is already outside `free` (not subtracted twice there).
+    per_block = 1 << 20
+    base = dict(total=100 * GiB, weights=10 * GiB, activations=GiB, graphs=0, staging=0)
+    own = KVMemoryBudget(**base, states=20 * GiB)
+    assert kv_blocks_for_memory(own, 0.9, per_block) == (
+        int(0.9 * 100 * GiB) - 31 * GiB) // per_block - 1
+    shared = KVMemoryBudget(**base, states=20 * GiB, free=30 * GiB)  # after weights + states
+    assert kv_blocks_for_memory(shared, 0.9, per_block) == 29 * GiB // per_block - 1
+
+
+@pytest.fixture(scope="module")
+def tiny_hybrid(tmp_path_factory):
+    from test_qwen3_next import make_qwen3_next_checkpoint
+
+    return make_qwen3_next_checkpoint(tmp_path_factory.mktemp("hybrid") / "ckpt")
+
+
+def test_size_kv_pool_reserves_the_hybrid_verify_states(tiny_hybrid) -> None:
+    # The profile is one long row (no per-position states): the budget reserves the pool's
+    # verify buffers for max_num_seqs rows x k drafts by their formula, beside the slots, and
+    # the KV pool is smaller by them than a runner's for k = 0 (plain decoding).
+    from mtpserve.workers.state_pool import verify_state_bytes
+
+    seqs = 6
+    budgets, blocks = {}, {}
+    for k in (0, 3):
+        runner = ModelRunner(tiny_hybrid, 8, 4, num_state_slots=seqs, num_speculative_tokens=k)
+        mem = _FixedMemory(total=GiB, free=GiB // 2, peak_over=100 << 20)
+        blocks[k] = runner.size_kv_pool(0.5, torch.float32, profile_tokens=64,
+                                        graph_reserve_bytes=0, staging_bytes=10 << 20,
+                                        memory=mem)
+        pool = runner.state_cache
+        verify = verify_state_bytes(runner.config, seqs, k, torch.float32)
+        assert pool.verify_bytes == verify and (verify > 0) == (k > 0)
+        weights = sum(t.numel() * t.element_size()
+                      for t in (*runner.model.parameters(), *runner.model.buffers()))
+        budgets[k] = want = KVMemoryBudget(
+            total=GiB, weights=weights, activations=100 << 20, graphs=0, staging=10 << 20,
+            free=GiB // 2, states=pool.slot_bytes + verify)
+        assert runner.kv_budget == want
+        per_block = kv_bytes_per_block(runner.config, 4, torch.float32)
+        assert blocks[k] == kv_blocks_for_memory(want, 0.5, per_block)
+    verify = budgets[3].states - budgets[0].states
+    assert verify == verify_state_bytes(runner.config, seqs, 3, torch.float32)
+    assert blocks[0] - blocks[3] in (verify // per_block, verify // per_block + 1)
+
+
 def test_stage_is_one_aligned_buffer_with_the_same_values() -> None:
     host = [torch.arange(5), torch.arange(12).view(3, 4) * 7, torch.tensor([-3])]
     dev = stage(host, "cpu")
@@ -288,3 +337,5 @@ def test_replica_ranks_profile_their_largest_forward() -> None:
         "decode": {"max_num_seqs": 256}, "speculation": {"num_speculative_tokens": 3}})
     assert rank_spec(cfg, "prefill").profile_tokens == 2048
     assert rank_spec(cfg, "decode").profile_tokens == 256 * 4
+    # Hybrid models: the ranks' verify buffers (and so their KV sizing) use the same k.
+    assert rank_spec(cfg, "decode").num_speculative_tokens == 3
