@@ -420,6 +420,12 @@ class ClusterConfig(_Strict):
         None, ge=16, description="Context window; defaults to the model's max_position_embeddings."
     )
     block_size: int = Field(16, ge=1, description="Tokens per KV block.")
+    reasoning_parser: Literal["auto", "none", "deepseek_r1", "deepseek_v3", "qwen3",
+                              "glm45"] = Field(
+        "auto", description="How chat output is split into `reasoning_content` and `content` "
+        "(vLLM's parser names). auto: from the checkpoint's model_type and whether its chat "
+        "template writes <think>; none: no split."
+    )
     prefill: PrefillSettings = Field(default_factory=PrefillSettings)
     decode: DecodeSettings = Field(default_factory=DecodeSettings)
     ingress: IngressSettings = Field(default_factory=IngressSettings)
