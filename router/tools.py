@@ -1,46 +1,57 @@
 """Tool calling: checking `tools`, the tool prompt, and parsing calls out of generated text.
 
-Format (the Hermes / Qwen convention): the model writes each call as
-
-    <tool_call>
-    {"name": "get_weather", "arguments": {"city": "Paris"}}
-    </tool_call>
+Formats (router.tool_parsers, vLLM's names): `hermes` (JSON in `<tool_call>` blocks),
+`qwen3_coder` (Qwen3-Coder / Qwen3.5 XML), `glm45` (GLM-4.5 `<arg_key>` / `<arg_value>`),
+`deepseek_v3` (DeepSeek's `<｜tool▁calls▁begin｜>` tokens). The served format is the config's
+`tool_call_parser` (`auto`: `tool_parsers.detect_format`, from the chat template's markers and
+the checkpoint's family; `hermes` where nothing else matches).
 
 The prompt: the model's chat template when it renders `tools` (its text mentions `tools`);
 otherwise `DEFAULT_TOOL_PROMPT` in a system message ahead of the conversation (merged into the
-first system message if there is one), listing each tool as JSON. History: assistant
-`tool_calls` are written back as such blocks after the message's content; `tool` messages are
-ordinary turns with role `tool`.
+first system message if there is one), listing each tool as JSON and showing a call in the
+served format. History: assistant `tool_calls` are written back in that format after the
+message's content; `tool` messages are ordinary turns with role `tool`.
 
 `tool_choice`: "none" (tools neither shown nor parsed), "auto" (default: the model decides;
-whatever blocks it writes are parsed), "required" or a named function: the output is
-constrained by a grammar (workers.structured, kind `tool_calls`) to exactly one block of one of
-the allowed functions, arguments valid under its `parameters` schema, so even a small model
-answers with a valid call.
+whatever calls it writes are parsed; with `response_format` the output is a call or the
+schema's JSON, a grammar of both), "required" or a named function: the output is constrained by a
+grammar (workers.structured, kind `tool_calls`: xgrammar structural tags in the served format)
+to calls of the allowed functions, arguments valid under their `parameters` schema, so even a
+small model answers with valid calls: one or more (`parallel_tool_calls` true or unset) or
+exactly one (false). `parallel_tool_calls: false` also keeps only the first call that `auto`
+parses. Calls of functions not in `tools` are not returned (vLLM filters them); their text stays
+content.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from mtpserve.router.errors import APIError
-from mtpserve.workers.structured.spec import TOOL_CALL_BEGIN, TOOL_CALL_END, StructuredSpec
+from mtpserve.router.tool_parsers import (
+    PARSERS,
+    ParsedCall,
+    ToolDelta,
+    ToolParser,
+    detect_format,
+    make_parser,
+)
+from mtpserve.workers.structured.spec import MAX_SPEC_CHARS, StructuredSpec
 
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
+__all__ = ["ParsedCall", "ToolCallStream", "ToolDelta", "ToolSetup", "check_tools",
+           "parse_tool_calls", "render_with_tools", "served_format"]
+
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
-_BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.DOTALL)
 MAX_TOOLS = 128
 
 DEFAULT_TOOL_PROMPT = (
     "You may call functions to help with the user's request. The functions, as JSON:\n"
     "{tools}\n"
-    "To call a function, reply with one block per call:\n"
-    + TOOL_CALL_BEGIN + '{{"name": <function name>, "arguments": <arguments as a JSON object>}}'
-    + TOOL_CALL_END + "\n")
+    "To call a function, reply with one block per call, for example:\n"
+    "{example}\n")
 
 
 @dataclass
@@ -51,6 +62,7 @@ class ToolSetup:
     choice: str  # "none" | "auto" | "required" | "named"
     named: str | None = None
     parallel: bool = True
+    format: str = "hermes"  # the served tool-call format (router.tool_parsers)
 
     @property
     def active(self) -> bool:
@@ -59,20 +71,51 @@ class ToolSetup:
     def names(self) -> list[str]:
         return [t["function"]["name"] for t in self.tools]
 
-    def spec(self) -> StructuredSpec | None:
-        """The grammar forcing a call (`required` / named), else None."""
-        if self.choice not in ("required", "named"):
+    def allowed(self) -> list[dict]:
+        return [t["function"] for t in self.tools
+                if self.choice != "named" or t["function"]["name"] == self.named]
+
+    def forces(self) -> bool:
+        return self.choice in ("required", "named")
+
+    def spec(self, content: StructuredSpec | None = None) -> StructuredSpec | None:
+        """The grammar of the request's output: forced calls (`required` / named), or under
+        `auto` with a `content` JSON constraint (response_format), a call or that JSON; else
+        None. A spec over the size cap is a 400 naming `tools`."""
+        if not self.active or not (self.forces() or content is not None):
             return None
-        from mtpserve.workers.structured.grammars import tool_call_schema
+        value: dict[str, Any] = {
+            "format": self.format, "parallel": self.parallel,
+            "tools": [{"name": f["name"], "parameters": f.get("parameters")}
+                      for f in self.allowed()]}
+        if not self.forces() and content is not None:
+            value["content"] = json.loads(content.value)
+        text = json.dumps(value)
+        if len(text) > MAX_SPEC_CHARS:
+            raise APIError(f"the tools' grammar has {len(text)} characters of schemas; at most "
+                           f"{MAX_SPEC_CHARS} (fewer or smaller tools, or tool_choice 'auto')",
+                           400, param="tools")
+        return StructuredSpec("tool_calls", text)
 
-        fns = [t["function"] for t in self.tools
-               if self.choice == "required" or t["function"]["name"] == self.named]
-        return StructuredSpec("tool_calls", json.dumps(
-            {"schemas": [tool_call_schema(f["name"], f.get("parameters")) for f in fns]}))
+    def parser(self) -> ToolParser:
+        """A fresh parser of this request's format (one per choice)."""
+        return make_parser(self.format, {f["name"]: f.get("parameters")
+                                         for f in self.allowed()},
+                           max_calls=None if self.parallel else 1)
 
 
-def check_tools(tools: list[Any] | None, tool_choice: Any, parallel: bool | None
-                ) -> ToolSetup | None:
+def served_format(setting: str | None, tokenizer: Any, model_type: str | None = None) -> str:
+    """The config's `tool_call_parser`: a parser name, or `auto` (from the checkpoint)."""
+    if setting and setting != "auto":
+        if setting not in PARSERS:
+            raise ValueError(f"unknown tool_call_parser {setting!r}; one of auto, "
+                             f"{', '.join(PARSERS)}")
+        return setting
+    return detect_format(getattr(tokenizer, "chat_template", None), model_type)
+
+
+def check_tools(tools: list[Any] | None, tool_choice: Any, parallel: bool | None,
+                fmt: str = "hermes") -> ToolSetup | None:
     """The request's tools, validated (a malformed one is a 400 naming it); None: no tools."""
     if not tools:
         if tool_choice not in (None, "none", "auto"):
@@ -121,7 +164,7 @@ def check_tools(tools: list[Any] | None, tool_choice: Any, parallel: bool | None
         raise APIError("tool_choice must be 'none', 'auto', 'required' or "
                        '{"type": "function", "function": {"name": ...}}', 400,
                        param="tool_choice")
-    return ToolSetup(out, choice, named, True if parallel is None else bool(parallel))
+    return ToolSetup(out, choice, named, True if parallel is None else bool(parallel), fmt)
 
 
 # Prompt ------------------------------------------------------------------------------------
@@ -146,8 +189,8 @@ def _args_object(arguments: str) -> Any:
         return arguments
 
 
-def call_block(name: str, arguments: Any) -> str:
-    return TOOL_CALL_BEGIN + json.dumps({"name": name, "arguments": arguments}) + TOOL_CALL_END
+def call_block(name: str, arguments: Any, fmt: str = "hermes") -> str:
+    return make_parser(fmt, {}).render([(name, arguments)])
 
 
 def template_renders_tools(tokenizer: Any) -> bool:
@@ -159,16 +202,20 @@ def default_tool_messages(messages: list[dict[str, Any]], setup: ToolSetup | Non
                           ) -> list[dict[str, str]]:
     """Messages for a template that knows nothing of tools: calls in the history written as
     blocks, and (tools active) the tool list in a system message."""
+    fmt = setup.format if setup is not None else "hermes"
     out = []
     for m in messages:
         content = m.get("content") or ""
-        for c in m.get("tool_calls", []):
-            content += ("\n" if content else "") + call_block(c["function"]["name"],
-                                                              c["function"]["arguments"])
+        calls = [(c["function"]["name"], c["function"]["arguments"])
+                 for c in m.get("tool_calls", [])]
+        if calls:
+            content += ("\n" if content else "") + make_parser(fmt, {}).render(calls)
         out.append({"role": m["role"], "content": content})
     if setup is not None and setup.active:
         listing = "\n".join(json.dumps(t) for t in setup.tools)
-        text = DEFAULT_TOOL_PROMPT.format(tools=listing)
+        first = setup.tools[0]["function"]
+        example = call_block(first["name"], _example_args(first.get("parameters")), fmt)
+        text = DEFAULT_TOOL_PROMPT.format(tools=listing, example=example)
         if out and out[0]["role"] == "system":
             out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + text}
         else:
@@ -189,121 +236,33 @@ def render_with_tools(tokenizer: Any, messages: list[dict[str, Any]],
     return apply_chat_template(tokenizer, default_tool_messages(messages, setup))
 
 
+def _example_args(parameters: Any) -> dict[str, Any]:
+    props = parameters.get("properties") if isinstance(parameters, dict) else None
+    if not isinstance(props, dict):
+        return {}
+    fill = {"integer": 1, "number": 1.5, "boolean": True, "array": [], "object": {}}
+    return {k: fill.get(v.get("type") if isinstance(v, dict) else None, "...")
+            for k, v in list(props.items())[:3]}
+
+
 # Parsing -----------------------------------------------------------------------------------
-@dataclass
-class ParsedCall:
-    id: str
-    name: str
-    arguments: str  # JSON text, as OpenAI sends it
-
-
-def _call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
-def parse_block(body: str, names: set[str]) -> ParsedCall | None:
-    """One block's JSON as a call of a known function, or None."""
-    try:
-        obj = json.loads(body)
-    except ValueError:
-        return None
-    if not isinstance(obj, dict) or obj.get("name") not in names:
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(args, str):
-        try:
-            args = json.loads(args)
-        except ValueError:
-            return None
-    if not isinstance(args, dict):
-        return None
-    return ParsedCall(_call_id(), obj["name"], json.dumps(args))
-
-
 def parse_tool_calls(text: str, setup: ToolSetup) -> tuple[str | None, list[ParsedCall]]:
-    """(content without the call blocks, or None if nothing else; the calls). A block that
-    does not parse as a call of a listed function stays in the content."""
-    names = set(setup.names())
-    calls: list[ParsedCall] = []
-    kept: list[str] = []
-    pos = 0
-    for m in _BLOCK.finditer(text):
-        call = parse_block(m.group(1), names)
-        if call is None:
-            continue
-        kept.append(text[pos:m.start()])
-        pos = m.end()
-        calls.append(call)
-    kept.append(text[pos:])
-    content = "".join(kept).strip() if calls else text
-    return (content or None), calls
+    """(content without the call blocks, or None if nothing else; the calls), in the request's
+    format. A block that does not parse as a call of a listed function stays in the content."""
+    return setup.parser().parse(text)
 
 
-@dataclass
-class ToolDelta:
-    """One streamed piece: content text, or a tool call's start / argument fragment."""
-
-    content: str | None = None
-    index: int | None = None  # tool call index (with the fields below)
-    id: str | None = None
-    name: str | None = None
-    arguments: str | None = None
-
-
-@dataclass
 class ToolCallStream:
-    """Splits a choice's streamed text into content and tool-call deltas. Text that may be
-    the start of a `<tool_call>` block is held back; a block is sent once it closes: first the
-    call's id, type and name, then its arguments in fragments."""
+    """Splits a choice's streamed text into content and tool-call deltas (the format's
+    streaming parser): text that may start a call is held back; a call is announced with its
+    id and name, then its arguments follow as they are generated."""
 
-    setup: ToolSetup
-    fragment_chars: int = 16
-    buffer: str = ""
-    num_calls: int = 0
-    pending: list[ToolDelta] = field(default_factory=list)
+    def __init__(self, setup: ToolSetup) -> None:
+        self.parser = setup.parser()
+
+    @property
+    def num_calls(self) -> int:
+        return self.parser.num_calls
 
     def feed(self, text: str, final: bool = False) -> list[ToolDelta]:
-        self.buffer += text
-        out: list[ToolDelta] = []
-        while True:
-            start = self.buffer.find(OPEN)
-            if start < 0:
-                # Keep back a tail that could begin the open tag.
-                keep = 0 if final else _partial_tag(self.buffer, OPEN)
-                cut = len(self.buffer) - keep
-                if cut > 0:
-                    out.append(ToolDelta(content=self.buffer[:cut]))
-                self.buffer = self.buffer[cut:]
-                break
-            if start > 0:
-                out.append(ToolDelta(content=self.buffer[:start]))
-                self.buffer = self.buffer[start:]
-            end = self.buffer.find(CLOSE)
-            if end < 0:
-                if final:  # an unclosed block (length): plain content
-                    out.append(ToolDelta(content=self.buffer))
-                    self.buffer = ""
-                break
-            block, self.buffer = self.buffer[: end + len(CLOSE)], self.buffer[end + len(CLOSE):]
-            call = parse_block(block[len(OPEN): -len(CLOSE)].strip(), set(self.setup.names()))
-            if call is None:
-                out.append(ToolDelta(content=block))
-                continue
-            i = self.num_calls
-            self.num_calls += 1
-            out.append(ToolDelta(index=i, id=call.id, name=call.name, arguments=""))
-            a = call.arguments
-            out += [ToolDelta(index=i, arguments=a[j: j + self.fragment_chars])
-                    for j in range(0, len(a), self.fragment_chars)]
-        # Whitespace between blocks is not content once a call was made.
-        if self.num_calls:
-            out = [d for d in out if d.content is None or d.content.strip()]
-        return out
-
-
-def _partial_tag(text: str, tag: str) -> int:
-    """Length of the longest suffix of text that is a proper prefix of tag."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
+        return self.parser.feed(text, final)

@@ -40,7 +40,7 @@ from mtpserve.workers.structured.spec import (
     StructuredSpec,
 )
 
-__all__ = ["GrammarCache", "GrammarError", "spec_grammar", "tool_call_schema"]
+__all__ = ["GrammarCache", "GrammarError", "spec_grammar", "tool_calls_structural_tag"]
 
 log = logging.getLogger(__name__)
 
@@ -63,17 +63,52 @@ _SOURCE_DIGEST = hashlib.blake2b(Path(__file__).read_bytes(), digest_size=16).he
 _XGRAMMAR_VERSION = importlib.metadata.version("xgrammar")
 
 
-def _literal(text: str) -> xgr.Grammar:
-    # json.dumps escapes quotes, backslashes and control characters the way EBNF reads them.
-    return xgr.Grammar.from_ebnf("root ::= " + json.dumps(text, ensure_ascii=False))
+# Forced tool calls in each family's own format (router.tool_parsers parses them back): one
+# tag per allowed function, the name spelled in the tag's begin, the arguments constrained by the
+# function's schema (JSON, or xgrammar's XML styles for qwen3_coder / glm45 whose values are typed
+# by the same schema). `parallel`: one or more calls (false: exactly one); `content`: a JSON
+# schema the output may follow instead of calling (tool_choice auto + response_format).
+_DS = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>",
+       "<｜tool▁call▁end｜>", "<｜tool▁sep｜>")
+TOOL_FORMATS = ("hermes", "qwen3_coder", "glm45", "deepseek_v3")
+MAX_WHITESPACE = 2  # a run of free whitespace at most this long: a small model cannot loop on it
 
 
-def tool_call_schema(name: str, parameters: dict | None) -> dict:
-    """The JSON schema of one `{"name": ..., "arguments": ...}` call of function `name`."""
-    return {"type": "object",
-            "properties": {"name": {"const": name},
-                           "arguments": parameters if parameters else {"type": "object"}},
-            "required": ["name", "arguments"], "additionalProperties": False}
+def _call_tag(fmt: str, name: str, parameters: dict | None) -> dict:
+    schema = parameters if parameters else {"type": "object"}
+    style = {"qwen3_coder": "qwen_xml", "glm45": "glm_xml"}.get(fmt, "json")
+    content = {"type": "json_schema", "json_schema": schema, "style": style,
+               "max_whitespace_cnt": MAX_WHITESPACE}
+    begin, end = {
+        "hermes": (TOOL_CALL_BEGIN + '{"name": ' + json.dumps(name) + ', "arguments": ',
+                   "}" + TOOL_CALL_END),
+        "qwen3_coder": (f"<tool_call>\n<function={name}>\n", "\n</function>\n</tool_call>"),
+        "glm45": (f"<tool_call>{name}\n", "</tool_call>"),
+        "deepseek_v3": (_DS[2] + name + _DS[4], _DS[3]),
+    }[fmt]
+    return {"type": "tag", "begin": begin, "content": content, "end": end}
+
+
+def tool_calls_structural_tag(value: dict) -> dict:
+    """The structural tag (xgrammar's JSON form) of a `tool_calls` spec's value:
+    {"format", "tools": [{"name", "parameters"}], "parallel", "content"}."""
+    fmt = value.get("format", "hermes")
+    if fmt not in TOOL_FORMATS:
+        raise GrammarError(f"unknown tool-call format {fmt!r}; one of {TOOL_FORMATS}")
+    tools = value["tools"]
+    if not tools:
+        raise GrammarError("a forced tool call needs at least one function")
+    tags = [_call_tag(fmt, t["name"], t.get("parameters")) for t in tools]
+    calls: dict = {"type": "tags_with_separator", "tags": tags,
+                   "separator": "" if fmt == "deepseek_v3" else "\n", "at_least_one": True,
+                   "stop_after_first": not value.get("parallel", True)}
+    if fmt == "deepseek_v3":
+        calls = {"type": "tag", "begin": _DS[0], "content": calls, "end": _DS[1]}
+    if value.get("content") is not None:
+        calls = {"type": "or", "elements": [calls, {
+            "type": "json_schema", "json_schema": value["content"],
+            "max_whitespace_cnt": MAX_WHITESPACE}]}
+    return {"type": "structural_tag", "format": calls}
 
 
 def spec_grammar(spec: StructuredSpec) -> xgr.Grammar:
@@ -95,14 +130,8 @@ def spec_grammar(spec: StructuredSpec) -> xgr.Grammar:
         if spec.kind == "grammar":
             return xgr.Grammar.from_ebnf(spec.value)
         if spec.kind == "tool_calls":
-            # value: {"schemas": [call schema, ...]}: one call of any listed function,
-            # wrapped in the Hermes / Qwen tags (router.tools writes and parses them).
-            schemas = json.loads(spec.value)["schemas"]
-            body = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
-            return xgr.Grammar.concat(
-                _literal(TOOL_CALL_BEGIN),
-                xgr.Grammar.from_json_schema(body, any_whitespace=False),
-                _literal(TOOL_CALL_END))
+            return xgr.Grammar.from_structural_tag(tool_calls_structural_tag(
+                json.loads(spec.value)))
     except GrammarError:
         raise
     except json.JSONDecodeError as e:
@@ -165,6 +194,11 @@ class GrammarCache:
             vocab += [b""] * (self.vocab_size - len(vocab))
             self._token_bytes = [b"" if i in special else b for i, b in enumerate(vocab)]
         return self._token_bytes
+
+    def cached(self, spec: StructuredSpec) -> bool:
+        """Compiled and in memory: `compile` returns at once."""
+        with self._lock:
+            return spec in self._cache
 
     def compile(self, spec: StructuredSpec) -> xgr.CompiledGrammar:
         with self._lock:

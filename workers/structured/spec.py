@@ -14,9 +14,11 @@ from dataclasses import dataclass
 # json: a JSON schema (its JSON text; "{}" or an object schema for json_object);
 # regex: a regular expression; choice: a JSON list of strings, the output is one of them;
 # grammar: an EBNF (GBNF) grammar, root rule `root`; prefix: the output must begin with
-# these bytes (hex), then anything (token healing); tool_calls: one
-# `<tool_call>{"name": ..., "arguments": ...}</tool_call>` block of the listed functions (JSON:
-# {"schemas": [one call's schema per function]}).
+# these bytes (hex), then anything (token healing); tool_calls: calls of the listed functions
+# in a family's own format (JSON: {"format": "hermes" | "qwen3_coder" | "glm45" | "deepseek_v3",
+# "tools": [{"name", "parameters"}], "parallel": one or more calls, else exactly one,
+# "content": optional JSON schema the output may follow instead}; grammars.py builds it as an
+# xgrammar structural tag).
 KINDS = ("json", "regex", "choice", "grammar", "prefix", "tool_calls")
 MAX_SPEC_CHARS = 64 * 1024  # a schema / grammar larger than this is refused before compiling
 TOOL_CALL_BEGIN = "<tool_call>\n"  # the Hermes / Qwen tool-call block (router.tools)
