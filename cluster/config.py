@@ -426,6 +426,11 @@ class ClusterConfig(_Strict):
         "(vLLM's parser names). auto: from the checkpoint's model_type and whether its chat "
         "template writes <think>; none: no split."
     )
+    tool_call_parser: Literal["auto", "hermes", "qwen3_coder", "glm45", "deepseek_v3"] = Field(
+        "auto", description="The tool-call format chat output is parsed in and forced calls are "
+        "written in (vLLM's parser names). auto: from the chat template's tool-call markers, "
+        "else the checkpoint's model_type; hermes where nothing else matches."
+    )
     prefill: PrefillSettings = Field(default_factory=PrefillSettings)
     decode: DecodeSettings = Field(default_factory=DecodeSettings)
     ingress: IngressSettings = Field(default_factory=IngressSettings)
