@@ -77,6 +77,8 @@ class AsyncEngine:
         # None: the request streams to `sink`.
         self._listeners: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue] | None] = {}
         self._stop = threading.Event()
+        # A grammar compiled off the engine thread wakes the loop (an empty action).
+        engine.on_wake = lambda: self._actions.put(lambda: None)
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self._thread.start()
         self.errors = 0
@@ -186,6 +188,10 @@ class AsyncEngine:
         while not self._stop.is_set():
             self._tick()  # what a poll or a failure published, before any wait
             due = self.poller.next_poll_in() if self.poller is not None else None
+            grammar_due = self.engine.grammar_wait_s()
+            if grammar_due is not None:  # a compile deadline: step then at the latest
+                due = grammar_due if due is None else min(due, grammar_due)
+                stalled = stalled and grammar_due > 0
             runnable = self.engine.has_unfinished() and not stalled
             if runnable or due == 0:
                 timeout = None  # do not block

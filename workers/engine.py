@@ -15,9 +15,11 @@ verify round, which keeps its round structure (and so its draws) unchanged.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -112,7 +114,12 @@ class Engine:
                                     self.limits.banned)
         # Structured outputs: matchers built at admission from the request's tokens (so a
         # resumed request and the decode side of P/D rebuild them), dropped when it ends.
-        self.guide = StructuredGuide(config.model, mcfg.vocab_size, sorted(self.eos_ids))
+        self.guide = StructuredGuide(config.model, mcfg.vocab_size, sorted(self.eos_ids),
+                                     compile_workers=config.grammar_compile_workers)
+        # Requests whose grammar compiles off this thread, with their deadline; `on_wake`
+        # (set by the engine loop's owner) is called from the compile thread when one is done.
+        self.compiling: dict[str, tuple[Request, float]] = {}
+        self.on_wake: Callable[[], None] | None = None
         self.proposer.guide = self.guide
         self.outcomes = RoundOutcomes(self.runner, self.block_manager, self.sampler,
                                       self.adaptive, self.limits, mcfg.num_mtp_modules,
@@ -175,11 +182,13 @@ class Engine:
 
     # Requests ------------------------------------------------------------------------------
     def make_request(self, request_id: str, prompt_token_ids: list[int],
-                     params: SamplingParams, resume_token_ids: list[int] | None = None
-                     ) -> Request:
+                     params: SamplingParams, resume_token_ids: list[int] | None = None,
+                     defer_grammar: bool = False) -> Request:
         """Validate and build a request. `resume_token_ids`: tokens already emitted elsewhere
         (migration); they count towards max_tokens and the request continues after them
-        exactly as it would have where it started (same seed, same k)."""
+        exactly as it would have where it started (same seed, same k). `defer_grammar`: a
+        grammar not compiled yet compiles off the engine thread (`req.grammar` set; the
+        request waits for it in `compiling`) instead of here."""
         resume = list(resume_token_ids or [])
         if request_id in self.requests or request_id in self.prefilled:
             # Held for transfer counts too: a retry under the same id must not free (or
@@ -218,17 +227,29 @@ class Engine:
                       num_speculative_tokens=k, output_token_ids=resume)
         if params.structured is not None:
             try:
-                self.guide.admit(req)
+                if defer_grammar:
+                    self.guide.begin(req, self._wake)
+                else:
+                    self.guide.admit(req)
             except GrammarError as e:
                 raise EngineError(str(e)) from None
         return req
 
+    def _wake(self) -> None:
+        if self.on_wake is not None:
+            self.on_wake()
+
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams, resume_token_ids: list[int] | None = None
                     ) -> Request:
-        req = self.make_request(request_id, prompt_token_ids, params, resume_token_ids)
+        req = self.make_request(request_id, prompt_token_ids, params, resume_token_ids,
+                                defer_grammar=True)
         self.requests[request_id] = req
-        self.scheduler.add(req)
+        if req.grammar is not None:
+            self.compiling[request_id] = (
+                req, time.monotonic() + self.config.grammar_compile_timeout_s)
+        else:
+            self.scheduler.add(req)
         return req
 
     def add_resumed(self, request_id: str, prompt_token_ids: list[int],
@@ -294,6 +315,7 @@ class Engine:
         req = self.requests.pop(request_id, None) or self.prefilled.pop(request_id, None)
         if req is None:
             return False
+        self.compiling.pop(request_id, None)
         self.scheduler.remove(req)
         req.status = RequestStatus.FINISHED_ABORTED
         self.guide.release(req)
@@ -305,10 +327,51 @@ class Engine:
         return self.block_manager.flush()
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        return self.scheduler.num_unfinished > 0 or bool(self.compiling)
+
+    def grammar_wait_s(self) -> float | None:
+        """Seconds until the nearest compile deadline of a waiting request (None: none
+        waits): the engine loop wakes then at the latest (a finished compile wakes it
+        through `on_wake`)."""
+        if not self.compiling:
+            return None
+        return max(0.0, min(d for _, d in self.compiling.values()) - time.monotonic())
+
+    def wait_grammars(self, timeout: float | None = None) -> None:
+        """Block until a waiting request's compile finishes or `timeout` passes (offline
+        loops: nothing else to step meanwhile)."""
+        futures = [r.grammar for r, _ in self.compiling.values() if r.grammar is not None]
+        if futures:
+            concurrent.futures.wait(futures, timeout, concurrent.futures.FIRST_COMPLETED)
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Requests whose grammar finished compiling join the scheduler; a compile that
+        failed or ran past `grammar_compile_timeout_s` fails its request alone."""
+        out = []
+        now = time.monotonic()
+        for rid, (req, deadline) in list(self.compiling.items()):
+            if req.grammar.done():
+                del self.compiling[rid]
+                try:
+                    self.guide.finish(req)
+                except GrammarError as e:
+                    self.abort(rid)
+                    out.append(failed_output(req, str(e)))
+                    continue
+                self.scheduler.add(req)
+            elif now >= deadline:
+                self.abort(rid)
+                out.append(failed_output(req, (
+                    f"the {req.params.structured.kind} constraint did not compile within "
+                    f"{self.config.grammar_compile_timeout_s:g}s")))
+        return out
 
     # Steps -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        admitted = self._admit_compiled() if self.compiling else []
+        return admitted + self._step_batch() if admitted else self._step_batch()
+
+    def _step_batch(self) -> list[RequestOutput]:
         if self._compiling:
             self._compiling = self.runner.adopt_compiled() > 0
         out = self.scheduler.schedule()

@@ -64,6 +64,11 @@ class EngineConfig:
     # Paged attention: "gather" (copy each row's context, SDPA), "flex" (FlexAttention over
     # the block table, no copy) or "auto" (`resolve_attention_backend`).
     attention_backend: Literal["auto", "gather", "flex"] = "auto"
+    # Structured outputs: grammars not compiled before compile off the engine thread, at most
+    # this many at once (the rest queue); a request whose grammar is not ready within the
+    # timeout fails alone (the others never wait for it).
+    grammar_compile_workers: int = 2
+    grammar_compile_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not 0.0 < self.kv_cache_memory_fraction <= 1.0:

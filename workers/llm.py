@@ -116,7 +116,10 @@ class LLM:
                          self.engine.add_request(f"llm-{self._counter}", h.ids, sp)))
         logprobs: dict[str, list[TokenLogprobs]] = {}
         while self.engine.has_unfinished():
-            for out in self.engine.step():
+            outs = self.engine.step()
+            if not outs and self.engine.compiling:  # only grammars compiling: wait for one
+                self.engine.wait_grammars(0.5)
+            for out in outs:
                 if out.logprobs:
                     logprobs.setdefault(out.request_id, []).extend(out.logprobs)
         results = []

@@ -69,6 +69,7 @@ class Request:
     # Structured outputs: the matcher of `params.structured` (workers.structured.guide keeps it
     # in step with output_token_ids); None when unconstrained.
     constraint: Any = None
+    grammar: Any = None  # its grammar's compile in flight (a Future), until installed
 
     def __post_init__(self) -> None:
         if self.seed is None:

@@ -100,6 +100,8 @@ def engine_config(cfg, role: str, num_kv_blocks: int) -> EngineConfig:
         compile_cache_dir=cfg.engine.compile_cache_dir,
         attention_backend=cfg.engine.attention_backend,
         prefix_caching=cfg.prefix_caching.enabled,
+        grammar_compile_workers=cfg.engine.grammar_compile_workers,
+        grammar_compile_timeout_s=cfg.engine.grammar_compile_timeout_s,
     )
 
 

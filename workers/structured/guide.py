@@ -16,6 +16,9 @@ afterwards; drafting does the same along the draft chain.
 from __future__ import annotations
 
 import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -33,22 +36,30 @@ class StructuredGuide:
     """Matchers of one engine's constrained requests (`req.constraint`), built on demand: an
     engine that never sees a constrained request never loads the tokenizer."""
 
-    def __init__(self, tokenizer_path: str, vocab_size: int, eos_ids: list[int]) -> None:
+    def __init__(self, tokenizer_path: str, vocab_size: int, eos_ids: list[int],
+                 compile_workers: int = 2) -> None:
         self.tokenizer_path = tokenizer_path
         self.vocab_size = vocab_size
         self.eos_ids = sorted(eos_ids)
         self._cache: GrammarCache | None = None
+        self._cache_lock = threading.Lock()  # the engine thread and the compile pool build it
+        # Grammars that are not cached compile here, off the engine thread (xgrammar releases
+        # the GIL): a slow grammar delays only its own request. The pool's size is the
+        # replica's cap on concurrent compiles; later ones queue.
+        self.compile_workers = compile_workers
+        self._pool: ThreadPoolExecutor | None = None
         self._prefix_masks: PrefixMasks | None = None  # token healing, built on first use
 
     @property
     def cache(self) -> GrammarCache:
-        if self._cache is None:
-            from mtpserve.workers.structured.grammars import GrammarCache
-            from mtpserve.workers.tokenizer import load_tokenizer
+        with self._cache_lock:
+            if self._cache is None:
+                from mtpserve.workers.structured.grammars import GrammarCache
+                from mtpserve.workers.tokenizer import load_tokenizer
 
-            self._cache = GrammarCache.of_tokenizer(load_tokenizer(self.tokenizer_path),
-                                                    self.vocab_size, self.eos_ids)
-        return self._cache
+                self._cache = GrammarCache.of_tokenizer(load_tokenizer(self.tokenizer_path),
+                                                        self.vocab_size, self.eos_ids)
+            return self._cache
 
     def new_constraint(self, spec: StructuredSpec) -> Constraint:
         """A fresh matcher; raises `GrammarError` when the spec does not compile."""
@@ -65,6 +76,39 @@ class StructuredGuide:
         return GrammarConstraint(self.cache.compile(spec), self.eos_ids)
 
     # Lifecycle ---------------------------------------------------------------------------
+    def begin(self, req: Any, on_done: Callable[[], None] | None = None) -> bool:
+        """At admission, without blocking on a compile: True when the matcher is installed
+        now (token healing, a grammar compiled before); False when its grammar compiles on
+        the pool (`req.grammar` is the future; `on_done` is called from the pool thread
+        when it is ready) and `finish` installs it. Raises `GrammarError` for a spec that
+        fails at once."""
+        spec = req.params.structured
+        if spec.kind == "prefix" or (self._cache is not None and self._cache.cached(spec)):
+            self.admit(req)
+            return True
+        from mtpserve.workers.structured.grammars import spec_grammar
+
+        spec_grammar(spec)  # a spec that cannot be built fails now, at admission (cheap)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.compile_workers,
+                                            thread_name_prefix="grammar-compile")
+        req.grammar = self._pool.submit(lambda: self.cache.compile(spec))
+        if on_done is not None:
+            req.grammar.add_done_callback(lambda _: on_done())
+        return False
+
+    def finish(self, req: Any) -> None:
+        """Install the matcher `begin` compiled (its future done); raises its `GrammarError`."""
+        from mtpserve.workers.structured.constraint import GrammarConstraint
+
+        future, req.grammar = req.grammar, None
+        req.constraint = GrammarConstraint(future.result(), self.eos_ids)
+        self.sync(req)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
     def admit(self, req: Any) -> None:
         """At admission: the request's matcher, advanced over the tokens it already has."""
         spec = req.params.structured
@@ -75,6 +119,9 @@ class StructuredGuide:
     @staticmethod
     def release(req: Any) -> None:
         req.constraint = None
+        if getattr(req, "grammar", None) is not None:  # its compile may finish: unused
+            req.grammar.cancel()
+            req.grammar = None
 
     def sync(self, req: Any) -> Constraint | None:
         """The request's matcher, having accepted exactly its output tokens."""

@@ -1,0 +1,95 @@
+"""Grammars compile off the engine thread (issue 43 item 6): a request whose grammar is not
+compiled yet waits in `Engine.compiling` while every other request keeps stepping; a compile
+past `grammar_compile_timeout_s` fails that request alone; a spec that cannot be built fails
+at admission, as before. The compile itself is the real one, held back by a gate the test
+opens (a stand-in for a slow grammar, whose duration no test should guess)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from helpers import GREEDY, make_engine
+
+from mtpserve.workers.engine import EngineError
+from mtpserve.workers.sampling_params import SamplingParams
+from mtpserve.workers.structured.spec import StructuredSpec
+
+PROMPT = [5, 17, 99, 3, 250, 7, 42, 8]
+
+
+def _gated(eng) -> threading.Event:
+    """Hold every compile of `eng`'s grammar cache until the returned event is set."""
+    gate = threading.Event()
+    cache = eng.guide.cache
+    real = cache.compile
+
+    def slow(spec):
+        assert gate.wait(60), "the test never opened the gate"
+        return real(spec)
+
+    cache.compile = slow
+    return gate
+
+
+def _regex(n: int) -> SamplingParams:
+    # Distinct per test: the in-memory cache must not have it yet.
+    return SamplingParams(max_tokens=6, temperature=0.0,
+                          structured=StructuredSpec("regex", f"(ab|cd){{{n},{n + 9}}}"))
+
+
+def test_a_compiling_grammar_stalls_no_other_request(default_model) -> None:
+    eng = make_engine(default_model, k=2)
+    gate = _gated(eng)
+    slow = eng.add_request("slow", PROMPT, _regex(1))
+    plain = eng.add_request("plain", PROMPT[:5], GREEDY)
+    assert slow.grammar is not None and "slow" in eng.compiling
+    steps = 0
+    while not plain.finished:  # the plain request runs to its end under the held compile
+        eng.step()
+        steps += 1
+        assert steps < 200
+    assert not slow.output_token_ids and "slow" in eng.compiling
+    gate.set()
+    while eng.has_unfinished():
+        if not eng.step():
+            eng.wait_grammars(1.0)
+    assert slow.constraint is None and slow.finished  # released at its end
+    assert len(slow.output_token_ids) > 0
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+
+
+def test_a_compile_past_its_deadline_fails_that_request_alone(default_model) -> None:
+    eng = make_engine(default_model, k=2, grammar_compile_timeout_s=0.2)
+    gate = _gated(eng)
+    try:
+        eng.add_request("slow", PROMPT, _regex(2))
+        plain = eng.add_request("plain", PROMPT[:5], GREEDY)
+        failed = []
+        while eng.has_unfinished():
+            failed += [o for o in eng.step() if o.error]
+            if not eng.scheduler.num_unfinished:
+                eng.wait_grammars(0.05)
+        assert [o.request_id for o in failed] == ["slow"]
+        assert "did not compile within 0.2s" in failed[0].error
+        assert plain.finished and len(plain.output_token_ids) == GREEDY.max_tokens
+        assert "slow" not in eng.requests and not eng.compiling
+    finally:
+        gate.set()
+
+
+def test_a_spec_that_cannot_be_built_fails_at_admission(default_model) -> None:
+    eng = make_engine(default_model, k=2)
+    bad = SamplingParams(max_tokens=4, structured=StructuredSpec("regex", "(unclosed"))
+    with pytest.raises(EngineError):
+        eng.add_request("bad", PROMPT, bad)
+    assert not eng.compiling and "bad" not in eng.requests
+
+
+def test_aborting_a_waiting_request_forgets_it(default_model) -> None:
+    eng = make_engine(default_model, k=2)
+    gate = _gated(eng)
+    req = eng.add_request("slow", PROMPT, _regex(3))
+    assert eng.abort("slow") and not eng.compiling and req.grammar is None
+    gate.set()
+    assert not eng.has_unfinished() and eng.step() == []
