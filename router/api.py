@@ -78,7 +78,12 @@ from mtpserve.router.structured import (
     response_format_spec,
     structured_outputs_spec,
 )
-from mtpserve.router.tools import check_tools, history_message, render_with_tools
+from mtpserve.router.tools import (
+    check_tools,
+    history_message,
+    render_with_tools,
+    served_format,
+)
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -160,10 +165,19 @@ def create_app(state: IngressState | None = None) -> FastAPI:
         s = ingress_state(request)
         admit(s, body, 1, "max_completion_tokens" if body.max_completion_tokens
               else "max_tokens")
-        tools = check_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
-        named = [("response_format", response_format_spec(body.response_format)),
+        tools = check_tools(body.tools, body.tool_choice, body.parallel_tool_calls,
+                            served_format(s.tool_call_parser, s.tokenizer))
+        rf = response_format_spec(body.response_format)
+        tool_param = "tool_choice"
+        if tools is not None and tools.active and rf is not None:
+            # Compose: under auto a call or the schema's JSON; forced: the calls alone.
+            tool_spec, rf = tools.spec(content=rf), None
+            tool_param = "tool_choice" if tools.forces() else "response_format"
+        else:
+            tool_spec = tools.spec() if tools is not None else None
+        named = [("response_format", rf),
                  ("structured_outputs", structured_outputs_spec(body.structured_outputs)),
-                 ("tool_choice", tools.spec() if tools is not None else None)]
+                 (tool_param, tool_spec)]
         spec = one_spec(*named)
         param = next((n for n, x in named if x is not None), "")
         if tools is not None or any(m.tool_calls for m in body.messages):

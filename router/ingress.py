@@ -19,6 +19,7 @@ from ray import serve
 from mtpserve.cluster.config import ClusterConfig
 from mtpserve.router.limits import Limits
 from mtpserve.router.orchestrator import DisaggOrchestrator, OrchestratorConfig
+from mtpserve.router.tools import served_format
 
 
 @serve.deployment(name="OpenAIIngress")
@@ -37,6 +38,8 @@ class OpenAIIngress:
         self.max_model_len = min(cfg.max_model_len or mcfg.max_position_embeddings,
                                  mcfg.max_position_embeddings)
         self.vocab_size = mcfg.vocab_size
+        self.tool_call_parser = served_format(cfg.tool_call_parser, self.tokenizer,
+                                              mcfg.model_type)
         self.model_name = cfg.served_model_name or Path(cfg.model).name
         self._app = None
         self._stop_push = _push_counters(self.orchestrator)
@@ -60,6 +63,7 @@ class OpenAIIngress:
             enable_kv_probe=self.cfg.admin.enable_kv_probe,
             kv_probe_max_bytes=self.cfg.admin.kv_probe_max_bytes,
             token_healing=model_default(self.cfg.model),
+            tool_call_parser=self.tool_call_parser,
         ))
         preload_healing(self._app.state.ingress)
         return self._app

@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import Request
 
 from mtpserve.router.auth import key_matches
-from mtpserve.router.chat_template import apply_chat_template
+from mtpserve.router.chat_template import apply_chat_template, check_template_kwargs
 from mtpserve.router.errors import APIError
 from mtpserve.router.generation import Choice, ChoiceSet
 from mtpserve.router.limits import Limits
@@ -21,6 +21,7 @@ from mtpserve.router.protocol import (
     SamplingRequest,
     Usage,
 )
+from mtpserve.router.reasoning import Reasoner, resolve_parser, template_text
 from mtpserve.router.types import Orchestrator
 from mtpserve.workers.messages import GenerateRequest
 from mtpserve.workers.sampling_params import SamplingParams
@@ -46,6 +47,21 @@ class IngressState:
     enable_kv_probe: bool = False
     kv_probe_max_bytes: int = 16 << 20
     token_healing: bool = False  # heal when a request leaves it unset (the model's default)
+    # Chat reasoning split (router.reasoning): the config's `reasoning_parser` and the
+    # checkpoint's model_type, which `auto` reads with the chat template.
+    reasoning_parser: str = "auto"
+    model_type: str | None = None
+    _reasoner: Any = field(default=None, init=False, repr=False)
+
+    def reasoner(self) -> Reasoner | None:
+        """The reasoning parser bound to the tokenizer (None: output is not split)."""
+        if self._reasoner is None:
+            name = resolve_parser(self.reasoning_parser, self.model_type,
+                                  template_text(self.tokenizer))
+            self._reasoner = (False if name is None
+                              else Reasoner.build(name, self.tokenizer))
+        return self._reasoner or None
+    tool_call_parser: str = "auto"  # the tool-call format (router.tool_parsers); auto: detect
 
 
 def ingress_state(request: Request) -> IngressState:
@@ -106,16 +122,26 @@ async def encode_prompts(state: IngressState, prompts: list[str | list[int]]
     return await asyncio.to_thread(encode)
 
 
-async def render_chat(state: IngressState, messages: list[dict[str, str]]) -> list[int]:
-    """The chat template applied to `messages` (token ids), off the event loop when long."""
+async def render_chat(state: IngressState, messages: list[dict[str, Any]], *,
+                      tools: list[dict] | None = None, add_generation_prompt: bool = True,
+                      template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    """The chat template applied to `messages` (token ids), off the event loop when long.
+    `template_kwargs`: the request's `chat_template_kwargs` (a reserved name is a 400)."""
+    try:
+        check_template_kwargs(template_kwargs)
+    except ValueError as e:
+        raise APIError(str(e), 400, param="chat_template_kwargs") from None
+
     def render() -> list[int]:
         try:
-            return apply_chat_template(state.tokenizer, messages)
+            return apply_chat_template(state.tokenizer, messages, tools=tools,
+                                       add_generation_prompt=add_generation_prompt,
+                                       template_kwargs=template_kwargs)
         except Exception as e:  # a template may reject a conversation (roles must alternate)
             raise APIError(f"the chat template failed on these messages: {e}", 400,
                            param="messages") from None
 
-    if sum(len(m["content"]) for m in messages) <= _TOKENIZE_INLINE_CHARS:
+    if sum(len(m.get("content") or "") for m in messages) <= _TOKENIZE_INLINE_CHARS:
         return render()
     return await asyncio.to_thread(render)
 
