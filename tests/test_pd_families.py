@@ -1,4 +1,5 @@
-"""Prefill -> decode across TP sizes for the MoE and MLA families: 1 -> 2 and 2 -> 1.
+"""Prefill -> decode across TP sizes for the MoE and MLA families: 1 -> 2 and 2 -> 1 (and, in
+the slow tier, 1 -> 4 over GLM-4.5's 2 KV heads, replicated on the decode ranks).
 
 The real PrefillServer / DecodeServer classes (Serve's wrappers peeled off, as
 tests/test_disagg_datapath.py). The TP-2 side runs in this process with its rank 1 a Ray actor
@@ -186,7 +187,11 @@ _DEFAULT_CASES = {("deepseek_v3", 1, 2), ("glm4_moe", 2, 1)}
 @pytest.mark.parametrize(("family", "prefill_tp", "decode_tp"), [
     pytest.param(f, p, d, marks=() if (f, p, d) in _DEFAULT_CASES else pytest.mark.slow,
                  id=f"{p}-{d}-{f}")
-    for p, d in [(1, 2), (2, 1)] for f in FAMILIES])
+    for p, d in [(1, 2), (2, 1)] for f in FAMILIES] + [
+    # GQA's 2 KV heads replicated on 4 decode ranks (2 per head, each pulling it from the one
+    # prefill rank); slow: 4 decode ranks on 2 cores. The replicated head's code path is
+    # test_tensor_parallel.py's TP 4 == TP 1 and test_kv_transfer_packing.py's plans.
+    pytest.param("glm4_moe", 1, 4, marks=pytest.mark.slow, id="1-4-glm4_moe")])
 def test_disaggregated_across_tp_sizes_equals_offline(local_ray, ckpts, family, prefill_tp,
                                                       decode_tp) -> None:
     path, k = ckpts[family], 2 if FAMILIES[family] else 0
