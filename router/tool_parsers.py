@@ -305,10 +305,9 @@ class HermesParser(ToolParser):
             stop = json_value_end(body, m.end())
             call = ScanCall(m.group(1), body[m.end(): stop if stop is not None else len(body)],
                             done=stop is not None)
-            if call.done:
-                call.ok = _is_object(call.args) and _is_object(body.strip())
-            elif end >= 0:
-                call = ScanCall(ok=False, done=True)
+            if end >= 0:  # the whole block must be one {"name", "arguments"} object
+                call.ok = call.done and _is_object(call.args) and _is_object(body.strip())
+                call.done = True
         elif end >= 0:  # another shape ("arguments" first, as a string, ...): whole at the end
             call = _hermes_whole(body)
         else:
