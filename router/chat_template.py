@@ -11,8 +11,8 @@ model (such as the embedded code model) can at least continue sensibly:
     <|assistant|>
 
 one `<|role|>` line then the content and a newline per message, ending with `<|assistant|>\\n`
-so generation starts the assistant's turn. The role markers are ordinary text, not special
-tokens, so any tokenizer can encode them.
+so generation starts the assistant's turn (left out with `add_generation_prompt=False`). The
+role markers are ordinary text, not special tokens, so any tokenizer can encode them.
 """
 
 from __future__ import annotations
@@ -28,11 +28,38 @@ def render_default(messages: list[dict[str, str]]) -> str:
                    for m in messages) + GENERATION_PROMPT
 
 
-def apply_chat_template(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    """Prompt token ids for `messages` ({"role", "content"} dicts), ready for generation."""
+# Names a request's `chat_template_kwargs` may not set: they are the renderer's own arguments
+# (`chat_template` would let a client swap the template itself).
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "messages", "conversation", "tools", "documents", "chat_template", "tokenize",
+    "add_generation_prompt", "continue_final_message", "return_dict", "return_tensors",
+    "return_assistant_tokens_mask", "tokenizer_kwargs", "padding", "truncation", "max_length",
+})
+
+
+def check_template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """`chat_template_kwargs` as the template gets them; ValueError names a reserved key."""
+    out = dict(kwargs or {})
+    for key in out:
+        if key in RESERVED_TEMPLATE_KWARGS or not key.isidentifier():
+            raise ValueError(f"'{key}' cannot be set through chat_template_kwargs")
+    return out
+
+
+def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]], *,
+                        tools: list[dict] | None = None, add_generation_prompt: bool = True,
+                        template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    """Prompt ids for `messages` ({"role", "content"} dicts), ready for generation unless
+    `add_generation_prompt` is false. `tools` and `template_kwargs` (a request's
+    `chat_template_kwargs`, e.g. `enable_thinking`) go to the checkpoint's template; the
+    default template has no variables and ignores them."""
     if getattr(tokenizer, "chat_template", None):
         # Render to text then encode: the template already writes any BOS it wants.
-        text = tokenizer.apply_chat_template(messages, tokenize=False,
-                                             add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(
+            messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt,
+            **check_template_kwargs(template_kwargs))
         return list(tokenizer.encode(text, add_special_tokens=False))
-    return list(tokenizer.encode(render_default(messages)))
+    text = render_default(messages)
+    if not add_generation_prompt:
+        text = text[: len(text) - len(GENERATION_PROMPT)]
+    return list(tokenizer.encode(text))

@@ -25,6 +25,7 @@ from mtpserve.router.protocol import (
     MTPStats,
     TopLogprob,
 )
+from mtpserve.router.reasoning import ReasoningSplit
 from mtpserve.router.types import Orchestrator
 from mtpserve.workers.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from mtpserve.workers.messages import ERROR_REQUEST, GenerateRequest, TokenChunk, TokenLogprobs
@@ -44,6 +45,11 @@ class Choice:
         self.stops = StopStringMatcher(stop)
         self.token_ids: list[int] = []
         self.text_parts: list[str] = []
+        # Chat with a reasoning parser (router.reasoning): it detokenizes in place of
+        # `detokenizer` and splits the reasoning off; `text` is then the content alone.
+        self.reasoning: ReasoningSplit | None = None
+        self.reasoning_parts: list[str] = []
+        self.last_reasoning = ""  # the reasoning text the last chunk added
         self.finish_reason: str | None = None
         self.num_drafted = self.num_accepted = self.num_rounds = 0
         self.num_cached_tokens = 0  # prompt tokens a prefix cache held
@@ -59,6 +65,13 @@ class Choice:
     @property
     def text(self) -> str:
         return "".join(self.text_parts)
+
+    @property
+    def reasoning_text(self) -> str | None:
+        """The reasoning (None: no reasoning block in this choice's output)."""
+        if self.reasoning is None or not self.reasoning.saw_block:
+            return None
+        return "".join(self.reasoning_parts)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -126,9 +139,13 @@ class Choice:
         self.num_accepted = max(self.num_accepted, chunk.num_accepted)
         self.num_rounds = max(self.num_rounds, chunk.num_rounds)
         self.num_cached_tokens = max(self.num_cached_tokens, chunk.num_cached_tokens)
-        text = self.detokenizer.add(chunk.token_ids)
-        if chunk.finished:
-            text += self.detokenizer.flush()
+        if self.reasoning is not None:
+            self.last_reasoning, text = self.reasoning.feed(chunk.token_ids, chunk.finished)
+            self.reasoning_parts.append(self.last_reasoning)
+        else:
+            text = self.detokenizer.add(chunk.token_ids)
+            if chunk.finished:
+                text += self.detokenizer.flush()
         text, self.strip_prefix = strip_healed(text, self.strip_prefix)
         out = self.stops.feed(text)
         if self.stops.stopped:
@@ -150,6 +167,7 @@ class ChoiceEvent:
     finish_reason: str | None
     logprobs: list[TokenLogprobs] | None = None  # of `token_ids`, when requested
     stamps: dict[str, float] | None = None  # per-hop times (workers/hop_trace.py, opt-in)
+    reasoning: str = ""  # the reasoning text this chunk added (router.reasoning)
 
     def trace(self) -> dict[str, float] | None:
         """The hop stamps plus `sse_out` (now), for the SSE event; None when not traced."""
@@ -193,7 +211,7 @@ class ChoiceSet:
                 text = choice.feed(chunk)
                 self._queue.put_nowait(ChoiceEvent(choice, text, chunk.token_ids,
                                                    choice.finish_reason, chunk.logprobs,
-                                                   chunk.stamps))
+                                                   chunk.stamps, choice.last_reasoning))
                 if first:
                     first = False
                     self._num_without_first -= 1

@@ -47,6 +47,7 @@ class IngressState:
     enable_kv_probe: bool = False
     kv_probe_max_bytes: int = 16 << 20
     token_healing: bool = False  # heal when a request leaves it unset (the model's default)
+    tool_call_parser: str = "auto"  # the tool-call format (router.tool_parsers); auto: detect
     # Chat reasoning split (router.reasoning): the config's `reasoning_parser` and the
     # checkpoint's model_type, which `auto` reads with the chat template.
     reasoning_parser: str = "auto"
@@ -61,7 +62,6 @@ class IngressState:
             self._reasoner = (False if name is None
                               else Reasoner.build(name, self.tokenizer))
         return self._reasoner or None
-    tool_call_parser: str = "auto"  # the tool-call format (router.tool_parsers); auto: detect
 
 
 def ingress_state(request: Request) -> IngressState:

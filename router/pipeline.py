@@ -54,6 +54,7 @@ from mtpserve.router.protocol import (
     SamplingRequest,
     ToolCall,
 )
+from mtpserve.router.reasoning import Reasoner
 from mtpserve.router.responses import json_response, run_to_end, sse_event, stream_response
 from mtpserve.router.structured import check_compiles, heal
 from mtpserve.router.tools import ToolCallStream, ToolSetup, parse_tool_calls
@@ -142,7 +143,8 @@ class ChatShape(Shape):
 
     def stream_choice(self, call: Call, ev: ChoiceEvent) -> ChatStreamChoice:
         return ChatStreamChoice(
-            index=ev.choice.index, delta=DeltaMessage(content=ev.text or None),
+            index=ev.choice.index, delta=DeltaMessage(content=ev.text or None,
+                                                      **_reasoning(ev.reasoning)),
             finish_reason=ev.finish_reason, logprobs=ev.choice.chat_logprobs(ev.logprobs),
             token_ids=ev.token_ids if call.want_ids else None,
             mtp_stats=ev.choice.mtp_stats() if ev.finish_reason else None,
@@ -154,6 +156,8 @@ class ChatShape(Shape):
         i = ev.choice.index
         stream = call.tool_streams.setdefault(i, ToolCallStream(call.tools))
         out: list[BaseModel] = []
+        if ev.reasoning:  # the reasoning comes before any content or call it precedes
+            out.append(ChatStreamChoice(index=i, delta=DeltaMessage(**_reasoning(ev.reasoning))))
         for d in stream.feed(ev.text, final=ev.finish_reason is not None):
             if d.content is not None:
                 delta = DeltaMessage(content=d.content)
@@ -177,11 +181,14 @@ class ChatShape(Shape):
 
     def response(self, call: Call) -> ChatCompletionResponse:
         def choice(c: Choice) -> ChatChoice:
-            message, finish = AssistantMessage(content=c.text), c.finish_reason
+            reasoning = _reasoning(c.reasoning_text)
+            # With a reasoning block, content that is only whitespace is no content.
+            content = c.text if not reasoning or c.text.strip() else None
+            message, finish = AssistantMessage(content=content, **reasoning), c.finish_reason
             if call.parses_tools:
                 content, calls = parse_tool_calls(c.text, call.tools)
                 if calls:
-                    message = AssistantMessage(content=content, tool_calls=[
+                    message = AssistantMessage(content=content, **reasoning, tool_calls=[
                         ToolCall(id=t.id, function=FunctionCall(name=t.name,
                                                                 arguments=t.arguments))
                         for t in calls])
@@ -203,6 +210,12 @@ class ChatShape(Shape):
 COMPLETION, CHAT = CompletionShape(), ChatShape()
 
 
+def _reasoning(text: str | None) -> dict[str, str]:
+    """The reasoning fields of a message or delta: vLLM's `reasoning_content` and its
+    current name `reasoning`, the same text."""
+    return {"reasoning_content": text, "reasoning": text} if text else {}
+
+
 def admit(state: IngressState, body: SamplingRequest, num_prompts: int,
           max_tokens_param: str) -> None:
     """The checks that need no tokenizer, before any prompt is tokenized."""
@@ -217,11 +230,14 @@ async def respond(request: Request, state: IngressState, body: SamplingRequest,
                   prompts: list[list[int]], shape: Shape, requested: int | None,
                   spec: tuple[str, StructuredSpec] | None = None,
                   tools: ToolSetup | None = None, healing: list[bool] | None = None,
-                  heal_any: bool = True) -> Any:
+                  heal_any: bool = True, reasoning: Reasoner | None = None,
+                  template_kwargs: dict[str, Any] | None = None) -> Any:
     """Run `prompts` (token ids) with `body`'s settings; `requested`: the max_tokens asked for
     (None: the rest of the window). `spec`: (the parameter it came from, the constraint);
-    `healing[i]`: heal prompt i (`heal_any`: any healable tail, else line breaks only). A
-    stream of SSE chunks, or one JSON response."""
+    `healing[i]`: heal prompt i (`heal_any`: any healable tail, else line breaks only).
+    `reasoning`: split each choice's reasoning off its content (chat; `template_kwargs` are the
+    request's `chat_template_kwargs`, which deepseek_v3 reads). A stream of SSE chunks, or one
+    JSON response."""
     for ids in prompts:
         check_token_ids(state, ids, shape.param)
         check_window(state, ids, shape.param)
@@ -239,6 +255,8 @@ async def respond(request: Request, state: IngressState, body: SamplingRequest,
         if constraint is not None:
             c.request.params = dataclasses.replace(c.request.params, structured=constraint)
         c.strip_prefix = text
+        if reasoning is not None:
+            c.reasoning = reasoning.split(c.request.prompt_token_ids, template_kwargs)
     choices = ChoiceSet(state.orchestrator, built)
     call = Call(state, body, prompts, rid, int(time.time()), choices, tools)
     if body.stream:
@@ -246,7 +264,7 @@ async def respond(request: Request, state: IngressState, body: SamplingRequest,
             for opening in shape.opening(call):
                 yield sse_event(opening)
             while (ev := await choices.next_event()) is not None:
-                if ev.text or ev.finish_reason or (
+                if ev.text or ev.reasoning or ev.finish_reason or (
                         (call.want_ids or ev.choice.wants_logprobs) and ev.token_ids):
                     for sc in shape.stream_choices(call, ev):
                         yield sse_event(shape.chunk(call, [sc]))

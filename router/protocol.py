@@ -117,6 +117,14 @@ class SamplingRequest(_Request):
     token_healing: Bool | None = Field(
         None, description="extension: back off a prompt's trailing token whose text a longer "
         "token extends and make the output begin with it (text prompts of completions)")
+    # vLLM's older names for `structured_outputs` (router.structured.guided_spec maps them).
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_json_object: Any = None
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
 
     @field_validator("stop")
     @classmethod
@@ -260,6 +268,9 @@ class ChatCompletionRequest(SamplingRequest):
     tool_choice: Any = None
     parallel_tool_calls: Bool | None = None
     response_format: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="extension (vLLM): extra variables for the chat template, e.g. "
+        "enable_thinking, thinking")
 
     @property
     def max_output_tokens(self) -> int | None:
@@ -382,6 +393,9 @@ class ToolCall(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    # The reasoning block (router.reasoning), under vLLM's old and current names.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[ToolCall] | None = None
 
 
@@ -423,6 +437,8 @@ class DeltaToolCall(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 
@@ -469,6 +485,8 @@ class TokenizeRequest(_Request):
     add_special_tokens: Bool = True
     add_generation_prompt: Bool = True
     return_token_strs: Bool = False
+    tools: list[Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
