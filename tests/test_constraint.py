@@ -64,3 +64,26 @@ def test_prefix_constraint_spells_the_prefix(vocab: list[bytes]) -> None:
     assert c.accept(nl) and c.rest[-1] == b"    "
     c.rollback(1)
     assert c.rest[-1] == b"\n    "
+
+
+def test_after_marker_gates_its_grammar_and_rolls_back() -> None:
+    """A reasoning block stays free: the inner constraint (here token healing's prefix) applies
+    only after the marker, matched as one token id or across token bytes; rolling back over
+    the marker closes the gate again."""
+    from mtpserve.workers.structured.constraint import AfterMarker
+
+    vocab = [b"", b"a", b"b", b"ab", b"</", b"think>", b"</think>", b"x", b""]  # 8: special
+    masks = PrefixMasks(vocab)
+    bitmask = torch.zeros(1, masks._words, dtype=torch.int32)
+    for marker_id, spell in ((8, [8]), (None, [4, 5]), (None, [6])):
+        c = AfterMarker(PrefixConstraint(b"ab", masks), marker_id, b"</think>", vocab)
+        assert not c.fill(bitmask, 0) and c.accept(7) and c.accept(2)  # free before it
+        for t in spell:
+            assert not c.open and c.accept(t)
+        assert c.open and c.fill(bitmask, 0)
+        assert _unpacked(bitmask[0].numpy(), len(vocab)).tolist() == [
+            False, True, False, True, False, False, False, False, False]
+        assert not c.accept(2) and c.accept(1)  # the grammar holds now
+        c.rollback(1 + len(spell))  # back before the marker: free again
+        assert not c.open and c.accept(2)
+        assert c.inner.rest[-1] == b"ab"  # the inner constraint was rolled back too

@@ -93,3 +93,31 @@ def test_aborting_a_waiting_request_forgets_it(default_model) -> None:
     assert eng.abort("slow") and not eng.compiling and req.grammar is None
     gate.set()
     assert not eng.has_unfinished() and eng.step() == []
+
+
+def test_grammar_after_a_marker_is_exact_under_speculation(default_model) -> None:
+    """`structured_after` (a reasoning block's end): tokens up to the marker are the plain
+    greedy ones, the rest matches the grammar, and k = 0..3 give the same tokens (the marker
+    lands mid-round for some k)."""
+    import re
+
+    from helpers import run_to_completion
+
+    from mtpserve.workers.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(str(default_model))
+    prompt = tok.encode("def add(a, b):\n    return")
+    plain = run_to_completion(make_engine(default_model, k=0), [prompt],
+                              SamplingParams(max_tokens=24, temperature=0.0))[0]
+    text = tok.decode(plain)
+    marker = next(text[i: i + 2] for i in range(len(text) - 1) if text[i: i + 2].strip())
+    cut = next(j for j in range(1, len(plain) + 1) if marker in tok.decode(plain[:j]))
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
+                            structured=StructuredSpec("regex", "[0-9]{3,40}"),
+                            structured_after=marker)
+    outs = {k: run_to_completion(make_engine(default_model, k=k), [prompt], params)[0]
+            for k in range(4)}
+    assert all(o == outs[0] for o in outs.values()), outs
+    out = outs[0]
+    assert out[:cut] == plain[:cut]
+    assert re.fullmatch("[0-9]{3,40}", tok.decode(out[cut:])), tok.decode(out[cut:])

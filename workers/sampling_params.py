@@ -28,7 +28,8 @@ class SamplingParams:
     before this many output tokens. `logprobs`: None for none; N >= 0 returns the log
     probability of each emitted token plus the N most likely alternatives. `structured`: the
     output must match this grammar / schema / choice / tool-call format, or begin with a
-    healed prompt tail (token healing); every token, drafts included, is masked by it.
+    healed prompt tail (token healing); every token, drafts included, is masked by it (from the
+    end of `structured_after` on, when given: a reasoning block stays free).
     """
 
     max_tokens: int = 16
@@ -43,6 +44,9 @@ class SamplingParams:
     logprobs: int | None = None
     user_seed: bool = True
     structured: StructuredSpec | None = None
+    # The constraint applies from the end of this marker on (a reasoning model's `</think>`):
+    # what comes before it is unconstrained. None: from the first output token.
+    structured_after: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("temperature", "top_p"):

@@ -148,3 +148,61 @@ class PrefixConstraint(Constraint):
     def rollback(self, n: int) -> None:
         if n:
             del self.rest[-n:]
+
+
+class AfterMarker(Constraint):
+    """`inner` applies once the output has spelled `marker`: a reasoning model writes its
+    reasoning freely and the grammar starts after `</think>`. The marker is matched as one
+    token id where the tokenizer has it as a single (special) token, and on the output's
+    bytes across token boundaries otherwise. Bytes that the marker's last token carries past
+    the marker are not fed to the grammar (a template's `</think>` token stands alone). Each
+    accepted token is recorded, so `rollback` (speculative rounds) undoes the gate exactly."""
+
+    def __init__(self, inner: Constraint, marker_id: int | None, marker: bytes,
+                 token_bytes: list[bytes]) -> None:
+        self.inner = inner
+        self.marker_id = marker_id
+        self.marker = marker
+        self.token_bytes = token_bytes
+        # Per accepted token: None once it went to the open grammar, else the tail of bytes
+        # (up to len(marker) - 1) still able to start the marker, or OPEN for the token that
+        # completed it.
+        self._hist: list[bytes | None | object] = []
+
+    _OPEN = object()
+
+    @property
+    def open(self) -> bool:
+        return bool(self._hist) and (self._hist[-1] is None or self._hist[-1] is self._OPEN)
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> bool:
+        return self.inner.fill(bitmask, row) if self.open else False
+
+    def accept(self, token: int) -> bool:
+        if self.open:
+            if not self.inner.accept(token):
+                return False
+            self._hist.append(None)
+            return True
+        tail = self._hist[-1] if self._hist else b""
+        if self.marker_id is not None and token == self.marker_id:
+            self._hist.append(self._OPEN)
+            return True
+        b = self.token_bytes[token] if 0 <= token < len(self.token_bytes) else b""
+        seen = tail + b
+        if self.marker and self.marker in seen:
+            self._hist.append(self._OPEN)
+        else:
+            self._hist.append(seen[-(len(self.marker) - 1):] if len(self.marker) > 1 else b"")
+        return True
+
+    def rollback(self, n: int) -> None:
+        if not n:
+            return
+        undone = self._hist[-n:]
+        del self._hist[-n:]
+        self.inner.rollback(sum(1 for h in undone if h is None))
+
+    @property
+    def terminated(self) -> bool:
+        return self.open and self.inner.terminated

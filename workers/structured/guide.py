@@ -61,6 +61,20 @@ class StructuredGuide:
                                                         self.vocab_size, self.eos_ids)
             return self._cache
 
+    def gated(self, req: Any, inner: Constraint) -> Constraint:
+        """`inner`, applying only after the request's `structured_after` marker if it has
+        one (a reasoning block's end)."""
+        after = getattr(req.params, "structured_after", None)
+        if not after:
+            return inner
+        from mtpserve.workers.structured.constraint import AfterMarker
+        from mtpserve.workers.tokenizer import load_tokenizer
+
+        tok = load_tokenizer(self.tokenizer_path)
+        ids = tok.encode(after, add_special_tokens=False)
+        marker_id = ids[0] if len(ids) == 1 else None
+        return AfterMarker(inner, marker_id, after.encode(), self.cache.token_bytes)
+
     def new_constraint(self, spec: StructuredSpec) -> Constraint:
         """A fresh matcher; raises `GrammarError` when the spec does not compile."""
         from mtpserve.workers.structured.constraint import (
@@ -102,7 +116,7 @@ class StructuredGuide:
         from mtpserve.workers.structured.constraint import GrammarConstraint
 
         future, req.grammar = req.grammar, None
-        req.constraint = GrammarConstraint(future.result(), self.eos_ids)
+        req.constraint = self.gated(req, GrammarConstraint(future.result(), self.eos_ids))
         self.sync(req)
 
     def close(self) -> None:
@@ -112,7 +126,7 @@ class StructuredGuide:
     def admit(self, req: Any) -> None:
         """At admission: the request's matcher, advanced over the tokens it already has."""
         spec = req.params.structured
-        req.constraint = None if spec is None else self.new_constraint(spec)
+        req.constraint = None if spec is None else self.gated(req, self.new_constraint(spec))
         if req.constraint is not None:
             self.sync(req)
 
@@ -130,7 +144,7 @@ class StructuredGuide:
             return None
         out = req.output_token_ids
         if c.num_tokens > len(out):  # tokens were taken back (a failed step): rebuild
-            c = req.constraint = self.new_constraint(req.params.structured)
+            c = req.constraint = self.gated(req, self.new_constraint(req.params.structured))
         for t in out[c.num_tokens:]:
             if not c.accept(t):
                 # Only tokens the mask allowed are emitted; this is a resumed request whose
