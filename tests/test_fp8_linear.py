@@ -176,3 +176,27 @@ def test_load_keeping_fp8_linears_equals_dequantized_load(tmp_path, monkeypatch)
         a, b = plain(ids, pos), kept(ids, pos)
         assert torch.equal(a, b)
         assert torch.equal(plain.forward_mtp(0, ids, a, pos), kept.forward_mtp(0, ids, b, pos))
+
+
+@pytest.mark.parametrize("rank", [0, 1, 2, 3])
+def test_local_block_scales_of_replicated_kv_parts(rank: int) -> None:
+    """TP 4 over 2 KV heads of 128: q is split 4 ways, K and V each held whole by 2 ranks
+    (rank r has head r // 2). The block scales follow the rows each part's loader takes."""
+    from mtpserve.workers.model.parallel import construction_tp
+
+    sizes = (512, 256, 256)  # q: 4 heads, k / v: 2 heads of 128
+    parts = [_weight(n, 256, seed=11 + i) for i, n in enumerate(sizes)]
+    with construction_tp(rank, 4):
+        qkv = ColumnParallelLinear(256, list(sizes), replicas=[1, 2, 2])
+    assert qkv.replicated and fp8.keeps_fp8("self_attn.qkv_proj", qkv, 3)
+    scales = torch.empty(3, 2)  # q 128 rows + k 128 + v 128 per rank
+    for i, (wq, s) in enumerate(parts):
+        qkv.weight.weight_loader(qkv.weight, wq, i)
+        fp8.local_scale(qkv, s, i, scales)
+    x = torch.randn(4, 256)
+    rows = [slice(rank * 128, rank * 128 + 128), slice(rank // 2 * 128, rank // 2 * 128 + 128),
+            slice(rank // 2 * 128, rank // 2 * 128 + 128)]
+    want = torch.cat([F.linear(x, dequantize(wq, s, BLOCK)[r])
+                      for (wq, s), r in zip(parts, rows, strict=True)], dim=-1)
+    with torch.no_grad():
+        assert torch.equal(fp8.Fp8BlockLinear.from_linear(qkv, scales)(x), want)

@@ -271,8 +271,7 @@ def _swap_fp8_linears(model: torch.nn.Module, cfg: ModelConfig, view: Checkpoint
             parts[target] = parts.get(target, 0) + 1
     for name, n in parts.items():
         linear = modules[name]
-        if (fp8.eligible(name, linear) and n == fp8.num_parts(linear)
-                and not getattr(linear, "replicated", False)):  # as the loader's rule
+        if fp8.keeps_fp8(name, linear, n):  # the loader's rule
             out, inp = linear.weight.shape
             scale = torch.ones(out // fp8.GROUP, inp // fp8.GROUP, dtype=torch.float32)
             parent, _, child = name.rpartition(".")

@@ -192,6 +192,12 @@ def num_parts(linear: nn.Module) -> int:
     return len(linear.full_sizes) if isinstance(linear, ColumnParallelLinear) else 1
 
 
+def keeps_fp8(name: str, linear: nn.Module, scaled_parts: int) -> bool:
+    """The loader's rule (and the memory plan's): a linear stays FP8 when it is `eligible`
+    and every checkpoint part of it (`scaled_parts` of them) carries block scales."""
+    return eligible(name, linear) and scaled_parts == num_parts(linear)
+
+
 def local_scale(linear: nn.Module, scale_inv: torch.Tensor, shard_id: object,
                 out: torch.Tensor) -> None:
     """Copy this rank's blocks of one checkpoint part's `weight_scale_inv` into `out`
@@ -201,7 +207,10 @@ def local_scale(linear: nn.Module, scale_inv: torch.Tensor, shard_id: object,
         part = shard_id or 0
         local = linear.local_sizes[part] // GROUP
         offset = sum(linear.local_sizes[:part]) // GROUP
-        out.narrow(0, offset, local).copy_(scale_inv.narrow(0, linear.tp_rank * local, local))
+        # `shard_start`: a part held whole by several ranks (K / V at TP above the KV heads)
+        # starts at its shard's rows, not at tp_rank * local.
+        out.narrow(0, offset, local).copy_(
+            scale_inv.narrow(0, linear.shard_start(part) // GROUP, local))
     elif isinstance(linear, RowParallelLinear):
         local = linear.local_in // GROUP
         out.copy_(scale_inv.narrow(1, linear.tp_rank * local, local))

@@ -209,10 +209,7 @@ def _fp8_linears(model: CausalLM, cfg: ModelConfig, present: set[str], files: di
             linear = model.get_submodule(module)
         except AttributeError:
             continue
-        # A part replicated over ranks (K/V at TP above the KV heads) is dequantized: its
-        # rows are not where `fp8.local_scale` slices the block scales.
-        if (fp8.eligible(module, linear) and n == fp8.num_parts(linear)
-                and not getattr(linear, "replicated", False)):
+        if fp8.keeps_fp8(module, linear, n):
             out, inp = linear.weight.shape
             kept[module] = (linear, torch.ones(out // fp8.GROUP, inp // fp8.GROUP,
                                                dtype=torch.float32, device=device))
