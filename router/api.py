@@ -73,6 +73,7 @@ from mtpserve.router.protocol import (
 )
 from mtpserve.router.responses import json_response
 from mtpserve.router.structured import (
+    guided_spec,
     healing_default,
     one_spec,
     response_format_spec,
@@ -80,9 +81,11 @@ from mtpserve.router.structured import (
 )
 from mtpserve.router.tools import (
     check_tools,
+    default_tool_messages,
     history_message,
     render_with_tools,
     served_format,
+    template_renders_tools,
 )
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -151,12 +154,15 @@ def create_app(state: IngressState | None = None) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request) -> Any:
         s = ingress_state(request)
         admit(s, body, len(body.prompts), "max_tokens")
-        spec = structured_outputs_spec(body.structured_outputs)
+        named = [("structured_outputs", structured_outputs_spec(body.structured_outputs)),
+                 guided_spec(body)]
+        spec = one_spec(*named)
+        param = next((n for n, x in named if x is not None), "")
         prompts = await encode_prompts(s, body.prompts)
         heal = healing_default(s) if body.token_healing is None else body.token_healing
         return await respond(request, s, body, prompts, COMPLETION,
                              body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS,
-                             spec=None if spec is None else ("structured_outputs", spec),
+                             spec=None if spec is None else (param, spec),
                              healing=[heal and isinstance(p, str) for p in body.prompts],
                              heal_any=body.token_healing is not None)
 
@@ -177,16 +183,18 @@ def create_app(state: IngressState | None = None) -> FastAPI:
             tool_spec = tools.spec() if tools is not None else None
         named = [("response_format", rf),
                  ("structured_outputs", structured_outputs_spec(body.structured_outputs)),
-                 (tool_param, tool_spec)]
+                 guided_spec(body), (tool_param, tool_spec)]
         spec = one_spec(*named)
         param = next((n for n, x in named if x is not None), "")
+        kwargs = body.chat_template_kwargs
         if tools is not None or any(m.tool_calls for m in body.messages):
-            ids = await _render_tools(s, body, tools)
+            ids = await _render_tools(s, body, tools, kwargs)
         else:
             ids = await render_chat(s, [{"role": m.role, "content": m.text}
-                                        for m in body.messages])
+                                        for m in body.messages], template_kwargs=kwargs)
         return await respond(request, s, body, [ids], CHAT, body.max_output_tokens,
-                             spec=None if spec is None else (param, spec), tools=tools)
+                             spec=None if spec is None else (param, spec), tools=tools,
+                             reasoning=s.reasoner(), template_kwargs=kwargs)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
@@ -194,12 +202,19 @@ def create_app(state: IngressState | None = None) -> FastAPI:
         check_model(s, body.model)
         tok = s.tokenizer
         if body.messages is not None:
+            # The prompt a chat completion of these messages (and tools) would run.
             msgs = [history_message(m) for m in body.messages]
-            if body.add_generation_prompt and not any(m.tool_calls for m in body.messages):
+            tools = check_tools(body.tools, None, None,
+                                served_format(s.tool_call_parser, tok)) if body.tools else None
+            opts = dict(add_generation_prompt=body.add_generation_prompt,
+                        template_kwargs=body.chat_template_kwargs)
+            if tools is None and not any(m.tool_calls for m in body.messages):
                 ids = await render_chat(s, [{"role": m["role"], "content": m["content"]}
-                                            for m in msgs])
+                                            for m in msgs], **opts)
+            elif template_renders_tools(tok):
+                ids = await render_chat(s, msgs, tools=tools.tools if tools else None, **opts)
             else:
-                ids = await asyncio.to_thread(render_with_tools, tok, msgs, None)
+                ids = await render_chat(s, default_tool_messages(msgs, tools), **opts)
         else:
             ids = await asyncio.to_thread(
                 lambda: list(tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)))
@@ -218,9 +233,15 @@ def create_app(state: IngressState | None = None) -> FastAPI:
     return app
 
 
-async def _render_tools(s: IngressState, body: ChatCompletionRequest, tools: Any) -> list[int]:
-    """Prompt ids of a conversation with tools or tool calls (router.tools), on a thread."""
+async def _render_tools(s: IngressState, body: ChatCompletionRequest, tools: Any,
+                        template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    """Prompt ids of a conversation with tools or tool calls (router.tools), on a thread.
+    With `chat_template_kwargs`, a template that renders tools gets them too."""
     msgs = [history_message(m) for m in body.messages]
+    if template_kwargs and template_renders_tools(s.tokenizer):
+        active = tools is not None and tools.active
+        return await render_chat(s, msgs, tools=tools.tools if active else None,
+                                 template_kwargs=template_kwargs)
     try:
         return await asyncio.to_thread(render_with_tools, s.tokenizer, msgs, tools)
     except APIError:

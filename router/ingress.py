@@ -38,6 +38,7 @@ class OpenAIIngress:
         self.max_model_len = min(cfg.max_model_len or mcfg.max_position_embeddings,
                                  mcfg.max_position_embeddings)
         self.vocab_size = mcfg.vocab_size
+        self.model_type = mcfg.model_type
         self.tool_call_parser = served_format(cfg.tool_call_parser, self.tokenizer,
                                               mcfg.model_type)
         self.model_name = cfg.served_model_name or Path(cfg.model).name
@@ -64,6 +65,7 @@ class OpenAIIngress:
             kv_probe_max_bytes=self.cfg.admin.kv_probe_max_bytes,
             token_healing=model_default(self.cfg.model),
             tool_call_parser=self.tool_call_parser,
+            reasoning_parser=self.cfg.reasoning_parser, model_type=self.model_type,
         ))
         preload_healing(self._app.state.ingress)
         return self._app

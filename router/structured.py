@@ -102,8 +102,12 @@ def structured_outputs_spec(so: dict[str, Any] | None) -> StructuredSpec | None:
         raise APIError("structured_outputs needs exactly one of 'json', 'regex', 'choice', "
                        "'grammar', 'json_object'", 400, param="structured_outputs")
     (k,) = keys
-    v = so[k]
-    param = f"structured_outputs.{k}"
+    return _structured(k, so[k], f"structured_outputs.{k}")
+
+
+def _structured(k: str, v: Any, param: str) -> StructuredSpec:
+    """One constraint of kind `k`; every bad value (a wrong type, over MAX_SPEC_CHARS) is a 400
+    naming `param`, never a ValueError escaping to a 500."""
     if k == "json":
         return _spec_of_schema(v, param)
     if k == "json_object":
@@ -113,15 +117,44 @@ def structured_outputs_spec(so: dict[str, Any] | None) -> StructuredSpec | None:
                 or not all(isinstance(o, str) and o for o in v)):
             raise APIError(f"{param} must be a non-empty list of non-empty strings", 400,
                            param=param)
-        spec = StructuredSpec.choice(v)
+        value = json.dumps(list(v))
     else:
         if not isinstance(v, str) or not v:
             raise APIError(f"{param} must be a non-empty string", 400, param=param)
-        spec = StructuredSpec(k, v)
-    if len(spec.value) > MAX_SPEC_CHARS:
-        raise APIError(f"{param} is too large (at most {MAX_SPEC_CHARS} characters)", 400,
-                       param=param)
-    return spec
+        value = v
+    if len(value) > MAX_SPEC_CHARS:
+        raise APIError(f"{param} is too large ({len(value)} characters; at most "
+                       f"{MAX_SPEC_CHARS})", 400, param=param)
+    try:
+        return StructuredSpec(k, value)
+    except ValueError as e:
+        raise APIError(f"{param}: {e}", 400, param=param) from None
+
+
+# vLLM's older request fields for the same constraints (one at most; none with
+# `structured_outputs`: one_spec names the second).
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+          "guided_grammar": "grammar", "guided_json_object": "json_object"}
+
+
+def guided_spec(body: Any) -> tuple[str, StructuredSpec | None]:
+    """(the guided_* field given, its constraint) or ("guided_json", None) when none is.
+    `guided_whitespace_pattern` is a 400 (not implemented); `guided_decoding_backend` may
+    only name xgrammar (or auto)."""
+    if getattr(body, "guided_whitespace_pattern", None) is not None:
+        raise APIError("'guided_whitespace_pattern' is not supported", 400,
+                       param="guided_whitespace_pattern")
+    backend = getattr(body, "guided_decoding_backend", None)
+    if backend is not None and backend not in ("xgrammar", "auto"):
+        raise APIError("'guided_decoding_backend' must be 'xgrammar' (the only backend)", 400,
+                       param="guided_decoding_backend")
+    given = [f for f in GUIDED if getattr(body, f, None) not in (None, False)]
+    if not given:
+        return "guided_json", None
+    if len(given) > 1:
+        raise APIError(f"use only one of {', '.join(given)}", 400, param=given[1])
+    (f,) = given
+    return f, _structured(GUIDED[f], getattr(body, f), f)
 
 
 def one_spec(*named: tuple[str, StructuredSpec | None]) -> StructuredSpec | None:
