@@ -133,6 +133,9 @@ def _schema_types(schema: Any) -> set[str]:
     return types
 
 
+_STRIPPED = ("enum", "const", "maxLength", "minLength", "pattern", "format")
+
+
 def typed_value(text: str, schema: Any) -> Any:
     """An XML parameter's text as the value its schema types it: strings raw, the rest parsed
     as JSON (raw text when it does not parse as the schema's type)."""
@@ -140,12 +143,16 @@ def typed_value(text: str, schema: Any) -> Any:
     if not types or "string" in types:
         if "null" in types and text.strip() == "null":
             return None
+        # A constrained string (enum, const, length, pattern) is read without the whitespace
+        # around it, as xgrammar's XML styles frame it; free text keeps it (code, files).
+        if isinstance(schema, dict) and any(k in schema for k in _STRIPPED):
+            return text.strip()
         return text
     s = text.strip()
     if "boolean" in types and s.lower() in ("true", "false"):
         return s.lower() == "true"
     try:
-        v = json.loads(s)
+        v = json.loads(s, strict=False)
     except ValueError:
         if {"object", "array"} & types:
             import ast
@@ -321,15 +328,16 @@ class HermesParser(ToolParser):
 
 
 def _is_object(text: str) -> bool:
+    # strict=False: xgrammar's length-limited JSON strings admit raw control characters
     try:
-        return isinstance(json.loads(text), dict)
+        return isinstance(json.loads(text, strict=False), dict)
     except ValueError:
         return False
 
 
 def _hermes_whole(body: str) -> ScanCall:
     try:
-        obj = json.loads(body)
+        obj = json.loads(body, strict=False)
     except ValueError:
         return ScanCall(ok=False, done=True)
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
@@ -337,7 +345,7 @@ def _hermes_whole(body: str) -> ScanCall:
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):
         try:
-            args = json.loads(args)
+            args = json.loads(args, strict=False)
         except ValueError:
             return ScanCall(ok=False, done=True)
     if not isinstance(args, dict):

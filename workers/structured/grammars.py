@@ -71,14 +71,16 @@ _XGRAMMAR_VERSION = importlib.metadata.version("xgrammar")
 _DS = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>",
        "<｜tool▁call▁end｜>", "<｜tool▁sep｜>")
 TOOL_FORMATS = ("hermes", "qwen3_coder", "glm45", "deepseek_v3")
-MAX_WHITESPACE = 2  # a run of free whitespace at most this long: a small model cannot loop on it
+# A run of free whitespace at most this long (XML styles: 1, so a value is never padded by more
+# than the one newline the parsers strip): a small model cannot loop on whitespace.
+MAX_WHITESPACE = 2
 
 
 def _call_tag(fmt: str, name: str, parameters: dict | None) -> dict:
     schema = parameters if parameters else {"type": "object"}
     style = {"qwen3_coder": "qwen_xml", "glm45": "glm_xml"}.get(fmt, "json")
     content = {"type": "json_schema", "json_schema": schema, "style": style,
-               "max_whitespace_cnt": MAX_WHITESPACE}
+               "max_whitespace_cnt": MAX_WHITESPACE if style == "json" else 1}
     begin, end = {
         "hermes": (TOOL_CALL_BEGIN + '{"name": ' + json.dumps(name) + ', "arguments": ',
                    "}" + TOOL_CALL_END),
