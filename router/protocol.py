@@ -9,6 +9,10 @@ Structured outputs and tools (router.structured, router.tools): chat `response_f
 (json_object, json_schema), `tools` / `tool_choice` / `parallel_tool_calls`, `tool` messages and
 assistant `tool_calls` in the history; on both endpoints vLLM's `structured_outputs` (json,
 regex, choice, grammar) and the `token_healing` extension (bool; unset: the server default).
+vLLM's older `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar` /
+`guided_json_object` map to the same path (router.structured.guided_spec), never ignored.
+Chat `chat_template_kwargs` go to the chat template (router.chat_template); chat responses
+carry `reasoning_content` / `reasoning` (router.reasoning).
 
 Log probabilities (completions `logprobs: N`, chat `logprobs: true` + `top_logprobs: N`, N <= 20)
 are those of the target model's raw logits at each emitted position, exact under speculation;
