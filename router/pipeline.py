@@ -257,6 +257,11 @@ async def respond(request: Request, state: IngressState, body: SamplingRequest,
         c.strip_prefix = text
         if reasoning is not None:
             c.reasoning = reasoning.split(c.request.prompt_token_ids, template_kwargs)
+            if spec is not None:  # the grammar starts after the reasoning block
+                after, opener = reasoning.grammar_gate(c.request.prompt_token_ids,
+                                                       template_kwargs)
+                c.request.params = dataclasses.replace(
+                    c.request.params, structured_after=after, structured_opener=opener)
     choices = ChoiceSet(state.orchestrator, built)
     call = Call(state, body, prompts, rid, int(time.time()), choices, tools)
     if body.stream:

@@ -119,6 +119,24 @@ class Reasoner:
         text = self.tokenizer.decode(tail, skip_special_tokens=False)
         return text.rfind(START) > text.rfind(END)
 
+    def grammar_gate(self, prompt_ids: list[int], template_kwargs: dict[str, Any] | None = None
+                     ) -> tuple[str | None, str | None]:
+        """(structured_after, structured_opener) for a constrained request: a grammar
+        (response_format, forced tools) applies after the reasoning block, never inside it.
+        Output that starts inside the block (the prompt opened it, DeepSeek-R1): after its
+        end marker. Output that may open one (Qwen3 thinking, single-token markers): after the
+        end marker if it opens, else from its first token. A block the prompt closed
+        (enable_thinking false) or none expected: (None, None), the grammar from the start."""
+        split = self.split(prompt_ids, template_kwargs)
+        if split is None:
+            return None, None
+        if split.state == _REASONING:
+            return END, None
+        tail = list(prompt_ids[-PROMPT_TAIL_TOKENS:])
+        if self.on_ids and self.end_id not in tail:
+            return END, START
+        return None, None
+
     def split(self, prompt_ids: list[int], template_kwargs: dict[str, Any] | None = None
               ) -> ReasoningSplit | None:
         """A fresh per-choice splitter, or None when this request's output is not split."""

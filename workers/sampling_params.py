@@ -47,6 +47,9 @@ class SamplingParams:
     # The constraint applies from the end of this marker on (a reasoning model's `</think>`):
     # what comes before it is unconstrained. None: from the first output token.
     structured_after: str | None = None
+    # With `structured_after`: the output may open the block with this marker (a single token:
+    # Qwen3's `<think>`); if its first token is anything else, the constraint applies from it.
+    structured_opener: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("temperature", "top_p"):

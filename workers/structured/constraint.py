@@ -159,8 +159,12 @@ class AfterMarker(Constraint):
     accepted token is recorded, so `rollback` (speculative rounds) undoes the gate exactly."""
 
     def __init__(self, inner: Constraint, marker_id: int | None, marker: bytes,
-                 token_bytes: list[bytes]) -> None:
+                 token_bytes: list[bytes], opener_id: int | None = None) -> None:
+        """`opener_id`: the output may open the block with this token (the gate then waits
+        for the marker); any other first token goes to `inner` at once (a model that did
+        not think): the first mask allows the opener beside inner's tokens."""
         self.inner = inner
+        self.opener_id = opener_id
         self.marker_id = marker_id
         self.marker = marker
         self.token_bytes = token_bytes
@@ -175,11 +179,24 @@ class AfterMarker(Constraint):
     def open(self) -> bool:
         return bool(self._hist) and (self._hist[-1] is None or self._hist[-1] is self._OPEN)
 
+    @property
+    def undecided(self) -> bool:
+        return not self._hist and self.opener_id is not None
+
     def fill(self, bitmask: torch.Tensor, row: int) -> bool:
+        if self.undecided:
+            if not self.inner.fill(bitmask, row):
+                return False
+            word, bit = divmod(self.opener_id, 32)
+            bitmask[row, word] |= (1 << bit) - (1 << 32 if bit == 31 else 0)  # int32 words
+            return True
         return self.inner.fill(bitmask, row) if self.open else False
 
     def accept(self, token: int) -> bool:
-        if self.open:
+        if self.undecided and token == self.opener_id:
+            self._hist.append(b"")  # inside the block now: wait for the marker
+            return True
+        if self.open or self.undecided:
             if not self.inner.accept(token):
                 return False
             self._hist.append(None)

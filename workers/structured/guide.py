@@ -71,9 +71,14 @@ class StructuredGuide:
         from mtpserve.workers.tokenizer import load_tokenizer
 
         tok = load_tokenizer(self.tokenizer_path)
-        ids = tok.encode(after, add_special_tokens=False)
-        marker_id = ids[0] if len(ids) == 1 else None
-        return AfterMarker(inner, marker_id, after.encode(), self.cache.token_bytes)
+
+        def single(text: str | None) -> int | None:
+            ids = tok.encode(text, add_special_tokens=False) if text else []
+            return ids[0] if len(ids) == 1 else None
+
+        opener = getattr(req.params, "structured_opener", None)
+        return AfterMarker(inner, single(after), after.encode(), self.cache.token_bytes,
+                           opener_id=single(opener))
 
     def new_constraint(self, spec: StructuredSpec) -> Constraint:
         """A fresh matcher; raises `GrammarError` when the spec does not compile."""
