@@ -121,3 +121,34 @@ def test_grammar_after_a_marker_is_exact_under_speculation(default_model) -> Non
     out = outs[0]
     assert out[:cut] == plain[:cut]
     assert re.fullmatch("[0-9]{3,40}", tok.decode(out[cut:])), tok.decode(out[cut:])
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_a_grammar_that_completes_before_min_tokens_ends_the_output(chat_checkpoint, k,
+                                                                   tmp_path) -> None:
+    """min_tokens bans EOS, the grammar allows only EOS once it is complete: the grammar's end
+    wins (before, every token was -inf there and token 0 came out, breaking the constraint;
+    a checkpoint whose EOS is not token 0 shows it)."""
+    import json
+    import shutil
+
+    from mtpserve.workers.tokenizer import load_tokenizer
+
+    path = tmp_path / "ckpt"
+    shutil.copytree(chat_checkpoint("qwen3", "qwen3"), path)
+    for name in ("config.json", "generation_config.json"):
+        cfg = json.loads((path / name).read_text())
+        cfg["eos_token_id"] = [t for t in cfg["eos_token_id"] if t != 0]
+        (path / name).write_text(json.dumps(cfg))
+    tok = load_tokenizer(str(path))
+    eng = make_engine(path, k=k)
+    assert 0 not in eng.eos_ids
+    params = SamplingParams(max_tokens=12, min_tokens=8, temperature=0.0,
+                            structured=StructuredSpec("regex", "ab|cd"))
+    req = eng.add_request("r", PROMPT, params)
+    outs = []
+    while eng.has_unfinished():
+        outs += eng.step() or ([] if not eng.compiling else eng.wait_grammars(1.0) or [])
+    text = tok.decode([t for t in req.output_token_ids if t not in eng.eos_ids])
+    assert text in ("ab", "cd"), req.output_token_ids
+    assert req.output_token_ids[-1] in eng.eos_ids and outs[-1].finish_reason == "stop"

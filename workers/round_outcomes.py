@@ -203,10 +203,10 @@ class RoundOutcomes:
         that finished and the ride-along values."""
         # Row (b, s) decides the token at position n_b + 1 + s; min_tokens masks it like q.
         first_pos = [r.num_computed_tokens + 1 for r in reqs]
-        logits = suppress_tokens(raw, [self.limits.banned(r, first_pos[b] + s)
-                                       for b, r in enumerate(reqs) for s in range(S)])
-        if self.guide is not None:
-            logits = self.guide.mask_verify(logits, reqs, S)
+        banned = [self.limits.banned(r, first_pos[b] + s)
+                  for b, r in enumerate(reqs) for s in range(S)]
+        logits = (self.guide.mask_verify(raw, reqs, S, banned) if self.guide is not None
+                  else suppress_tokens(raw, banned))
         counts = [r.num_drafts for r in reqs]
         acc, extra = self.sampler.on_device(
             logits.view(len(reqs), S, -1), inputs[:, 1:], counts, [r.draft_probs for r in reqs],
@@ -282,10 +282,9 @@ class RoundOutcomes:
     def sample_on_device(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         """`sample`'s tokens [R], left on the logits' device."""
         pos = [r.num_tokens for r in reqs]
-        logits = suppress_tokens(logits, [self.limits.banned(r, p) for r, p in zip(reqs, pos,
-                                                                             strict=True)])
-        if self.guide is not None:
-            logits = self.guide.mask_rows(logits, reqs)
+        banned = [self.limits.banned(r, p) for r, p in zip(reqs, pos, strict=True)]
+        logits = (self.guide.mask_rows(logits, reqs, banned) if self.guide is not None
+                  else suppress_tokens(logits, banned))
         tokens = logits.argmax(dim=-1)
         rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
         if rows:

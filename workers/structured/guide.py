@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from mtpserve.workers.spec_decode.sampling import suppress_tokens
 from mtpserve.workers.structured.spec import StructuredSpec
 
 if TYPE_CHECKING:  # xgrammar (~2 s to import) loads with the first constrained request
@@ -181,22 +182,49 @@ class StructuredGuide:
                                         vocab_size=out.shape[-1], indices=rows)
         return out
 
-    def mask_rows(self, logits: torch.Tensor, reqs: list[Any]) -> torch.Tensor:
-        """logits [len(reqs), V], row i deciding request i's next token."""
-        if not any(r.constraint is not None for r in reqs):
+    @staticmethod
+    def _only(bm: torch.Tensor, row: int, tokens: list[int]) -> bool:
+        """Whether row `row` of the packed bitmask allows nothing but `tokens`."""
+        if not tokens:
+            return False
+        words = bm[row].clone()
+        for t in tokens:
+            word, bit = divmod(t, 32)
+            if word < words.shape[0]:
+                words[word] &= ~((1 << bit) - (1 << 32 if bit == 31 else 0))
+        return not bool(words.any())
+
+    def _suppress(self, logits: torch.Tensor, bm: torch.Tensor, rows: list[int],
+                  banned: list[list[int]] | None) -> torch.Tensor:
+        """min_tokens' bans (`banned[i]`: ids row i may not be), except on a masked row whose
+        grammar allows nothing but banned ids: the output is complete, the grammar's end wins
+        over min_tokens (banning it would leave no token at all)."""
+        if banned is None:
             return logits
+        masked = set(rows)
+        keep = [[] if i in masked and self._only(bm, i, b) else b
+                for i, b in enumerate(banned)]
+        return suppress_tokens(logits, keep)
+
+    def mask_rows(self, logits: torch.Tensor, reqs: list[Any],
+                  banned: list[list[int]] | None = None) -> torch.Tensor:
+        """logits [len(reqs), V], row i deciding request i's next token; `banned`: the
+        min_tokens bans, applied here (`_suppress`)."""
+        if not any(r.constraint is not None for r in reqs):
+            return logits if banned is None else suppress_tokens(logits, banned)
         bm = self._bitmask(len(reqs))
         rows = [i for i, r in enumerate(reqs)
                 if (c := self.sync(r)) is not None and c.fill(bm, i)]
-        return self._apply(logits, bm, rows)
+        return self._apply(self._suppress(logits, bm, rows, banned), bm, rows)
 
-    def mask_verify(self, logits: torch.Tensor, reqs: list[Any], S: int) -> torch.Tensor:
+    def mask_verify(self, logits: torch.Tensor, reqs: list[Any], S: int,
+                    banned: list[list[int]] | None = None) -> torch.Tensor:
         """logits [R * S, V] of a speculative round: row b * S + s decides the token after
         request b's last token and its first s drafts. Each row gets the mask of the state
         after those drafts; the matcher is rolled back afterwards. Rows after a draft the
         grammar rejects need no mask: that draft is rejected (its row masks it out)."""
         if not any(r.constraint is not None for r in reqs):
-            return logits
+            return logits if banned is None else suppress_tokens(logits, banned)
         bm = self._bitmask(len(reqs) * S)
         rows: list[int] = []
         for b, r in enumerate(reqs):
@@ -213,7 +241,7 @@ class StructuredGuide:
                     break
                 rows.append(b * S + s)
             c.rollback(advanced)
-        return self._apply(logits, bm, rows)
+        return self._apply(self._suppress(logits, bm, rows, banned), bm, rows)
 
     # Drafting ----------------------------------------------------------------------------
     def mask_drafts(self, reqs: list[Any], logits: torch.Tensor, depth: int) -> torch.Tensor:
