@@ -9,11 +9,13 @@ spec that compiled here within `COMPILE_TIMEOUT_S` compiles there as fast.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from mtpserve.router.errors import APIError
+from mtpserve.router.errors import APIError, overloaded
 from mtpserve.workers.structured.healing import HealingTable, heal_prompt, may_heal
 from mtpserve.workers.structured.spec import MAX_SPEC_CHARS, GrammarError, StructuredSpec
 
@@ -165,15 +167,49 @@ def one_spec(*named: tuple[str, StructuredSpec | None]) -> StructuredSpec | None
     return given[0][1] if given else None
 
 
+# The ingress compiles on a pool of its own, not the event loop's shared default executor:
+# a compile cannot be stopped once it runs (xgrammar's C++), so a flood of slow or abandoned
+# grammars must not take the threads the rest of the server uses. The same spec compiling
+# for several requests runs once; past MAX_PENDING_COMPILES distinct ones, new ones are 429.
+COMPILE_WORKERS = 2
+MAX_PENDING_COMPILES = 16
+_compile_pool = ThreadPoolExecutor(COMPILE_WORKERS, thread_name_prefix="ingress-grammar")
+_inflight: dict[tuple[int, StructuredSpec], concurrent.futures.Future] = {}
+
+
+def _compile_future(cache: Any, spec: StructuredSpec) -> concurrent.futures.Future:
+    key = (id(cache), spec)
+    with _lock:
+        fut = _inflight.get(key)
+        if fut is not None:
+            return fut
+        if len(_inflight) >= MAX_PENDING_COMPILES:
+            raise overloaded(f"{len(_inflight)} constraints are compiling on this ingress; "
+                              "retry shortly")
+        fut = _compile_pool.submit(cache.compile, spec)
+        _inflight[key] = fut
+
+    def done(_: concurrent.futures.Future) -> None:
+        with _lock:
+            _inflight.pop(key, None)
+
+    fut.add_done_callback(done)
+    return fut
+
+
 async def check_compiles(state: Any, spec: StructuredSpec | None, param: str) -> None:
-    """Compile `spec` for the served tokenizer on a worker thread: a spec that does not compile
-    (or not within COMPILE_TIMEOUT_S) is a 400 naming the problem. The event loop keeps
-    serving meanwhile."""
+    """Compile `spec` for the served tokenizer on the ingress's compile pool: a spec that does
+    not compile (or not within COMPILE_TIMEOUT_S) is a 400 naming the problem. The event loop
+    keeps serving meanwhile; a request that gives up leaves the compile to finish for the
+    cache (it cannot be interrupted) without holding anything else."""
     if spec is None or spec.kind == "prefix":
         return
     cache = grammar_cache(state)
+    if cache.cached(spec):
+        return
     try:
-        await asyncio.wait_for(asyncio.to_thread(cache.compile, spec), COMPILE_TIMEOUT_S)
+        fut = asyncio.wrap_future(_compile_future(cache, spec))
+        await asyncio.wait_for(asyncio.shield(fut), COMPILE_TIMEOUT_S)
     except GrammarError as e:
         raise APIError(str(e), 400, param=param) from None
     except (TimeoutError, asyncio.TimeoutError):
