@@ -9,7 +9,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 from mtpserve.workers.model.families import FAMILIES, LayerSpec, MLAConfig, MoEConfig
-from mtpserve.workers.model.families.base import LinearAttentionConfig
+from mtpserve.workers.model.families.base import (
+    MTP_DEPTH_KEYS,
+    MTP_SIZE_KEYS,
+    LinearAttentionConfig,
+    mtp_depth,
+)
 from mtpserve.workers.model.quantization import FP8BlockConfig, parse_quantization
 from mtpserve.workers.model.rope import RopeConfig, UnsupportedConfig, parse_rope
 
@@ -164,6 +169,8 @@ class ModelConfig:
         if model_type in _TEXT_PART and "text_config" in cfg:
             cfg, weights_prefix = _text_part(cfg), "model.language_model."
             model_type = cfg["model_type"]
+        else:
+            cfg = _lift_mtp_keys(cfg)
         if model_type in _NOT_YET:
             raise UnsupportedConfig(f"model_type {model_type!r}: {_NOT_YET[model_type]}")
         family = FAMILIES.get(model_type)
@@ -177,13 +184,14 @@ class ModelConfig:
         rope = parse_rope(cfg)
         quant = parse_quantization(cfg)
         heads = cfg["num_attention_heads"]
-        # MTP module count under each published convention.
-        if "mtp_num_hidden_layers" in cfg:
-            n_mtp, naming = int(cfg["mtp_num_hidden_layers"]), "qwen3_next"
+        # MTP module count under each published convention (top level or text_config).
+        n_mtp, key = mtp_depth(cfg)
+        if key == "mtp_num_hidden_layers":
+            naming = "qwen3_next"
         else:
-            n_mtp = int(cfg.get("num_nextn_predict_layers", 0) or 0)
             naming = "mimo" if model_type == "mimo" else "deepseek_v3"
         naming = cfg.get("mtp_naming", naming)
+        _check_mtp_sizes(cfg, n_mtp, fields.layers[cfg["num_hidden_layers"]:], fields.moe)
         eos_ids = _eos_ids(cfg.get("eos_token_id"))
         return cls(
             model_type=model_type,
@@ -265,11 +273,53 @@ def _text_part(cfg: dict[str, Any]) -> dict[str, Any]:
     for key in ("eos_token_id", "bos_token_id", "tie_word_embeddings"):
         if key not in text and key in cfg:
             text[key] = cfg[key]
+    # The MTP depth / sizes may sit at the top level instead (either place counts).
+    _merge_mtp_keys(text, cfg)
     rope = text.get("rope_parameters") or text.get("rope_scaling")
     if isinstance(rope, dict):
         rope = {k: v for k, v in rope.items() if k not in ("mrope_section", "mrope_interleaved")}
         text["rope_parameters" if "rope_parameters" in text else "rope_scaling"] = rope
     return text
+
+
+def _lift_mtp_keys(cfg: dict[str, Any]) -> dict[str, Any]:
+    """`cfg` with the MTP depth and MTP-specific sizes (`MTP_DEPTH_KEYS`, `MTP_SIZE_KEYS`)
+    that `text_config` holds copied to the top level, where every family reads them (Qwen3.5 /
+    Qwen3.8 write `text_config.mtp_num_hidden_layers`). A key set differently in both places
+    is refused by name: which of the two the checkpoint's weights follow is unknowable."""
+    text = cfg.get("text_config")
+    if not isinstance(text, dict):
+        return cfg
+    out = dict(cfg)
+    out["text_config"] = text = dict(text)  # the caller's dicts stay as they were
+    _merge_mtp_keys(out, text)
+    return out
+
+
+def _merge_mtp_keys(top: dict[str, Any], text: dict[str, Any]) -> None:
+    """Copy the MTP keys set in one of `top` / `text` (the top level and `text_config`) into
+    the other, in place; a key set differently in both is refused by name."""
+    for key in MTP_DEPTH_KEYS + MTP_SIZE_KEYS:
+        a, b = top.get(key), text.get(key)
+        if a is not None and b is not None and a != b:
+            raise UnsupportedConfig(f"{key} is {a!r} at the top level but {b!r} under "
+                                    "text_config")
+        if a is not None or b is not None:
+            top[key] = text[key] = a if a is not None else b
+
+
+def _check_mtp_sizes(cfg: dict[str, Any], n_mtp: int, mtp_layers: tuple[LayerSpec, ...],
+                     moe: MoEConfig | None) -> None:
+    """MTP-specific MoE sizes: served when they equal the main layers' (the MTP block is
+    built from the model's MoE config); an MTP block of its own expert count is refused."""
+    n = cfg.get("mtp_num_experts")
+    if n is None or not n_mtp:
+        return
+    if moe is None or any(s.mlp != "moe" for s in mtp_layers) or int(n) != moe.num_experts:
+        have = f"{moe.num_experts} experts" if moe is not None else "no experts"
+        raise UnsupportedConfig(f"mtp_num_experts={n}: MTP blocks with their own expert count "
+                                f"are not supported (the MTP block is built like the main "
+                                f"layers: {have})")
 
 
 def _eos_ids(eos: Any) -> tuple[int, ...]:

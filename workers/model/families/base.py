@@ -133,6 +133,22 @@ def num_experts(cfg: dict[str, Any]) -> int:
     return 0
 
 
+# The MTP module count under each published spelling, in precedence order: Qwen3-Next /
+# Qwen3.5 (`mtp.*` names), DeepSeek-V3 and most families, and the alias transformers maps to
+# the latter (`num_mtp_layers`). `ModelConfig.from_dict` lifts them (and `MTP_SIZE_KEYS`) out
+# of `text_config` first, so a family reads them at the top level.
+MTP_DEPTH_KEYS = ("mtp_num_hidden_layers", "num_nextn_predict_layers", "num_mtp_layers")
+# MTP-specific MoE sizes, read beside the depth.
+MTP_SIZE_KEYS = ("mtp_num_experts",)
+
+
+def mtp_depth(cfg: dict[str, Any]) -> tuple[int, str | None]:
+    """(MTP modules, the key that gave the count; None when no key is set)."""
+    for key in MTP_DEPTH_KEYS:
+        if cfg.get(key) is not None:
+            return int(cfg[key]), key
+    return 0, None
+
+
 def num_layers_with_mtp(cfg: dict[str, Any]) -> int:
-    n_mtp = cfg.get("mtp_num_hidden_layers", cfg.get("num_nextn_predict_layers", 0)) or 0
-    return int(cfg["num_hidden_layers"]) + int(n_mtp)
+    return int(cfg["num_hidden_layers"]) + mtp_depth(cfg)[0]
