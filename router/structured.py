@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import json
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -104,7 +105,16 @@ def structured_outputs_spec(so: dict[str, Any] | None) -> StructuredSpec | None:
         raise APIError("structured_outputs needs exactly one of 'json', 'regex', 'choice', "
                        "'grammar', 'json_object'", 400, param="structured_outputs")
     (k,) = keys
-    return _structured(k, so[k], f"structured_outputs.{k}")
+    spec = _structured(k, so[k], f"structured_outputs.{k}")
+    # vLLM's name; absent: compact JSON (our default), false: free whitespace as in vLLM.
+    ws = so.get("disable_any_whitespace")
+    if ws is not None:
+        if not isinstance(ws, bool):
+            raise APIError("structured_outputs.disable_any_whitespace must be a boolean", 400,
+                           param="structured_outputs.disable_any_whitespace")
+        if k in ("json", "json_object") and not ws:
+            spec = dataclasses.replace(spec, any_whitespace=True)
+    return spec
 
 
 def _structured(k: str, v: Any, param: str) -> StructuredSpec:

@@ -75,3 +75,24 @@ def test_past_the_pending_bound_a_new_compile_is_429(gated, monkeypatch) -> None
     for f in list(rs._inflight.values()):
         f.result(timeout=60)
     assert not rs._inflight  # each compile ended and let go of its slot
+
+
+def test_json_whitespace_is_compact_unless_asked() -> None:
+    """structured_outputs.disable_any_whitespace (vLLM's name): absent, compact JSON (ours);
+    false, free whitespace as vLLM allows by default; anything but a boolean is a 400."""
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from mtpserve.workers.structured.grammars import spec_grammar
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    compact = rs.structured_outputs_spec({"json": schema})
+    free = rs.structured_outputs_spec({"json": schema, "disable_any_whitespace": False})
+    strict = rs.structured_outputs_spec({"json": schema, "disable_any_whitespace": True})
+    assert compact == strict and not compact.any_whitespace and free.any_whitespace
+    pretty = '{\n  "a": 1\n}'
+    assert _is_grammar_accept_string(spec_grammar(free), pretty)
+    assert not _is_grammar_accept_string(spec_grammar(compact), pretty)
+    assert _is_grammar_accept_string(spec_grammar(compact), '{"a": 1}')
+    with pytest.raises(APIError) as info:
+        rs.structured_outputs_spec({"json": schema, "disable_any_whitespace": "no"})
+    assert info.value.status == 400

@@ -118,9 +118,9 @@ def spec_grammar(spec: StructuredSpec) -> xgr.Grammar:
     try:
         if spec.kind == "json":
             schema = json.loads(spec.value)
-            # Compact separators and no free whitespace: a small model given free whitespace
-            # can emit it forever inside a valid object and never close it.
-            return xgr.Grammar.from_json_schema(schema, any_whitespace=False)
+            # Compact separators and no free whitespace unless the request asked for it: a
+            # small model given free whitespace can emit it forever inside a valid object.
+            return xgr.Grammar.from_json_schema(schema, any_whitespace=spec.any_whitespace)
         if spec.kind == "regex":
             return xgr.Grammar.from_regex(spec.value)
         if spec.kind == "choice":
@@ -233,7 +233,7 @@ class GrammarCache:
                                                      digest_size=16).hexdigest()
         h = hashlib.blake2b(digest_size=20)
         for part in (_XGRAMMAR_VERSION, _SOURCE_DIGEST, self._tokenizer_digest, spec.kind,
-                     spec.value):
+                     spec.value, "any-ws" if spec.any_whitespace else ""):
             h.update(part.encode())
             h.update(b"\0")
         return self.disk_dir / f"{h.hexdigest()}.json"

@@ -33,6 +33,9 @@ class GrammarError(ValueError):
 class StructuredSpec:
     kind: str
     value: str
+    # json: free whitespace between tokens (vLLM's default); False (ours): compact separators
+    # only, since a small model given free whitespace can emit it forever.
+    any_whitespace: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
