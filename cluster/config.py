@@ -220,9 +220,10 @@ class EngineSettings(_Strict):
         None, gt=0, description="Memory of one GPU for the memory check, GiB; null: the first "
         "CUDA device the builder's process sees (none there: the check is skipped).")
     grammar_compile_workers: int = Field(
-        2, ge=1, description="Structured outputs: grammars a replica has not compiled before "
+        2, ge=0, description="Structured outputs: grammars a replica has not compiled before "
         "compile off its engine thread, at most this many at once (later ones queue); the "
-        "request waits for its grammar, every other stream goes on.")
+        "request waits for its grammar, every other stream goes on. 0: compile on the engine "
+        "thread at admission (every stream of the replica waits).")
     grammar_compile_timeout_s: float = Field(
         30.0, gt=0, description="A request whose grammar is not compiled within this many "
         "seconds of reaching a replica fails alone (finish_reason error); the compile "

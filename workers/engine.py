@@ -243,7 +243,7 @@ class Engine:
                     params: SamplingParams, resume_token_ids: list[int] | None = None
                     ) -> Request:
         req = self.make_request(request_id, prompt_token_ids, params, resume_token_ids,
-                                defer_grammar=True)
+                                defer_grammar=self.config.grammar_compile_workers > 0)
         self.requests[request_id] = req
         if req.grammar is not None:
             self.compiling[request_id] = (
@@ -549,6 +549,8 @@ class Engine:
             "mean_accepted_length": (t["accepted"] + t["rounds"]) / t["rounds"]
             if t["rounds"] else None,
             **{f"total_{k}": v for k, v in t.items()},
+            # Decode graphs: buckets covered / done / compiling, ETA (None: eager).
+            "compile": self.runner.compile_progress(),
         }
 
 

@@ -66,7 +66,8 @@ class EngineConfig:
     attention_backend: Literal["auto", "gather", "flex"] = "auto"
     # Structured outputs: grammars not compiled before compile off the engine thread, at most
     # this many at once (the rest queue); a request whose grammar is not ready within the
-    # timeout fails alone (the others never wait for it).
+    # timeout fails alone (the others never wait for it). 0: compile on the engine thread at
+    # admission (every stream waits; kept to measure against).
     grammar_compile_workers: int = 2
     grammar_compile_timeout_s: float = 30.0
 
