@@ -668,6 +668,60 @@ def kernels_part(out: Path, device: str, dry: bool) -> dict:
     return res
 
 
+def pd_sampled_part(out: Path, device: str, dry: bool) -> dict:
+    """The fake-CUDA tier's P/D case on the real device (issue 41 item 8): a prefill engine
+    samples a request's first token and drafts, the decode engine takes it as the puller
+    hands it over (drafts and their q as host copies) beside a local sampled request, and
+    both finish; seeded, the transferred request's tokens equal the same request run alone on
+    one engine. Before the fix its first round stacked a host q with device q and failed."""
+    import torch
+
+    from mtpserve.workers.engine import Engine, EngineConfig
+    from mtpserve.workers.sampling_params import SamplingParams
+    from mtpserve.workers.scheduler import decode_slots, draft_slots
+
+    model = _model()
+    prompt = list(range(5, 37))
+    sp = SamplingParams(max_tokens=24 if not dry else 8, temperature=1.0, top_p=0.9, seed=3)
+
+    def engine(role: str) -> Engine:
+        return Engine(EngineConfig(model=model, device=device, num_speculative_tokens=2,
+                                   compile="off", role=role, num_kv_blocks=256))
+
+    alone = engine("both")
+    want = alone.add_request("x", prompt, sp)
+    while alone.has_unfinished():
+        alone.step()
+    pre, dec = engine("prefill"), engine("decode")
+    dec.add_request("local", prompt[::-1], sp)
+    dec.step()
+    pre.add_request("x", prompt, sp)
+    (first,) = pre.step()
+    held = pre.prefilled["x"]
+    r = dec.make_request("x", prompt, sp)
+    r.output_token_ids += first.new_token_ids
+    r.num_computed_tokens = held.num_computed_tokens
+    dec.add_transferred(r, max(draft_slots(held), decode_slots(r)))
+    assert dec.scheduler.admit_transferred() == [r]
+    n = len(held.block_ids)
+    for s_, d in zip(pre.runner.kv_cache.layers, dec.runner.kv_cache.layers, strict=True):
+        d[:, r.block_ids[:n]] = s_[:, held.block_ids]
+    extras = {"draft_token_ids": torch.tensor(held.draft_token_ids, dtype=torch.long)}
+    if held.draft_probs is not None:
+        extras["draft_probs"] = held.draft_probs.float().to("cpu", copy=True)
+    dec.activate_transferred(r, extras)
+    q_device = None if r.draft_probs is None else str(r.draft_probs.device)
+    errors = []
+    while dec.has_unfinished():
+        errors += [o.error for o in dec.step() if o.error]
+    pre.release_prefilled("x")
+    res = {"errors": errors, "tokens_equal_alone": r.output_token_ids == want.output_token_ids,
+           "q_device": q_device}
+    (out / "pd-sampled.json").write_text(json.dumps(res, indent=2))
+    assert not errors and res["tokens_equal_alone"], res
+    return res
+
+
 def asyncio_run(coro):
     import asyncio
 
@@ -699,6 +753,7 @@ def main() -> None:
         ("fast-path", lambda: fast_path_part(out, a.device, dry, a.fast_path_budget_s), ""),
         ("disagg-gloo", lambda: app_part(out, a.device, dry, "gloo", 1, "disagg-gloo"), ""),
         ("kv", lambda: kv_part(out, a.device, dry), ""),
+        ("pd-sampled", lambda: pd_sampled_part(out, a.device, dry), ""),
         ("kernels", lambda: kernels_part(out, a.device, dry), ""),
         ("nccl-kv", (lambda: app_part(out, a.device, dry, "nccl", 1, "nccl-kv"))
          if n_gpus >= 2 else None, "needs >= 2 GPUs (one NCCL rank per GPU)"),
