@@ -131,12 +131,15 @@ def make_hf_checkpoint(
     vocab_size: int = 256,
     num_layers: int = 2,
     max_positions: int = 512,
+    distinct_mtp_heads: bool = False,
     **overrides,
 ) -> Path:
     """A random checkpoint saved by transformers' own class; with `num_mtp`, MTP layers
     under the DeepSeek-V3/GLM names `model.layers.{L + m}.{enorm, hnorm, eh_proj,
     shared_head.norm, shared_head.head, embed_tokens}` + the decoder block, the block being
-    the real layer type at that index (taken from the same class built with L + m layers)."""
+    the real layer type at that index (taken from the same class built with L + m layers).
+    `distinct_mtp_heads`: each module's embedding and head differ from the main model's and
+    from each other (noise on the copies), so a draft tells which module's head made it."""
     import transformers
     from safetensors.torch import load_file
 
@@ -179,6 +182,10 @@ def make_hf_checkpoint(
         # The published checkpoints repeat the main embedding and head per MTP layer.
         tensors[p + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
         tensors[p + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+        if distinct_mtp_heads:
+            for name in ("embed_tokens.weight", "shared_head.head.weight"):
+                t = tensors[p + name]
+                t += torch.randn(t.shape, generator=g) * t.std()
     save_file({k: v.contiguous() for k, v in tensors.items()}, path / "model.safetensors",
               metadata={"format": "pt"})
     return path

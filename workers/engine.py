@@ -107,6 +107,11 @@ class Engine:
         # Always present: it observes every round (windows, metrics hook into it); it only
         # changes k when adaptive_k is on.
         self.adaptive = AdaptiveK(config.num_speculative_tokens, enabled=config.adaptive_k)
+        # Drafts verified / accepted per draft depth since start (`stats()`); depth m drafts
+        # with MTP module min(m, N - 1) (workers/spec_decode/mtp_proposer.py).
+        self.drafted_per_position = [0] * config.num_speculative_tokens
+        self.accepted_per_position = [0] * config.num_speculative_tokens
+        self.adaptive.on_drafts.append(self._count_positions)
         self.eos_ids = set(mcfg.eos_token_ids)  # config.json + generation_config.json
         self.limits = RoundLimits(self.adaptive, self.scheduler, self.eos_ids,
                                   self.max_model_len)
@@ -531,8 +536,14 @@ class Engine:
         """Rounds, drafted, accepted and emitted tokens since start (metrics read these)."""
         return self.outcomes.totals
 
+    def _count_positions(self, num_drafts: int, num_accepted: int) -> None:
+        for i in range(min(num_drafts, len(self.drafted_per_position))):
+            self.drafted_per_position[i] += 1
+            self.accepted_per_position[i] += i < num_accepted
+
     def stats(self) -> dict:
         t = self.outcomes.totals
+        n_mtp = self.model_config.num_mtp_modules
         return {
             **self.block_manager.stats(),
             "num_waiting": len(self.scheduler.waiting),
@@ -549,6 +560,14 @@ class Engine:
             "mean_accepted_length": (t["accepted"] + t["rounds"]) / t["rounds"]
             if t["rounds"] else None,
             **{f"total_{k}": v for k, v in t.items()},
+            # Per draft depth m (drafted with MTP module min(m, N - 1)): drafts verified,
+            # accepted, and accepted / drafted (None where nothing was drafted).
+            "drafted_per_position": list(self.drafted_per_position),
+            "accepted_per_position": list(self.accepted_per_position),
+            "acceptance_per_position": [a / d if d else None for d, a in zip(
+                self.drafted_per_position, self.accepted_per_position, strict=True)],
+            "mtp_module_per_position": [min(m, n_mtp - 1) for m in range(
+                len(self.drafted_per_position))] if n_mtp else [],
             # Decode graphs: buckets covered / done / compiling, ETA (None: eager).
             "compile": self.runner.compile_progress(),
         }
