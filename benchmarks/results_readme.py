@@ -539,6 +539,13 @@ BENCHMARKS = [
           "token through `LLM.generate` (which heals as the server does), without and with "
           "token healing.",
           ("structured-cpu.json",), structured),
+    Bench("grammar_stall_bench.py", "Constrained arrivals and the other streams",
+          "python -m mtpserve.benchmarks.grammar_stall_bench --json out.json",
+          "Offline, k = 2: inter-token latency (p50 / p99) of 4 plain greedy streams while, "
+          "every few steps, a request arrives with a JSON schema nobody compiled yet "
+          "(compiled on the engine thread, `grammar_compile_workers: 0`, against the "
+          "default pool) or a token-healing tail nobody healed yet (the per-tail vocabulary "
+          "scan against the sorted table), and quiet; variants interleaved, best of N."),
 ]
 # Scripts in benchmarks/ that are not benchmarks themselves.
 HELPERS = {"__init__.py", "local_server.py", "results_readme.py"}
