@@ -214,3 +214,33 @@ def test_draft_step_m_comes_from_module_m(multi_module, family: str, k: int) -> 
             checked += 1
     assert checked >= 4
     assert longest == [min(s, N_MODULES - 1) for s in range(k)]
+
+
+def test_depth_module_drafts_do_not_depend_on_a_prefix_sharing_neighbour(multi_module) -> None:
+    """Depth modules write their chain entries in the request's own tail blocks: a request
+    sharing prefix-cached blocks with another running one drafts exactly as it does alone
+    (at block 0 the two wrote the same slots in the same forward)."""
+    g = torch.Generator().manual_seed(1)
+    common = torch.randint(3, 256, (12,), generator=g).tolist()
+    a = common + torch.randint(3, 256, (5,), generator=g).tolist()
+    b = common + torch.randint(3, 256, (7,), generator=g).tolist()
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+
+    def drafts(with_b: bool) -> dict[int, list[int]]:
+        eng = _engine(multi_module["qwen3"], 5, prefix_caching=True)
+        req = eng.add_request("a", a, params)
+        for _ in range(3):  # a's prompt blocks are cached before b arrives
+            eng.step()
+        if with_b:
+            other = eng.add_request("b", b, params)
+        out = {}
+        while eng.has_unfinished():
+            eng.step()
+            if with_b and other.block_ids and req.block_ids:
+                assert other.block_ids[0] == req.block_ids[0]  # they do share
+            if req.draft_token_ids and not req.finished:
+                out[req.num_computed_tokens] = list(req.draft_token_ids)
+        return out
+
+    alone, shared = drafts(False), drafts(True)
+    assert len(alone) >= 5 and shared == alone

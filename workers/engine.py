@@ -116,7 +116,8 @@ class Engine:
         self.limits = RoundLimits(self.adaptive, self.scheduler, self.eos_ids,
                                   self.max_model_len)
         self.proposer = MTPProposer(self.runner.execute, mcfg.num_mtp_modules,
-                                    self.limits.banned)
+                                    self.limits.banned,
+                                    block_size=self.block_manager.block_size)
         # Structured outputs: matchers built at admission from the request's tokens (so a
         # resumed request and the decode side of P/D rebuild them), dropped when it ends.
         self.guide = StructuredGuide(config.model, mcfg.vocab_size, sorted(self.eos_ids),

@@ -11,7 +11,12 @@ entries they wrote in the current draft chain: those run at chain-relative posit
 (RoPE scores depend only on relative positions), which never reads a slot left over from
 another round or another request. Their drafts are approximate, which costs acceptance, never
 exactness; and drafts are a function of the request's tokens alone, so a migrated or
-preempted request drafts the same.
+preempted request drafts the same. Those chain entries go to the request's own slots: its block
+table from the block holding position n = num_computed_tokens on (`block_size` given), never
+written by anyone else, where positions 0.. of the full table may sit in a prefix-cached block
+that requests sharing it would write at the same slots in the same forward (drafts then
+depended on the batch). The chain needs max(1, k - N + 1) slots; the request holds n + k - 1
+(`scheduler.draft_slots`), so the tail from block n // B has them.
 
 Sampled drafts use the uniform keyed (seed, position of the drafted token, SLOT_DRAFT + depth).
 With a draft vocabulary (workers.spec_decode.draft_vocab) the MTP head scores only the most frequent
@@ -54,8 +59,12 @@ class MTPExtend:
 
 class MTPProposer:
     def __init__(self, execute: Callable[[ForwardBatch], torch.Tensor], num_modules: int,
-                 banned: BannedFn | None = None, device_feed: bool | None = None):
+                 banned: BannedFn | None = None, device_feed: bool | None = None,
+                 block_size: int | None = None):
         self.execute = execute
+        # Depth modules' chain entries start at the block holding position
+        # num_computed_tokens (module docstring); None: at block 0 (no prefix caching).
+        self.block_size = block_size
         # Draft tokens feed the next draft step on the device when the runner takes
         # `ForwardBatch.device_ids` (one process); a TP group gets each batch as data, so
         # there every step's tokens come to the host (None: ask the runner).
@@ -138,7 +147,7 @@ class MTPProposer:
                 input_ids=host_ids or [[0]] * len(batch_reqs),
                 start_positions=[(r.num_computed_tokens - 1 if module == 0 else 0) + offset
                                  for r in batch_reqs],
-                block_tables=[r.block_ids for r in batch_reqs],
+                block_tables=[self._chain_blocks(r, module) for r in batch_reqs],
                 logit_rows=list(range(len(batch_reqs))),
                 hidden_from="mtp", hidden_rows=rows,
                 device_ids=tokens.view(-1, 1) if self.device_feed else None,
@@ -152,6 +161,14 @@ class MTPProposer:
                 r.draft_probs = torch.stack(q)  # [k, V]
         if self.guide is not None:
             self.guide.end_drafts(reqs)
+
+    def _chain_blocks(self, r: Request, module: int) -> list[int]:
+        """The block table a draft step of `module` writes through: the request's for module
+        0 (its entries sit at their real positions); for a depth module the request's own
+        tail, from the block holding position num_computed_tokens (module docstring)."""
+        if module == 0 or self.block_size is None:
+            return r.block_ids
+        return r.block_ids[r.num_computed_tokens // self.block_size:]
 
     @staticmethod
     def _chain_matrix(steps: list[tuple[list[int], torch.Tensor]], n: int) -> torch.Tensor:
