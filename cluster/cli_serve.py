@@ -14,6 +14,9 @@ from pathlib import Path
 from mtpserve.workers.paths import config_path
 
 DEFAULT_CONFIG = config_path("local-cpu.yaml")
+# While the decode replicas compile their graphs in the background, `up` prints a progress
+# line this often (the shapes not compiled yet run eagerly, several times slower).
+COMPILE_REPORT_EVERY_S = 15.0
 
 
 def add_commands(sub: argparse._SubParsersAction, bench: argparse._SubParsersAction,
@@ -145,6 +148,12 @@ def _up(args: argparse.Namespace) -> int:
             return 1
         print(f"mtpserve is serving {Path(cfg.model).name} at {url}/v1 (Ctrl-C to stop)",
               flush=True)
+        api_key, admin_key = cfg.auth.resolve(os.environ)
+        # A daemon thread: the main thread only waits for the signal, so Ctrl-C is never
+        # held up by a stats request.
+        threading.Thread(target=watch_compile, name="compile-progress", daemon=True,
+                         args=(_stats_fetcher(url, api_key or admin_key), stop,
+                               COMPILE_REPORT_EVERY_S)).start()
         stop.wait()
         grace = cfg.graceful_shutdown_timeout_s
         _bounded(lambda: _drain(grace), grace + 15, "drain")
@@ -152,6 +161,83 @@ def _up(args: argparse.Namespace) -> int:
     finally:
         if not _bounded(_shutdown_ray, 60, "shutdown"):
             os._exit(1)
+
+
+def format_duration(seconds: float) -> str:
+    """`45s`, `6m10s`, `1h02m`: a progress line's durations."""
+    s = max(0, round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def compile_progress_of(stats: dict) -> list[dict]:
+    """The decode replicas' compile progress in a `/v1/mtpserve/stats` answer: each live
+    replica's (the metrics hub's snapshots), else the one decode replica that answered."""
+    rows = [r["compile"] for r in stats.get("replicas") or []
+            if r.get("role") == "decode" and r.get("compile")]
+    if rows:
+        return rows
+    one = (stats.get("decode") or {}).get("compile")
+    return [one] if one else []
+
+
+def compile_progress_line(progress: list[dict]) -> str | None:
+    """The line `up` prints for the decode replicas' compile progress (`compile_progress_of`),
+    or None when there is nothing to report (eager decode, or not known yet)."""
+    if not progress:
+        return None
+    total = sum(p["total"] for p in progress)
+    done = sum(p["done"] for p in progress)
+    where = f" ({len(progress)} decode replicas)" if len(progress) > 1 else ""
+    if any(p["state"] == "compiling" for p in progress):
+        etas = [p.get("eta_s") for p in progress if p["state"] == "compiling"]
+        eta = ("ETA after the first bucket" if any(e is None for e in etas)
+               else f"ETA {format_duration(max(etas))}")
+        return f"compiling decode graphs: {done}/{total} buckets, {eta}{where}"
+    took = format_duration(max(p.get("elapsed_s") or 0.0 for p in progress))
+    if done == total:
+        if not any(p.get("compiled") for p in progress):
+            return f"decode graphs: all {total} loaded from the compile cache ({took}){where}"
+        return f"decode graphs: all {total} compiled ({took}){where}"
+    return (f"decode graphs: {done}/{total} compiled; the other {total - done} run eagerly "
+            f"(warm-up budget spent, background compile off or stopped){where}")
+
+
+def watch_compile(fetch: Callable[[], dict | None], stop: threading.Event,
+                  every_s: float, emit: Callable[[str], None] | None = None) -> None:
+    """Print the compile progress line now and every `every_s` while the decode replicas
+    compile, then the final line once, and return; also returns at once when decode is
+    eager. `fetch`: the stats endpoint's answer, None when it did not answer (tried again)."""
+    emit = emit or (lambda line: print(line, flush=True))
+    while not stop.is_set():
+        stats = fetch()
+        if stats is not None:
+            progress = compile_progress_of(stats)
+            line = compile_progress_line(progress)
+            if line is None:
+                return
+            emit(line)
+            if not any(p["state"] == "compiling" for p in progress):
+                return
+        stop.wait(every_s)
+
+
+def _stats_fetcher(url: str, api_key: str | None) -> Callable[[], dict | None]:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+    def fetch() -> dict | None:
+        try:
+            r = httpx.get(url + "/v1/mtpserve/stats", headers=headers, timeout=10.0)
+            return r.json() if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            return None
+
+    return fetch
 
 
 def _unplaceable(cfg, have: dict) -> str | None:

@@ -5,7 +5,8 @@ vLLM's names where vLLM has the metric (`vllm:time_to_first_token_seconds`,
 `vllm:spec_decode_num_*`, `vllm:spec_decode_num_accepted_tokens_per_pos{position}`,
 `vllm:kv_cache_usage_perc`, `vllm:num_requests_running|waiting`, `vllm:num_preemptions`,
 `vllm:generation_tokens`), so vLLM dashboards work unchanged; ours under `mtpserve:` (k, measured
-vs predicted TPOT per replica, KV transfer bytes and seconds, the policies' desired replicas).
+vs predicted TPOT and decode-graph compile progress per replica, KV transfer bytes and seconds,
+the policies' desired replicas).
 Units are seconds. Counters and histograms are sums over replicas, including replicas that went
 away (their last snapshot), so they never go backwards; gauges come from fresh snapshots only.
 
@@ -143,6 +144,13 @@ def render(data: dict, model_name: str, now: float | None = None) -> str:
         "measured_tpot_seconds": ("gauge", "Mean decode-only TPOT over the signal window."),
         "predicted_tpot_seconds": ("gauge", "TPOT the performance model predicts at the "
                                    "window's batch and k."),
+        "compile_buckets_total": ("gauge", "Decode-graph buckets the replica's configuration "
+                                  "covers."),
+        "compile_buckets_done": ("gauge", "Decode-graph buckets compiled or loaded (the rest "
+                                 "run eagerly, slower, until they are)."),
+        "compile_eta_seconds": ("gauge", "Seconds until every decode-graph bucket is compiled, "
+                                "from the measured seconds per bucket (0: done; absent while "
+                                "not measured or when compiling stopped)."),
     }
     for key, (kind, doc) in per_replica.items():
         rows = [s for s in fresh if key in s["gauges"]]
@@ -190,14 +198,15 @@ def parse_samples(text: str) -> dict[tuple[str, tuple], float]:
 
 
 def replica_caches(data: dict, now: float | None = None) -> list[dict]:
-    """Per live replica: its role, cached blocks and prefix-cache counters (for the stats
-    endpoint; the same snapshots /metrics renders)."""
+    """Per live replica: its role, cached blocks, prefix-cache counters and decode-graph
+    compile progress (for the stats endpoint; the same snapshots /metrics renders)."""
     now = time.time() if now is None else now
     return [{"replica": s["replica"], "role": s["role"], "time": s.get("time", 0.0),
              "cached_blocks": s["gauges"].get("prefix_cache_blocks", 0),
              "prefix_cache_queries": s["counters"].get("prefix_cache_queries", 0),
              "prefix_cache_hits": s["counters"].get("prefix_cache_hits", 0),
-             "kv_transfer_bytes_saved": s["counters"].get("kv_transfer_bytes_saved", 0)}
+             "kv_transfer_bytes_saved": s["counters"].get("kv_transfer_bytes_saved", 0),
+             "compile": s.get("compile")}
             for s in data.get("snapshots", []) if now - s.get("time", 0.0) <= FRESH_S
             and s["role"] != "ingress"]
 

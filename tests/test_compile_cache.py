@@ -4,11 +4,15 @@ entry never serves other weights."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 from helpers import COMPILED_DECODE, greedy, make_engine, run_to_completion
 
+from mtpserve.router.metrics_api import parse_samples, render
 from mtpserve.workers.engine import Engine, EngineConfig
 from mtpserve.workers.model_runner import ModelRunner
+from mtpserve.workers.replica.metrics import EngineRecorder
 
 
 def _serving_engine(model, cache, max_num_seqs: int = 1) -> Engine:
@@ -31,6 +35,10 @@ def test_a_restarted_replica_loads_its_graphs_and_compiles_nothing(
         compiled_decode.cold_stats
     assert first["compiled"] >= 3 and first["loaded"] == 0
     assert compiled_decode.cold_files == first["compiled"]  # one package per graph
+    p = cold.stats()["compile"]  # its compile progress: all compiled within its budget
+    assert (p["total"], p["done"], p["compiled"], p["state"], p["eta_s"]) == \
+        (first["compiled"], first["compiled"], first["compiled"], "done", 0.0)
+    assert p["seconds_per_bucket"] > 0 and p["elapsed_s"] >= p["seconds_per_bucket"]
     cold_ids = _greedy(cold, prompt)
 
     warm = _serving_engine(tiny_qwen3, cache)  # the restart
@@ -101,10 +109,31 @@ def test_a_bucket_the_start_left_is_compiled_in_the_background_and_adopted(
     eng = start()
     runner = eng.runner
     bg = runner.background
+    total = compiled_decode.cold_stats["compiled"]
     assert bg is not None and len(bg.pending) == 1 and bg.proc.poll() is None
-    assert len(runner.graphs.compiled) == compiled_decode.cold_stats["compiled"] - 1
+    assert len(runner.graphs.compiled) == total - 1
+    # Its compile progress: every bucket of the configuration counted, all but the missing
+    # one done (loaded), that one being compiled, no ETA before anything was measured
+    # (everything else loaded). The child needs seconds to start; should it have finished
+    # already, the package on disk counts as done.
+    (missing,) = bg.pending
+    p = eng.stats()["compile"]
+    assert (p["total"], p["adopted"]) == (total, total - 1)
+    if p["done"] == total - 1:
+        assert p["state"] == "compiling" and p["compiling"] == [missing.name]
+        assert p["eta_s"] is None and p["seconds_per_bucket"] is None and p["compiled"] == 0
+    else:
+        assert (p["done"], p["state"]) == (total, "done")
+    assert missing.name.startswith("main0-b1-s1-")
     assert _greedy(eng, prompt) == eager  # while it compiles: that bucket runs eagerly
     assert bg.proc.wait(timeout=240) == 0  # the child compiled it and exited
+    # Done as soon as the package is on disk, adopted or not (an idle engine adopts
+    # nothing; a step may have adopted it already).
+    p = eng.stats()["compile"]
+    assert (p["total"], p["done"], p["state"], p["eta_s"], p["compiling"]) == \
+        (total, total, "done", 0.0, [])
+    assert p["adopted"] == (total - 1 if runner.background is not None else total)
+    assert p["compiled"] == 1 and p["seconds_per_bucket"] > 0 and p["elapsed_s"] > 0
     deadline = time.monotonic() + 30  # adoption: the engine looks once a second, per step
     while runner.background is not None and time.monotonic() < deadline:
         assert _greedy(eng, prompt) == eager
@@ -113,6 +142,18 @@ def test_a_bucket_the_start_left_is_compiled_in_the_background_and_adopted(
     assert list(cache.glob("main0-b1-s1-*.pt2"))  # under the name the replica looks up
     assert len(runner.graphs.compiled) == compiled_decode.cold_stats["compiled"]
     assert _greedy(eng, prompt) == eager
+    p = eng.stats()["compile"]
+    assert (p["done"], p["adopted"], p["state"]) == (total, total, "done")
+    # The same numbers as /metrics gauges, labelled with the replica.
+    recorder = EngineRecorder(SimpleNamespace(engine=eng, step_observers=[]), "decode")
+    m = parse_samples(render({"snapshots": [recorder.snapshot("decode:a", eng.stats())]},
+                             "m"))
+    labels = (("model_name", "m"), ("replica", "decode:a"), ("role", "decode"))
+    assert m[("mtpserve:compile_buckets_total", labels)] == total
+    assert m[("mtpserve:compile_buckets_done", labels)] == total
+    assert m[("mtpserve:compile_eta_seconds", labels)] == 0
     again = start()
     assert again.runner.background is None
     assert again.runner.graphs.compile_stats()["loaded"] == compiled_decode.cold_stats["compiled"]
+    p = again.stats()["compile"]  # a start that found everything cached
+    assert (p["total"], p["done"], p["state"], p["compiled"]) == (total, total, "done", 0)

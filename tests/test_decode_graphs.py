@@ -20,6 +20,29 @@ def test_buckets() -> None:
     assert [query_bucket(n) for n in (1, 2, 4, 5)] == [1, 4, 4, 8]
 
 
+def test_warmup_compiles_what_traffic_hits_first(tiny_qwen3, tmp_path) -> None:
+    """Warm-up and the background compiler (same keys, same order) build batch 1 at the
+    shortest contexts first, every batch bucket before the next larger one and every
+    shorter table before a longer one; within a batch bucket the forwards of a speculative
+    round (verify row, MTP extend, draft step) come before the rare 1-token main forward."""
+    runner = ModelRunner(tiny_qwen3, num_blocks=32, block_size=4, decode_graphs=True,
+                         compile_cache_dir=tmp_path)
+    g = runner.graphs
+    keys = g.warmup_keys(list(range(1, 5)), [1, 2, 3], 4 * g.min_blocks * 2, 1)
+    names = [k.name for k in keys]
+    nb = g.min_blocks
+    assert names[:3] == [f"main0-b1-s4-nb{nb}", f"mtp0-b1-s4-nb{nb}", f"mtp0-b1-s1-nb{nb}"]
+    tables = [k.num_blocks for k in keys]
+    assert tables == sorted(tables) and set(tables) == {nb, 2 * nb}
+    for table in (nb, 2 * nb):
+        row = [k for k in keys if k.num_blocks == table]
+        spec = [k for k in row if not (k.kind == "main" and k.query_len == 1)]
+        assert row[:len(spec)] == spec  # the 1-token main forwards last
+        assert [k.batch for k in spec] == sorted(k.batch for k in spec)
+        assert [k.batch for k in row[len(spec):]] == [1, 2, 4]
+    assert len(set(keys)) == len(keys) == 2 * 3 * 4
+
+
 def test_position_outside_block_table_fails() -> None:
     positions = torch.tensor([[0, 1], [4, 5]])  # row 1 position 5 needs block 1 of 1
     with pytest.raises(IndexError, match="row 1"):

@@ -99,6 +99,31 @@ def test_render_aggregates_replicas_and_keeps_departed_counters() -> None:
     assert value(m, "mtpserve:autoscaling_desired_replicas", deployment="DecodeServer") == 2
 
 
+def test_compile_progress_gauges_per_replica() -> None:
+    """Each decode replica's compile progress as gauges labelled with the replica; the ETA
+    only where it is measured; the progress itself in the stats endpoint's replica rows."""
+    from mtpserve.router.metrics_api import replica_caches
+
+    def snap(rid: str, done: int, eta: float | None) -> dict:
+        gauges = {"compile_buckets_total": 47, "compile_buckets_done": done}
+        if eta is not None:
+            gauges["compile_eta_seconds"] = eta
+        return {"replica": rid, "role": "decode", "time": 100.0, "counters": {},
+                "per_pos": [], "hists": {}, "gauges": gauges,
+                "compile": {"total": 47, "done": done, "eta_s": eta}}
+
+    data = {"snapshots": [snap("decode:a", 12, 370.0), snap("decode:b", 3, None)]}
+    m = parse_samples(render(data, MODEL, now=100.0))
+    for rid, done in (("decode:a", 12), ("decode:b", 3)):
+        assert value(m, "mtpserve:compile_buckets_total", replica=rid, role="decode") == 47
+        assert value(m, "mtpserve:compile_buckets_done", replica=rid, role="decode") == done
+    assert value(m, "mtpserve:compile_eta_seconds", replica="decode:a", role="decode") == 370
+    assert not any(name == "mtpserve:compile_eta_seconds" and ("replica", "decode:b") in labels
+                   for name, labels in m)
+    rows = replica_caches(data, now=100.0)
+    assert [r["compile"]["done"] for r in rows] == [12, 3]
+
+
 def test_orchestrator_counters_sum_over_ingress_replicas() -> None:
     from mtpserve.router.metrics_api import orchestrator_totals, render
 

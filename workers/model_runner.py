@@ -28,6 +28,7 @@ from mtpserve.workers.engine_config import (
 )
 from mtpserve.workers.host_sync import to_host
 from mtpserve.workers.kv_cache import KVCache
+from mtpserve.workers.model import compile_progress
 from mtpserve.workers.model.attention_metadata import AttentionMetadata, stage, stage_lists
 from mtpserve.workers.model.background_compile import BackgroundCompile
 from mtpserve.workers.model.compile_cache import default_cache_dir
@@ -174,6 +175,8 @@ class Runner(Protocol):
                               max_context: int, mtp_modules: int | None = None) -> int: ...
 
     def adopt_compiled(self) -> int: ...
+
+    def compile_progress(self) -> dict | None: ...
 
 
 class ModelRunner:
@@ -471,6 +474,13 @@ class ModelRunner:
             self.background = None
             return 0
         return len(bg.pending)
+
+    def compile_progress(self) -> dict | None:
+        """How far the decode graphs are: buckets covered, done, being compiled, ETA
+        (workers/model/compile_progress.py); None without graphs or before a warm-up."""
+        if self.graphs is None or not self.graphs.planned:
+            return None
+        return compile_progress.progress(self.graphs, self.background)
 
     @torch.inference_mode()
     def keep_states(self, rows: list[int], positions: list[int]) -> None:

@@ -48,6 +48,7 @@ class BackgroundCompile:
         # Named once here: a later look is a stat per bucket, not a build of its inputs.
         self.pending = {k: graphs.package_path(k) for k in pending}
         self.adopted = 0
+        self.started_at = time.time()  # wall clock, as package mtimes (compile progress)
         self._next = time.monotonic() + ADOPT_EVERY_S
         fd, self._spec = tempfile.mkstemp(prefix="mtpserve-compile-", suffix=".json")
         with os.fdopen(fd, "w") as f:
@@ -63,6 +64,36 @@ class BackgroundCompile:
     def done(self) -> bool:
         return not self.pending or self.proc is None
 
+    @property
+    def running(self) -> bool:
+        """The child is still compiling."""
+        return self.proc is not None and self.proc.poll() is None
+
+    def probe(self) -> list[GraphKey]:
+        """The pending buckets whose package is in the cache now (finished, not adopted yet).
+        The first sighting of each records when it finished (the package's mtime: it is
+        renamed into place once written) in `graphs.ready_at` and
+        `graphs.background_finished`, so progress moves while the engine is idle. Engine
+        thread only."""
+        ready = []
+        for key, path in self.pending.items():
+            if key not in self.graphs.ready_at:
+                try:
+                    mtime = path.stat().st_mtime
+                except FileNotFoundError:
+                    continue
+                self.graphs.ready_at[key] = mtime
+                self.graphs.background_finished.append(mtime)
+            ready.append(key)
+        return ready
+
+    def compiling(self) -> list[GraphKey]:
+        """What the child is building now: the first pending bucket without a package (it
+        compiles them one at a time, in `pending`'s order: `DecodeGraphs.warmup_keys`)."""
+        if not self.running:
+            return []
+        return next(([k] for k in self.pending if k not in self.graphs.ready_at), [])
+
     def adopt(self, run_bucket: Callable[[GraphKey], None] | None = None,
               force: bool = False) -> int:
         """Load every pending bucket whose package is in the cache now (at most once per
@@ -72,7 +103,7 @@ class BackgroundCompile:
             return 0
         self._next = now + ADOPT_EVERY_S
         exited = self.proc.poll() is not None  # read first: what it finished is on disk
-        ready = [k for k, path in self.pending.items() if path.is_file()]
+        ready = self.probe()
         for key in ready:
             (run_bucket or self.graphs.warm_bucket)(key)
             del self.pending[key]

@@ -64,6 +64,11 @@ class GraphKey:
     query_len: int  # S bucket
     num_blocks: int  # block-table width bucket
 
+    @property
+    def name(self) -> str:
+        """The bucket's name in logs, progress reports and compile-cache file names."""
+        return f"{self.kind}{self.module}-b{self.batch}-s{self.query_len}-nb{self.num_blocks}"
+
 
 @dataclass
 class GraphInputs:
@@ -216,6 +221,16 @@ class DecodeGraphs:
         # After `warmup`, a bucket it did not compile (e.g. a short prefill chunk) runs eagerly
         # instead of compiling on the serving path.
         self.warmed = False
+        # Compile progress (workers/model/compile_progress.py reads these): every bucket a
+        # warm-up covered, in its order; when the first warm-up began and when each bucket
+        # became built (wall clock: here, or the background compiler's package mtime); the
+        # seconds of each bucket compiled (not loaded) in this process; the finish times of
+        # the packages the background compiler built.
+        self.planned: list[GraphKey] = []
+        self.started_at: float | None = None
+        self.ready_at: dict[GraphKey, float] = {}
+        self.compile_seconds: list[float] = []
+        self.background_finished: list[float] = []
 
     def key_for(self, kind: str, module: int, lens: list[int],
                 tables: list[list[int]]) -> GraphKey | None:
@@ -297,7 +312,7 @@ class DecodeGraphs:
         return self._call(inp, prev)
 
     def _module(self, k: GraphKey) -> tuple[str, torch.nn.Module]:
-        name = f"{k.kind}{k.module}-b{k.batch}-s{k.query_len}-nb{k.num_blocks}"
+        name = k.name
         if k.kind == "round":
             return name, _RoundForward(self.model, self.block_size, self.scratch_slot)
         if k.kind == "main":
@@ -387,6 +402,7 @@ class DecodeGraphs:
         import time
 
         keys = self.warmup_keys(batch_sizes, query_lens, max_context, mtp_modules)
+        self.plan(keys)
         # What the on-disk cache holds loads first (well under a second each), so a budget
         # spent compiling one cold bucket never leaves a cached one to run eagerly.
         cached = [k for k in keys if k not in self.compiled and self.cached([k])]
@@ -432,7 +448,19 @@ class DecodeGraphs:
         the smallest block-table bucket first for every batch (most requests fit there), then
         longer ones; within a (table, batch) bucket the forwards every round runs first (the
         widest verify row, the MTP extend and draft steps), the single-token main forward
-        (k = 0, or no room to draft) last."""
+        (k = 0, or no room to draft) last.
+
+        This order is the order traffic reaches the shapes, and the background compiler
+        (workers/model/background_compile.py) builds in it too (its child calls `warmup` with
+        the same shapes): a fresh server's first requests are one or a few streams of short
+        contexts, so batch 1 at the smallest table comes first and each batch bucket before
+        the next larger one; within a bucket the query lengths every speculative round runs
+        (the k + 1 verify row, the MTP extend and its 1-token draft steps) come before the
+        1-token main forward, which smaller-first would put first although a speculating
+        replica rarely runs it (and a k = 0 replica, whose only query length it is, gets it
+        first anyway). A round is fast only once all of its graphs are built, so finishing
+        one whole batch bucket before starting the next matters more than any order inside
+        it."""
         bs = self.block_size
         nbs, nb = [], self.min_blocks
         while nb <= min(bucket(-(-max_context // bs), self.min_blocks), self.max_blocks):
@@ -455,10 +483,27 @@ class DecodeGraphs:
                 keys += [GraphKey("main", 0, B, 1, nb) for B in batches]
         return keys
 
+    def plan(self, keys: list[GraphKey]) -> None:
+        """Count `keys` (a warm-up's buckets, in its order) in the compile progress."""
+        import time
+
+        if self.started_at is None:
+            self.started_at = time.time()
+        have = set(self.planned)
+        self.planned += [k for k in keys if k not in have]
+
     def warm_bucket(self, key: GraphKey | None) -> None:
         """One step of a warm-up another rank paces: build and run `key`, or (None) finish:
         from now on a bucket not built runs eagerly."""
+        import time
+
         if key is None:
             self.warmed = True
-        else:
-            self.run(*self.example_inputs(key))
+            return
+        t0, built = time.time(), self.aot.compiled if self.aot is not None else None
+        self.run(*self.example_inputs(key))
+        t1 = time.time()
+        if key not in self.ready_at:
+            if built is None or self.aot.compiled > built:  # compiled here, not loaded
+                self.compile_seconds.append(t1 - t0)
+            self.ready_at[key] = t1

@@ -202,6 +202,11 @@ class EngineRecorder:
         if self.role != "prefill":
             gauges["measured_tpot_seconds"] = report.get("tpot_s")
             gauges["predicted_tpot_seconds"] = self.predicted_tpot_s(report)
+        compile_ = stats.get("compile")  # decode graphs (workers/model/compile_progress.py)
+        if compile_:
+            gauges["compile_buckets_total"] = compile_["total"]
+            gauges["compile_buckets_done"] = compile_["done"]
+            gauges["compile_eta_seconds"] = compile_["eta_s"]
         counters = dict(self.counters)
         kv = self.kv_stats() if self.kv_stats else {}
         counters["kv_transfer_bytes"] = kv.get("bytes_received", kv.get("bytes_sent", 0))
@@ -212,7 +217,8 @@ class EngineRecorder:
         return {"replica": key, "role": self.role, "time": time.time(),
                 "counters": counters, "per_pos": list(self.per_pos),
                 "hists": {n: h.snapshot() for n, h in self.hists.items()},
-                "gauges": {n: v for n, v in gauges.items() if v is not None}}
+                "gauges": {n: v for n, v in gauges.items() if v is not None},
+                "compile": compile_}
 
 
 # Aggregation across replicas (Ray) ---------------------------------------------------------------

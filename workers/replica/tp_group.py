@@ -453,6 +453,10 @@ class TPDriver:
     def adopt_compiled(self) -> int:
         return self.runner.adopt_compiled() if self.tp_size == 1 else 0
 
+    def compile_progress(self) -> dict | None:
+        """Rank 0's: every rank builds the same buckets in step (`warmup_graphs`)."""
+        return self.runner.compile_progress()
+
     @property
     def fuses_greedy_rounds(self) -> bool:
         return self.runner.fuses_greedy_rounds
