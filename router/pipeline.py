@@ -226,6 +226,13 @@ def admit(state: IngressState, body: SamplingRequest, num_prompts: int,
     check_choices(state, num_prompts, body.n or 1)
 
 
+def _in_reasoning(body: SamplingRequest) -> bool:
+    """`structured_outputs.enable_in_reasoning` (vLLM's name): the constraint covers the
+    reasoning block too (a grammar written for the whole output)."""
+    so = getattr(body, "structured_outputs", None)
+    return bool(so.get("enable_in_reasoning")) if isinstance(so, dict) else False
+
+
 async def respond(request: Request, state: IngressState, body: SamplingRequest,
                   prompts: list[list[int]], shape: Shape, requested: int | None,
                   spec: tuple[str, StructuredSpec] | None = None,
@@ -257,7 +264,7 @@ async def respond(request: Request, state: IngressState, body: SamplingRequest,
         c.strip_prefix = text
         if reasoning is not None:
             c.reasoning = reasoning.split(c.request.prompt_token_ids, template_kwargs)
-            if spec is not None:  # the grammar starts after the reasoning block
+            if spec is not None and not _in_reasoning(body):  # grammar after the block
                 after, opener = reasoning.grammar_gate(c.request.prompt_token_ids,
                                                        template_kwargs)
                 c.request.params = dataclasses.replace(

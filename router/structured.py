@@ -105,6 +105,9 @@ def structured_outputs_spec(so: dict[str, Any] | None) -> StructuredSpec | None:
         raise APIError("structured_outputs needs exactly one of 'json', 'regex', 'choice', "
                        "'grammar', 'json_object'", 400, param="structured_outputs")
     (k,) = keys
+    if not isinstance(so.get("enable_in_reasoning", False), bool):
+        raise APIError("structured_outputs.enable_in_reasoning must be a boolean", 400,
+                       param="structured_outputs.enable_in_reasoning")
     spec = _structured(k, so[k], f"structured_outputs.{k}")
     # vLLM's name; absent: compact JSON (our default), false: free whitespace as in vLLM.
     ws = so.get("disable_any_whitespace")

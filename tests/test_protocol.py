@@ -123,8 +123,8 @@ class _NoTemplate:
 class _WithTemplate(_NoTemplate):
     chat_template = "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"
 
-    def apply_chat_template(self, messages, tokenize, add_generation_prompt):
-        assert not tokenize and add_generation_prompt
+    def apply_chat_template(self, messages, tokenize, add_generation_prompt, tools=None):
+        assert not tokenize and add_generation_prompt and tools is None
         return "".join(f"[{m['role']}]{m['content']}" for m in messages) + "[assistant]"
 
 

@@ -168,8 +168,10 @@ def _client(srv) -> openai.OpenAI:
 def test_reasoning_content_forced_end_non_streamed_and_streamed(text_server):
     client = _client(text_server)
     regex = "Hm, sunny\\.</think>\n\nIt is sunny\\."
+    # enable_in_reasoning: the regex covers the block too (by default a constraint starts
+    # after it: tests/test_reasoning_grammar.py).
     kw = dict(model="m", messages=USER, max_tokens=40, temperature=0,
-              extra_body={"structured_outputs": {"regex": regex}})
+              extra_body={"structured_outputs": {"regex": regex, "enable_in_reasoning": True}})
     r = client.chat.completions.create(**kw)
     msg = r.choices[0].message
     assert msg.reasoning_content == "Hm, sunny." and msg.model_extra["reasoning"] == "Hm, sunny."
@@ -189,7 +191,8 @@ def test_reasoning_split_on_ids_matches_the_tokens(qwen3_server, chat_checkpoint
     tok = load_tokenizer(str(chat_checkpoint("qwen3", "qwen3")))
     client = _client(qwen3_server)
     kw = dict(model="m", messages=USER, max_tokens=24, temperature=0,
-              extra_body={"structured_outputs": {"regex": "<think>[a-z ]{1,12}</think>[a-z ]+"},
+              extra_body={"structured_outputs": {"regex": "<think>[a-z ]{1,12}</think>[a-z ]+",
+                                                 "enable_in_reasoning": True},
                           "return_token_ids": True})
     r = client.chat.completions.create(**kw)
     ids = r.choices[0].model_extra["token_ids"]
