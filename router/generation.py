@@ -38,10 +38,13 @@ class Choice:
     """Text, token ids and counters of one sequence; `feed` mutates them chunk by chunk."""
 
     def __init__(self, index: int, request: GenerateRequest, tokenizer: Any,
-                 stop: list[str]) -> None:
+                 stop: list[str], skip_ids: frozenset[int] | None = None) -> None:
         self.index = index
         self.request = request
-        self.detokenizer = IncrementalDetokenizer(tokenizer, request.prompt_token_ids)
+        # `skip_ids`: decode the format's markers as text even where they are special tokens
+        # (chat with tools or a reasoning parser: IngressState.marker_skip_ids).
+        self.detokenizer = IncrementalDetokenizer(tokenizer, request.prompt_token_ids,
+                                                  skip_ids=skip_ids)
         self.stops = StopStringMatcher(stop)
         self.token_ids: list[int] = []
         self.text_parts: list[str] = []

@@ -21,8 +21,10 @@ from mtpserve.router.protocol import (
     SamplingRequest,
     Usage,
 )
-from mtpserve.router.reasoning import Reasoner, resolve_parser, template_text
+from mtpserve.router.reasoning import END, START, Reasoner, resolve_parser, template_text
+from mtpserve.router.tool_parsers import MARKERS
 from mtpserve.router.types import Orchestrator
+from mtpserve.workers.detokenizer import marker_skip_ids
 from mtpserve.workers.messages import GenerateRequest
 from mtpserve.workers.sampling_params import SamplingParams
 
@@ -53,6 +55,7 @@ class IngressState:
     reasoning_parser: str = "auto"
     model_type: str | None = None
     _reasoner: Any = field(default=None, init=False, repr=False)
+    _skip_ids: dict = field(default_factory=dict, init=False, repr=False)
 
     def reasoner(self) -> Reasoner | None:
         """The reasoning parser bound to the tokenizer (None: output is not split)."""
@@ -62,6 +65,20 @@ class IngressState:
             self._reasoner = (False if name is None
                               else Reasoner.build(name, self.tokenizer))
         return self._reasoner or None
+
+    def marker_skip_ids(self, tool_format: str | None, reasoning: bool
+                        ) -> frozenset[int] | None:
+        """How a chat choice is decoded: the tool-call format's markers (`tool_format`, tools
+        active) and `<think>` / `</think>` (`reasoning`) kept as text where the checkpoint
+        has them as special tokens, every other special token skipped; None: plain
+        `skip_special_tokens` decoding (no kept marker is special). Cached per shape."""
+        key = (tool_format, reasoning)
+        if key not in self._skip_ids:
+            markers = list(MARKERS.get(tool_format, ())) if tool_format else []
+            if reasoning:
+                markers += [START, END]
+            self._skip_ids[key] = marker_skip_ids(self.tokenizer, markers) if markers else None
+        return self._skip_ids[key]
 
 
 def ingress_state(request: Request) -> IngressState:
@@ -177,7 +194,8 @@ def check_choices(state: IngressState, num_prompts: int, n: int) -> None:
 
 
 def build_choices(state: IngressState, body: SamplingRequest, response_id: str,
-             prompts: list[list[int]], max_tokens: list[int]) -> list[Choice]:
+             prompts: list[list[int]], max_tokens: list[int],
+             skip_ids: frozenset[int] | None = None) -> list[Choice]:
     n = body.n or 1
     check_choices(state, len(prompts), n)
     choices = []
@@ -198,7 +216,8 @@ def build_choices(state: IngressState, body: SamplingRequest, response_id: str,
             except ValueError as e:  # the protocol's bounds should have caught it first
                 raise APIError(str(e), 400) from None
             request = GenerateRequest(f"{response_id}-{index}", ids, params)
-            choices.append(Choice(index, request, state.tokenizer, body.stop_strings))
+            choices.append(Choice(index, request, state.tokenizer, body.stop_strings,
+                                  skip_ids))
     return choices
 
 

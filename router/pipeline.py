@@ -253,8 +253,11 @@ async def respond(request: Request, state: IngressState, body: SamplingRequest,
     healed = [heal(state, ids, heal_any) if healing and healing[i] and spec is None
               else (ids, None, "") for i, ids in enumerate(prompts)]
     rid = f"{shape.id_prefix}-{uuid.uuid4().hex}"
+    # Chat with tools or a reasoning parser: their markers decode as text, special or not.
+    skip_ids = state.marker_skip_ids(tools.format if tools is not None and tools.active
+                                     else None, reasoning is not None)
     built = build_choices(state, body, rid, [h[0] for h in healed],
-                          [max_tokens(state, requested, len(h[0])) for h in healed])
+                          [max_tokens(state, requested, len(h[0])) for h in healed], skip_ids)
     n = len(built) // max(len(prompts), 1)
     for c in built:
         _, prefix, text = healed[c.index // n]
@@ -263,7 +266,8 @@ async def respond(request: Request, state: IngressState, body: SamplingRequest,
             c.request.params = dataclasses.replace(c.request.params, structured=constraint)
         c.strip_prefix = text
         if reasoning is not None:
-            c.reasoning = reasoning.split(c.request.prompt_token_ids, template_kwargs)
+            c.reasoning = reasoning.split(c.request.prompt_token_ids, template_kwargs,
+                                          skip_ids)
             if spec is not None and not _in_reasoning(body):  # grammar after the block
                 after, opener = reasoning.grammar_gate(c.request.prompt_token_ids,
                                                        template_kwargs)

@@ -20,12 +20,17 @@ ends inside a block is read from its last few tokens (`PROMPT_TAIL_TOKENS`), the
 generation prompt, not from markers a user typed earlier in the conversation.
 
 **Token ids where the markers are single tokens** (`<think>` and `</think>` each encode to one
-id: Qwen3, GLM-4.5, DeepSeek): the split is decided on ids, so text that merely spells
-`</think>` out of ordinary tokens is not a marker, and the reasoning and the content are
-detokenized separately (a marker can arrive anywhere inside a chunk: a speculative round emits
-several tokens at once). **Text otherwise**: the split is found in the detokenized text, and a
-possible start of a marker at a chunk's end is held back until the next chunk says whether it is
-one (a `</think>` split across tokens or chunks).
+id: Qwen3, GLM-4.5, DeepSeek; special added tokens or not): the split is decided on ids, so text
+that merely spells `</think>` out of ordinary tokens is not a marker, and the reasoning and the
+content are detokenized separately (a marker can arrive anywhere inside a chunk: a speculative
+round emits several tokens at once). **Text otherwise**: the split is found in the detokenized
+text, and a possible start of a marker at a chunk's end is held back until the next chunk says
+whether it is one (a `</think>` split across tokens or chunks).
+
+Markers that are special tokens: the splitter's detokenizers keep `<think>` / `</think>` (and
+the tool-call markers the router passes in `skip_ids`) as text, so a special marker reads as the
+same text as a plain one (a `</think>` after the block is content, as it is when not special),
+while the other special tokens (EOS, ...) stay skipped (`workers.detokenizer.marker_skip_ids`).
 
 Stop strings apply to the content, not to the reasoning; tool calls are parsed from the content.
 """
@@ -36,7 +41,12 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from mtpserve.workers.detokenizer import IncrementalDetokenizer
+from mtpserve.workers.detokenizer import (
+    IncrementalDetokenizer,
+    decode,
+    marker_skip_ids,
+    single_token_id,
+)
 
 PARSERS = ("deepseek_r1", "deepseek_v3", "qwen3", "glm45")
 START, END = "<think>", "</think>"
@@ -73,16 +83,6 @@ def resolve_parser(setting: str, model_type: str | None, template: str) -> str |
     return "qwen3"
 
 
-def _single_id(tokenizer: Any, marker: str) -> int | None:
-    try:
-        ids = list(tokenizer.encode(marker, add_special_tokens=False))
-    except Exception:
-        return None
-    if len(ids) != 1 or tokenizer.decode(ids, skip_special_tokens=True) != marker:
-        return None  # not one token, or one that decoding would skip
-    return ids[0]
-
-
 @dataclass(frozen=True)
 class Reasoner:
     """A parser bound to a tokenizer: what every choice of the server starts from."""
@@ -91,13 +91,16 @@ class Reasoner:
     tokenizer: Any
     start_id: int | None  # both set: split on token ids
     end_id: int | None
+    # Decoding that keeps the markers where they are special tokens (None: plain skipping).
+    skip_ids: frozenset[int] | None = None
 
     @classmethod
     def build(cls, name: str, tokenizer: Any) -> Reasoner:
-        start, end = _single_id(tokenizer, START), _single_id(tokenizer, END)
+        start, end = single_token_id(tokenizer, START), single_token_id(tokenizer, END)
+        skip = marker_skip_ids(tokenizer, (START, END))
         if start is None or end is None:
             start = end = None
-        return cls(name, tokenizer, start, end)
+        return cls(name, tokenizer, start, end, skip)
 
     @property
     def on_ids(self) -> bool:
@@ -137,9 +140,11 @@ class Reasoner:
             return END, START
         return None, None
 
-    def split(self, prompt_ids: list[int], template_kwargs: dict[str, Any] | None = None
-              ) -> ReasoningSplit | None:
-        """A fresh per-choice splitter, or None when this request's output is not split."""
+    def split(self, prompt_ids: list[int], template_kwargs: dict[str, Any] | None = None,
+              skip_ids: frozenset[int] | None = None) -> ReasoningSplit | None:
+        """A fresh per-choice splitter, or None when this request's output is not split.
+        `skip_ids`: the choice's decoding (the router's, keeping its tool-call markers too);
+        default: this reasoner's own."""
         name = self.parser_for(template_kwargs)
         if name is None:
             return None
@@ -147,25 +152,32 @@ class Reasoner:
             state = _REASONING
         else:
             state = _BEFORE
-        return ReasoningSplit(self, prompt_ids, state)
+        return ReasoningSplit(self, prompt_ids, state,
+                              self.skip_ids if skip_ids is None else skip_ids)
 
 
 class ReasoningSplit:
     """One choice's output ids in, (reasoning text, content text) deltas out. Detokenizes
     itself (in place of the choice's detokenizer). Mutates only itself."""
 
-    def __init__(self, reasoner: Reasoner, prompt_ids: list[int], state: str) -> None:
+    def __init__(self, reasoner: Reasoner, prompt_ids: list[int], state: str,
+                 skip_ids: frozenset[int] | None = None) -> None:
         self.r = reasoner
         self.state = state
         self.leading = True  # nothing but whitespace seen in the current state yet
+        self.skip_ids = skip_ids
         tok = reasoner.tokenizer
         self.ids: list[int] = list(prompt_ids[-PROMPT_TAIL_TOKENS:])  # context + output
-        self._reasoning = IncrementalDetokenizer(tok, self.ids)
-        self._content = IncrementalDetokenizer(tok, self.ids)
+        self._reasoning = self._detok()
+        self._content = self._detok()
         self._held_ids: list[int] = []  # ids mode, before: whitespace that may precede <think>
         self._held = ""  # text mode: text that may be the start of a marker
-        self._text = IncrementalDetokenizer(tok, self.ids)  # text mode: the whole output
+        self._text = IncrementalDetokenizer(tok, self.ids, skip_ids=skip_ids)  # text mode
         self.saw_block = state == _REASONING
+
+    def _detok(self) -> IncrementalDetokenizer:
+        """A detokenizer of what follows the ids so far (they are its context)."""
+        return IncrementalDetokenizer(self.r.tokenizer, self.ids, skip_ids=self.skip_ids)
 
     # ids ------------------------------------------------------------------------------------
     def _feed_ids(self, token_ids: list[int], final: bool) -> tuple[str, str]:
@@ -177,7 +189,7 @@ class ReasoningSplit:
                 if t == r.end_id:
                     r_out.append(self._reasoning.flush())
                     self.state = _CONTENT
-                    self._content = IncrementalDetokenizer(r.tokenizer, self.ids)
+                    self._content = self._detok()
                 elif t == r.start_id and self.leading:
                     pass  # the model re-opened the block the prompt opened
                 else:
@@ -189,10 +201,10 @@ class ReasoningSplit:
                 if t == r.start_id:
                     self._held_ids = []  # whitespace before the block is dropped
                     self.state, self.leading, self.saw_block = _REASONING, True, True
-                    self._reasoning = IncrementalDetokenizer(r.tokenizer, self.ids)
+                    self._reasoning = self._detok()
                     continue
                 self._held_ids.append(t)
-                held = r.tokenizer.decode(self._held_ids, skip_special_tokens=True)
+                held = decode(r.tokenizer, self._held_ids, self.skip_ids)
                 if held.strip() or t == r.end_id:
                     self.state = _CONTENT
                     c_out.append(self._content.add(self._held_ids))
@@ -278,5 +290,6 @@ def split_text(parser: str, text: str, starts_inside: bool = False) -> tuple[str
     state = _REASONING if parser == "deepseek_r1" or starts_inside else _BEFORE
     sp = ReasoningSplit.__new__(ReasoningSplit)
     sp.state, sp.leading, sp._held, sp.saw_block = state, True, "", state == _REASONING
+    sp.skip_ids = None
     reasoning, content = sp._feed_text(text, final=True)
     return (reasoning if sp.saw_block else None), content

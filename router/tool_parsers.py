@@ -28,6 +28,20 @@ returned; its block stays in `content` (in a DeepSeek block that also holds list
 is dropped). `max_calls=1` (`parallel_tool_calls: false`): calls after the first are dropped.
 A block still open when the text ends (finish "length") stays content unless its call was
 already announced in a stream.
+
+Markers as special tokens: each parser reads its format's markers (`MARKERS[fmt]`) as text, so
+the router decodes a choice with those tokens kept even where the checkpoint registers them as
+special added tokens (`workers.detokenizer.marker_skip_ids`), while other special tokens (EOS,
+BOS, pad, role tokens) stay out of the text; forced calls (xgrammar) match a special marker by
+its text too (`workers.structured.grammars`). Which checkpoints mark them special, from memory
+of the published tokenizer files (not checkable offline here, so nothing depends on it):
+Qwen3 / Qwen3.5 add `<tool_call>`, `</tool_call>`, `<think>`, `</think>` with `"special":
+false`; DeepSeek-V3 / V3.1's `<｜tool▁calls▁begin｜>` family are added tokens we believe to be
+`"special": false` (vLLM's deepseek_v3 parser reads them with skipping on); GLM-4.5 / 4.6 add
+`<tool_call>`, `<arg_key>`, `<arg_value>` (and closers) and `<think>` as added tokens whose
+flag we could not confirm (vLLM's GLM parser turns `skip_special_tokens` off for tool requests
+for this reason); Mistral's `[TOOL_CALLS]` is special. A re-export or fine-tune may flip the
+flag. Either way the served text is the same.
 """
 
 from __future__ import annotations
@@ -184,6 +198,7 @@ class ToolParser:
 
     name = ""
     start = ""  # the marker that opens a block
+    markers: tuple[str, ...] = ()  # the format's marker tokens, kept in decoded text
     separator = "\n"  # between blocks when several calls are rendered
 
     def __init__(self, tools: dict[str, Any], max_calls: int | None = None) -> None:
@@ -302,6 +317,7 @@ class ToolParser:
 class HermesParser(ToolParser):
     name, start = "hermes", "<tool_call>"
     close = "</tool_call>"
+    markers = ("<tool_call>", "</tool_call>")
     _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"([^"\\]*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
 
     def scan(self, block: str, final: bool) -> Scan:
@@ -356,6 +372,7 @@ def _hermes_whole(body: str) -> ScanCall:
 class Qwen3CoderParser(ToolParser):
     name, start = "qwen3_coder", "<tool_call>"
     close = "</tool_call>"
+    markers = ("<tool_call>", "</tool_call>")  # `<function=`, `<parameter=` are plain text
     _FUNC = re.compile(r"\s*<function=([^>\n]*)>")
     _PARAM = re.compile(r"<parameter=([^>\n]*)>(.*?)(?:</parameter>|(?=<parameter=)|"
                         r"(?=</function>))", re.DOTALL)
@@ -398,6 +415,8 @@ def _strip_nl(v: str) -> str:
 class Glm45Parser(ToolParser):
     name, start = "glm45", "<tool_call>"
     close = "</tool_call>"
+    markers = ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",
+               "</arg_value>")
     _ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
 
     def scan(self, block: str, final: bool) -> Scan:
@@ -432,6 +451,7 @@ class DeepSeekV3Parser(ToolParser):
     name = "deepseek_v3"
     start, close = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
     call_begin, call_end, sep = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+    markers = (start, call_begin, sep, call_end, close)
     separator = ""
 
     def scan(self, block: str, final: bool) -> Scan:
@@ -494,6 +514,7 @@ class DeepSeekV3Parser(ToolParser):
 
 PARSER_CLASSES: dict[str, type[ToolParser]] = {
     c.name: c for c in (HermesParser, Qwen3CoderParser, Glm45Parser, DeepSeekV3Parser)}
+MARKERS: dict[str, tuple[str, ...]] = {n: c.markers for n, c in PARSER_CLASSES.items()}
 
 # config.json model_type -> the family's format when the chat template says nothing.
 _FAMILY_FORMATS = {"deepseek_v3": "deepseek_v3", "deepseek_v2": "deepseek_v3",

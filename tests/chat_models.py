@@ -44,6 +44,11 @@ as in the real vocabulary):
   `<｜tool▁calls▁begin｜>`, `<｜tool▁call▁begin｜>`, `<｜tool▁sep｜>`, `<｜tool▁call▁end｜>`,
   `<｜tool▁calls▁end｜>`, `<｜tool▁output▁begin｜>`, `<｜tool▁output▁end｜>` (not special).
 
+`special_markers=True` (`make_chat_checkpoint`, `make_chat_tokenizer`) makes the second group of
+each style (the reasoning and tool-call markers) special added tokens too, as some real
+checkpoints register them (router/tool_parsers.py, "Markers as special tokens"): decoding with
+`skip_special_tokens` then drops them, and the server has to keep them for its parsers.
+
 The end-of-generation ids (config.json `eos_token_id` and generation_config.json): qwen3 styles
 `<|im_end|>` + `<|endoftext|>`; glm45 `<|endoftext|>`, `<|user|>`, `<|observation|>`;
 deepseek_v3 `<｜end▁of▁sentence｜>`.
@@ -92,6 +97,7 @@ _TOKENS = {
     "deepseek_v3": (DS_SPECIAL, DS_MARKERS, [EOS_DS], BOS_DS),
 }
 SINGLE_TOKENS = {style: [*sp, *mk] for style, (sp, mk, _, _) in _TOKENS.items()}
+END_TOKENS = {style: ends for style, (_, _, ends, _) in _TOKENS.items()}  # the config's EOS ids
 DEFAULT_FAMILY = {"qwen3": "qwen3", "qwen3_coder": "qwen3", "glm45": "glm4_moe",
                   "deepseek_v3": "deepseek_v3"}
 
@@ -305,16 +311,18 @@ WORDS = ["system", "user", "assistant", "weather", "city", "Paris", "London", "f
 BASE_VOCAB = 360  # 256 bytes + EOS + merges
 
 
-def make_chat_tokenizer(path: Path, style: str) -> Path:
+def make_chat_tokenizer(path: Path, style: str, special_markers: bool = False) -> Path:
     """tokenizer.json (byte-level BPE + the style's single tokens) and tokenizer_config.json
-    with the style's chat template."""
+    with the style's chat template. `special_markers`: the style's markers (`<think>`, the
+    tool-call tokens) are special added tokens, as real checkpoints register them (see the
+    module docstring)."""
     special, markers, _, bos = _TOKENS[style]
     texts = [" ".join(WORDS[(i * 7 + j) % len(WORDS)] for j in range(14)) + "\n"
              for i in range(240)]
     tok = train_tokenizer(texts, BASE_VOCAB)
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
                             for t in special if t != EOS_TOKEN])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in markers])
+    tok.add_tokens([AddedToken(t, special=special_markers, normalized=False) for t in markers])
     path.mkdir(parents=True, exist_ok=True)
     tok.save(str(path / "tokenizer.json"))
     eos = _TOKENS[style][2][0]
@@ -340,15 +348,17 @@ def token_id(path: Path, text: str) -> int:
 
 
 def make_chat_checkpoint(path: Path, style: str, family: str | None = None,
-                         max_positions: int = 2048, seed: int = 0) -> Path:
+                         max_positions: int = 2048, seed: int = 0,
+                         special_markers: bool = False) -> Path:
     """A tiny random checkpoint (with MTP) whose tokenizer and chat template are `style`'s.
 
-    `family`: the architecture (default: the style's own, see the module docstring)."""
+    `family`: the architecture (default: the style's own, see the module docstring).
+    `special_markers`: the markers are special added tokens (`make_chat_tokenizer`)."""
     if style not in STYLES:
         raise ValueError(f"style must be one of {STYLES}, got {style!r}")
     family = family or DEFAULT_FAMILY[style]
     path = Path(path)
-    make_chat_tokenizer(path, style)
+    make_chat_tokenizer(path, style, special_markers)
     vocab = len(json.loads((path / "tokenizer.json").read_text())["model"]["vocab"])
     vocab += len(json.loads((path / "tokenizer.json").read_text())["added_tokens"])
     vocab = -(-vocab // 16) * 16

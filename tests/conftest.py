@@ -111,17 +111,20 @@ def tiny_factory(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def chat_checkpoint(tmp_path_factory):
-    """`chat_checkpoint(style, family=None)`: a tiny checkpoint with the chat template and
-    special tokens of `style` (tests/chat_models.py), built once per session."""
+    """`chat_checkpoint(style, family=None, special_markers=False)`: a tiny checkpoint with the
+    chat template and special tokens of `style` (tests/chat_models.py; `special_markers`: its
+    markers are special tokens), built once per session."""
     from chat_models import make_chat_checkpoint
 
     made: dict[tuple, Path] = {}
 
-    def make(style: str, family: str | None = None) -> Path:
-        if (style, family) not in made:
-            made[style, family] = make_chat_checkpoint(
-                tmp_path_factory.mktemp("chat") / f"{style}-{family or 'own'}", style, family)
-        return made[style, family]
+    def make(style: str, family: str | None = None, special_markers: bool = False) -> Path:
+        key = (style, family, special_markers)
+        if key not in made:
+            name = f"{style}-{family or 'own'}{'-special' if special_markers else ''}"
+            made[key] = make_chat_checkpoint(tmp_path_factory.mktemp("chat") / name, style,
+                                             family, special_markers=special_markers)
+        return made[key]
 
     return make
 

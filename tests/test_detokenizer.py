@@ -5,7 +5,12 @@ import random
 import pytest
 from tiny_tokenizer import make_tokenizer
 
-from mtpserve.workers.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from mtpserve.workers.detokenizer import (
+    IncrementalDetokenizer,
+    StopStringMatcher,
+    marker_skip_ids,
+    special_token_ids,
+)
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +62,38 @@ def test_special_tokens_are_skipped(tokenizer):
     ids = tokenizer.encode("hello") + [tokenizer.eos_token_id]
     detok = IncrementalDetokenizer(tokenizer)
     assert detok.add(ids) + detok.flush() == "hello"
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_special_markers_kept_as_text_other_special_tokens_skipped(tmp_path_factory, seed):
+    """A GLM-style tokenizer whose markers are special added tokens: with `marker_skip_ids`
+    the markers decode as their text (streamed in any chunking == whole), every other special
+    token (EOS, role tokens) is skipped; skipping all special ids == skip_special_tokens."""
+    from chat_models import GLM_MARKERS, make_chat_tokenizer
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(make_chat_tokenizer(
+        tmp_path_factory.mktemp("glm"), "glm45", special_markers=True)))
+    kept = ["<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>"]
+    skip = marker_skip_ids(tok, kept)
+    kept_ids = {tok.convert_tokens_to_ids(m) for m in kept}
+    assert skip is not None and kept_ids <= special_token_ids(tok) and not kept_ids & skip
+    assert marker_skip_ids(tok, ["<tool_call>x", "plain"]) is None  # no special marker
+    rng = random.Random(seed)
+    pieces = ["<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<|user|>", "[gMASK]",
+              "<arg_value>", "café", " city", "\n", "日本語", "<|endoftext|>"]
+    text = "".join(rng.choice(pieces) for _ in range(30))
+    ids = tok.encode(text, add_special_tokens=False)
+    sizes = [rng.randint(1, 4) for _ in range(20)]
+    got = "".join(stream(IncrementalDetokenizer(tok, skip_ids=skip), ids, sizes))
+    special = {t for t in pieces if t in GLM_MARKERS or t.startswith(("<|", "[gM"))}
+    want = text
+    for t in special - set(kept):
+        want = want.replace(t, "")
+    assert got == want
+    everything = special_token_ids(tok)
+    assert "".join(stream(IncrementalDetokenizer(tok, skip_ids=everything), ids, sizes)) == \
+        tok.decode(ids, skip_special_tokens=True)
 
 
 def test_prompt_ending_mid_character_does_not_eat_output(tokenizer):

@@ -17,7 +17,9 @@ from test_router_api import Server
 from mtpserve.router.api import IngressState, create_app
 from mtpserve.router.local_orchestrator import LocalOrchestrator
 from mtpserve.router.reasoning import Reasoner, resolve_parser, split_text
+from mtpserve.router.tool_parsers import MARKERS
 from mtpserve.workers.async_engine import AsyncEngine
+from mtpserve.workers.detokenizer import marker_skip_ids
 from mtpserve.workers.engine import Engine, EngineConfig
 from mtpserve.workers.tokenizer import load_tokenizer
 
@@ -56,8 +58,9 @@ def _prompt(tok, kwargs) -> list[int]:
     return list(tok.encode(text, add_special_tokens=False))
 
 
-def _run(reasoner: Reasoner, prompt: list[int], ids: list[int], kwargs, chunk: int):
-    split = reasoner.split(prompt, kwargs)
+def _run(reasoner: Reasoner, prompt: list[int], ids: list[int], kwargs, chunk: int,
+         skip_ids=None):
+    split = reasoner.split(prompt, kwargs, skip_ids)
     if split is None:
         return None
     r = c = ""
@@ -67,9 +70,15 @@ def _run(reasoner: Reasoner, prompt: list[int], ids: list[int], kwargs, chunk: i
     return (r if split.saw_block else None), c
 
 
+@pytest.mark.parametrize("special", [False, True], ids=["plain", "special"])
 @pytest.mark.parametrize("style", list(CASES))
-def test_split_on_token_ids_any_chunking(chat_checkpoint, style):
-    tok = load_tokenizer(str(chat_checkpoint(style, "qwen3")))
+def test_split_on_token_ids_any_chunking(chat_checkpoint, style, special):
+    """`special`: the markers are special added tokens (decoding with skip_special_tokens
+    drops them): the split is the same, on their ids."""
+    tok = load_tokenizer(str(chat_checkpoint(style, "qwen3", special_markers=special)))
+    if special:
+        assert tok.decode(tok.encode("<think>a</think>", add_special_tokens=False),
+                          skip_special_tokens=True) == "a"
     for parser, kwargs, text, want in CASES[style]:
         reasoner = Reasoner.build(parser, tok)
         assert reasoner.on_ids  # <think> and </think> are single tokens in every style
@@ -77,6 +86,24 @@ def test_split_on_token_ids_any_chunking(chat_checkpoint, style):
         prompt = _prompt(tok, kwargs)
         for chunk in range(1, len(ids) + 1):  # 1 token per chunk .. all in one
             assert _run(reasoner, prompt, ids, kwargs, chunk) == want, (text, chunk)
+
+
+@pytest.mark.parametrize("special", [False, True], ids=["plain", "special"])
+def test_markers_after_the_block_read_the_same_special_or_not(chat_checkpoint, special):
+    """After the block, markers are ordinary text: a special `<think>` / `</think>` in the
+    content decodes to its text as a plain one does, and so does a tool-call marker with the
+    router's decoding of a request with tools (`marker_skip_ids`); EOS stays skipped."""
+    tok = load_tokenizer(str(chat_checkpoint("glm45", "qwen3", special_markers=special)))
+    reasoner = Reasoner.build("glm45", tok)
+    assert (reasoner.skip_ids is not None) == special
+    text = "<think>r</think>a<think>b</think>c<tool_call>"
+    ids = tok.encode(text, add_special_tokens=False) + [tok.eos_token_id]
+    with_tools = marker_skip_ids(tok, [*MARKERS["glm45"], "<think>", "</think>"])
+    for chunk in (1, 3, len(ids)):
+        assert _run(reasoner, [], ids, {}, chunk, with_tools) == (
+            "r", "a<think>b</think>c<tool_call>")
+        assert _run(reasoner, [], ids, {}, chunk) == (
+            "r", "a<think>b</think>c" + ("" if special else "<tool_call>"))
 
 
 def test_ids_mode_ignores_a_spelled_out_end_marker(chat_checkpoint):

@@ -49,6 +49,34 @@ def test_the_gate_each_prompt_gets(chat_checkpoint, style, kwargs, gate) -> None
     assert r.grammar_gate(prompt, kwargs) == gate
 
 
+@pytest.mark.parametrize("style", ["glm45", "deepseek_v3"])
+def test_special_markers_gate_on_their_ids(chat_checkpoint, style) -> None:
+    """Markers that are special tokens: the reasoner still splits on ids (so the gate is the
+    same as for plain markers) and the engine's gate resolves `</think>` / `<think>` to their
+    ids, not to the byte path (`StructuredGuide.gated`)."""
+    from types import SimpleNamespace
+
+    from mtpserve.workers.structured.guide import StructuredGuide
+
+    path = chat_checkpoint(style, "qwen3", special_markers=True)
+    r = _reasoner(path)
+    tok = r.tokenizer
+    start, end = tok.convert_tokens_to_ids(START), tok.convert_tokens_to_ids(END)
+    assert tok.decode([start, end], skip_special_tokens=True) == ""  # special indeed
+    assert (r.start_id, r.end_id) == (start, end)
+    kwargs = {"thinking": True} if style == "deepseek_v3" else {}
+    after, opener = r.grammar_gate(_prompt(tok, **kwargs), kwargs)
+    assert (after, opener) == ((END, None) if style == "deepseek_v3" else (END, START))
+    cfg = json.loads((path / "config.json").read_text())
+    eos = cfg["eos_token_id"] if isinstance(cfg["eos_token_id"], list) else [cfg["eos_token_id"]]
+    guide = StructuredGuide(str(path), cfg["vocab_size"], eos)
+    req = SimpleNamespace(params=SimpleNamespace(structured_after=END, structured_opener=START))
+    masks = PrefixMasks(guide.cache.token_bytes)
+    gate = guide.gated(req, PrefixConstraint(b"{", masks))
+    assert (gate.marker_id, gate.opener_id) == (end, start)
+    assert guide.cache.token_bytes[end] == END.encode()  # a special token keeps its text
+
+
 def test_an_opener_first_waits_for_the_marker_any_other_token_is_the_grammar() -> None:
     vocab = [b"", b"a", b"b", b"ab", b"", b""]  # 4: <think>, 5: </think> (special)
     masks = PrefixMasks(vocab)

@@ -6,6 +6,12 @@ decodes a short window ending at the new tokens and emits only the part past the
 decoded window, holding everything back while the text ends in U+FFFD (an incomplete UTF-8
 sequence). The concatenated deltas equal `tokenizer.decode(all_output_ids)`.
 
+Markers decoded as text (`skip_ids`): real checkpoints often register their tool-call and
+reasoning markers as *special* added tokens, which `skip_special_tokens=True` would drop before
+any parser saw them. With `skip_ids` (`marker_skip_ids`: the tokenizer's special ids minus the
+markers to keep), decoding drops exactly those ids and decodes every other token, the kept
+special markers included, as its text; without it, plain `skip_special_tokens` decoding.
+
 `StopStringMatcher` cuts a text stream at the first stop string: the stop string and everything
 after it are never emitted, and text that could be the start of a stop string is held back
 until the next delta proves it is not.
@@ -13,7 +19,7 @@ until the next delta proves it is not.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 REPLACEMENT_CHAR = "\ufffd"
@@ -26,13 +32,54 @@ NUM_CONTEXT_TOKENS = 5
 MAX_HELD_TOKENS = 8
 
 
+def special_token_ids(tokenizer: Any) -> frozenset[int]:
+    """The ids `decode(..., skip_special_tokens=True)` drops: added tokens marked special and
+    the special-token map's (EOS, BOS, pad, ...)."""
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    ids = {i for i, t in added.items() if getattr(t, "special", False)}
+    return frozenset(ids | set(getattr(tokenizer, "all_special_ids", None) or ()))
+
+
+def single_token_id(tokenizer: Any, text: str) -> int | None:
+    """The id of `text` when it is one token of the vocabulary (special or not) that decodes
+    back to exactly `text`; None otherwise."""
+    try:
+        ids = list(tokenizer.encode(text, add_special_tokens=False))
+    except Exception:
+        return None
+    if len(ids) != 1 or tokenizer.decode(ids, skip_special_tokens=False) != text:
+        return None
+    return ids[0]
+
+
+def marker_skip_ids(tokenizer: Any, markers: Iterable[str]) -> frozenset[int] | None:
+    """`skip_ids` that keep `markers` (texts; those that are single tokens) in decoded text:
+    the special ids minus the markers'. None when no marker is a special token (plain
+    `skip_special_tokens` decoding keeps them already)."""
+    special = special_token_ids(tokenizer)
+    keep = {i for m in markers if (i := single_token_id(tokenizer, m)) is not None}
+    return special - keep if keep & special else None
+
+
+def decode(tokenizer: Any, ids: Sequence[int], skip_ids: frozenset[int] | None = None,
+           skip_special_tokens: bool = True) -> str:
+    """`tokenizer.decode`, or with `skip_ids`: those ids dropped, every other token as its
+    text (the special markers kept, see the module docstring)."""
+    if skip_ids is None:
+        return tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+    return tokenizer.decode([t for t in ids if t not in skip_ids], skip_special_tokens=False)
+
+
 class IncrementalDetokenizer:
-    """Token ids in, text deltas out. Mutates only itself."""
+    """Token ids in, text deltas out. Mutates only itself. `skip_ids`: see the module
+    docstring (it replaces `skip_special_tokens`)."""
 
     def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int] = (),
-                 skip_special_tokens: bool = True) -> None:
+                 skip_special_tokens: bool = True,
+                 skip_ids: frozenset[int] | None = None) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self.skip_ids = skip_ids
         context = list(prompt_token_ids[-NUM_CONTEXT_TOKENS:])
         if context and self._decode(context).endswith(REPLACEMENT_CHAR):
             context = []  # a prompt ending mid-character would swallow the output's first bytes
@@ -41,7 +88,7 @@ class IncrementalDetokenizer:
         self.read_offset = len(context)  # tokens before this are already emitted
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        return decode(self.tokenizer, ids, self.skip_ids, self.skip_special_tokens)
 
     def _delta(self, final: bool) -> str:
         prefix = self._decode(self.token_ids[self.prefix_offset : self.read_offset])

@@ -68,6 +68,14 @@ _XGRAMMAR_VERSION = importlib.metadata.version("xgrammar")
 # function's schema (JSON, or xgrammar's XML styles for qwen3_coder / glm45 whose values are typed
 # by the same schema). `parallel`: one or more calls (false: exactly one); `content`: a JSON
 # schema the output may follow instead of calling (tool_choice auto + response_format).
+# Markers that are special added tokens (GLM's `<tool_call>` / `<arg_key>`, DeepSeek's
+# `<｜tool▁calls▁begin｜>` where a checkpoint marks them special) are matched by their text like
+# any token: `TokenizerInfo.from_huggingface` takes each token's string from `get_vocab()`
+# (added tokens included, HF's `special` flag is not read) and calls special (never allowed)
+# only the ids whose text decodes to nothing: vocabulary padding. So the marker's single token
+# and its spelled-out pieces both match the begin string, and the router decodes either to the
+# same text (router.tool_parsers, "Markers as special tokens").
+# tests/test_tool_formats_api.py checks this on checkpoints whose markers are special.
 _DS = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>",
        "<｜tool▁call▁end｜>", "<｜tool▁sep｜>")
 TOOL_FORMATS = ("hermes", "qwen3_coder", "glm45", "deepseek_v3")
@@ -189,7 +197,9 @@ class GrammarCache:
 
     @property
     def token_bytes(self) -> list[bytes]:
-        """Each token's bytes (b"" for special tokens), for prefix constraints and healing."""
+        """Each token's bytes, for prefix constraints, healing and `AfterMarker`: b"" for the
+        stop tokens and the ids xgrammar finds empty (padding); every other token, special
+        added tokens such as `<think>` or a tool-call marker included, has its text."""
         if self._token_bytes is None:
             special = set(self.info.special_token_ids) | set(self.stop_token_ids)
             vocab = [bytes(b) for b in self.info.decoded_vocab]
