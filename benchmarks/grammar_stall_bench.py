@@ -13,7 +13,8 @@ cache helps) or a token-healing prefix of its own. Variants, interleaved, best o
 - quiet: no arrivals;
 - grammars on the engine thread (`grammar_compile_workers: 0`, the behaviour before issue 43):
   each arrival compiles at admission and every stream waits;
-- grammars off the thread (the default pool of 2);
+- grammars off the thread (the default pool of 2), its threads at the engine's priority and
+  at the lower one they run at (the default);
 - healing tails, sorted table (`PrefixMasks`, the default) and the per-tail vocabulary scan
   it replaced (the same rule written as the old loop, `_ScanMasks`).
 
@@ -34,10 +35,13 @@ import numpy as np
 from mtpserve.workers.engine import Engine, EngineConfig
 from mtpserve.workers.paths import default_model_path
 from mtpserve.workers.sampling_params import SamplingParams
+from mtpserve.workers.structured import guide as guide_mod
 from mtpserve.workers.structured.constraint import PrefixMasks
 from mtpserve.workers.structured.spec import StructuredSpec
 from mtpserve.workers.tokenizer import load_tokenizer
 from mtpserve.workers.training.prompts import held_out_prompts
+
+NICENESS = guide_mod.COMPILE_NICENESS
 
 
 class _ScanMasks(PrefixMasks):
@@ -71,6 +75,9 @@ def _percentile(xs: list[float], q: float) -> float:
 def run(model: str, variant: str, streams: int, every: int, max_tokens: int, tag: int
         ) -> dict:
     workers = 0 if variant == "grammars-engine-thread" else 2
+    # The pool's compile threads run at a lower priority (guide.COMPILE_NICENESS); this
+    # variant runs them at the engine thread's, to measure that lever.
+    guide_mod.COMPILE_NICENESS = 0 if variant == "grammars-pool-same-priority" else NICENESS
     eng = Engine(EngineConfig(model=model, num_speculative_tokens=2, compile="off",
                               grammar_compile_workers=workers))
     tok = load_tokenizer(model)
@@ -116,8 +123,8 @@ def run(model: str, variant: str, streams: int, every: int, max_tokens: int, tag
             "steps": steps}
 
 
-VARIANTS = ["quiet", "grammars-engine-thread", "grammars-pool", "healing-scan",
-            "healing-table"]
+VARIANTS = ["quiet", "grammars-engine-thread", "grammars-pool-same-priority", "grammars-pool",
+            "healing-scan", "healing-table"]
 
 
 def main(argv: list[str] | None = None) -> dict:

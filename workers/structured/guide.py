@@ -16,6 +16,7 @@ afterwards; drafting does the same along the draft chain.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -31,6 +32,18 @@ if TYPE_CHECKING:  # xgrammar (~2 s to import) loads with the first constrained 
     from mtpserve.workers.structured.grammars import GrammarCache
 
 logger = logging.getLogger(__name__)
+
+
+COMPILE_NICENESS = 10
+
+
+def _lower_priority() -> None:
+    """A compile thread yields the CPU to the engine thread (Linux nice is per thread): on a
+    small machine the streams' next round should not wait behind a compile."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICENESS)
+    except (AttributeError, OSError):  # not Linux, or not allowed: same priority
+        pass
 
 
 class StructuredGuide:
@@ -111,7 +124,8 @@ class StructuredGuide:
         spec_grammar(spec)  # a spec that cannot be built fails now, at admission (cheap)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.compile_workers,
-                                            thread_name_prefix="grammar-compile")
+                                            thread_name_prefix="grammar-compile",
+                                            initializer=_lower_priority)
         req.grammar = self._pool.submit(lambda: self.cache.compile(spec))
         if on_done is not None:
             req.grammar.add_done_callback(lambda _: on_done())
