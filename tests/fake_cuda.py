@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
 import torch
 import torch.nn.attention.flex_attention
 import torch.utils._pytree as pytree
@@ -311,7 +312,7 @@ def fake_cuda(values: Callable[[int, str], list[int]] = zeros) -> Iterator[FakeR
     """Run the block with fake tensors, `cuda` a device, and the fake runtime in the seam."""
     _register_hops()
     rt = FakeRuntime(values)
-    mp = __import__("pytest").MonkeyPatch()
+    mp = pytest.MonkeyPatch()
     mp.setattr(loader, "safe_open", _HostFile)
     # Triton kernels need a GPU: flex attention runs its eager reference, same op, same shapes.
     # (and calls its op directly: the eager reference otherwise traces it with dynamo).

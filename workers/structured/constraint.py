@@ -126,14 +126,11 @@ class PrefixConstraint(Constraint):
         self.token_bytes = masks.token_bytes
         self.masks = masks  # shared per tokenizer
 
-    def _packed(self, rest: bytes) -> np.ndarray:
-        return self.masks.packed(rest)
-
     def fill(self, bitmask: torch.Tensor, row: int) -> bool:
         rest = self.rest[-1]
         if not rest:
             return False
-        m = self._packed(rest)
+        m = self.masks.packed(rest)
         bitmask[row, : len(m)] = torch.from_numpy(m)
         return True
 
