@@ -35,6 +35,7 @@ class Variant:
     cuda_graphs: bool = True  # CUDA: replay the compiled buckets as CUDA graphs
     attention_backend: str = "gather"  # "flex": FlexAttention over the block table
     ahead_of_time: bool = True  # CPU: AOTInductor packages (disk-cached); False: torch.compile
+    dynamic_graphs: bool = True  # CPU: one dynamic-shape package per kind; False: buckets
 
 
 def parse_variant(name: str) -> Variant:
@@ -43,9 +44,11 @@ def parse_variant(name: str) -> Variant:
     frequent tokens) and "-rounds" (a whole greedy round as one graph), in that order, e.g.
     "graphs-dv1024-rounds"; then optionally "-nocg" (CUDA: compiled graphs called, not
     replayed as CUDA graphs), "-flex" (the flex attention backend), e.g. "eager-flex", and
-    "-jit" (CPU: torch.compile in the process instead of ahead-of-time packages)."""
+    "-jit" (CPU: torch.compile in the process instead of ahead-of-time packages), then
+    "-static" (CPU: static-shape bucket packages instead of one dynamic package per kind)."""
     extra: dict = {}
-    for suffix, field_value in (("-jit", ("ahead_of_time", False)),
+    for suffix, field_value in (("-static", ("dynamic_graphs", False)),
+                                ("-jit", ("ahead_of_time", False)),
                                 ("-flex", ("attention_backend", "flex")),
                                 ("-nocg", ("cuda_graphs", False))):
         if name.endswith(suffix):
@@ -162,7 +165,8 @@ def _runner(args: BenchArgs, variant: str, max_context: int) -> tuple[ModelRunne
                          attention_backend=v.attention_backend,
                          mtp_dtype=DTYPES[v.mtp_dtype] if v.mtp_dtype else None,
                          draft_vocab_size=v.draft_vocab_size, cpp_wrapper=v.cpp_wrapper,
-                         greedy_rounds=v.greedy_rounds, compile_ahead_of_time=v.ahead_of_time)
+                         greedy_rounds=v.greedy_rounds, compile_ahead_of_time=v.ahead_of_time,
+                         dynamic_graphs=v.dynamic_graphs)
     t0 = time.perf_counter()
     batches = [1 << i for i in range(max(args.batch_sizes).bit_length())]
     queries = list(range(1, max(args.ks) + 2))

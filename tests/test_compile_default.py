@@ -86,8 +86,8 @@ def test_an_unwarmed_bucket_runs_eagerly_with_the_same_output(tiny_qwen3,
 
 @pytest.mark.slow  # a minute of compiling; compiled == eager is also conftest's compiled_decode
 def test_compiled_llm_equals_eager(tiny_qwen3, compile_as_configured) -> None:
-    """`LLM(compile="on")` compiles the buckets its prompts hit before they run (batch 1, the
-    shortest context bucket), then decodes greedily exactly like eager; under `auto` a call
+    """`LLM(compile="on")` compiles the graphs its prompts hit before they run (one
+    dynamic-shape package per kind), then decodes greedily exactly like eager; under `auto` a call
     too small to pay for a cold compile runs eagerly and compiles nothing."""
     from mtpserve.workers.llm import AUTO_COMPILE_MIN_TOKENS, LLM
 
@@ -109,7 +109,7 @@ def test_compiled_llm_equals_eager(tiny_qwen3, compile_as_configured) -> None:
     assert built is not None and built["compiled"] == 0, built
     got = llm.generate([prompt], params)[0].output_token_ids
     compiled = set(graphs.compiled)
-    assert compiled and {k.batch for k in compiled} == {1}
+    assert {k.name for k in compiled} == {"main0-dynamic", "mtp0-dynamic"}
     assert got == eager_ids
     # A second call of the same shape compiles nothing more.
     assert llm.generate([prompt], params)[0].output_token_ids == eager_ids

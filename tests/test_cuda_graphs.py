@@ -19,8 +19,10 @@ from mtpserve.workers.model_runner import ForwardBatch, ModelRunner
 
 @pytest.fixture(scope="module")
 def graph_runner(tiny_qwen3) -> ModelRunner:
-    # Building the graphs object compiles nothing; only `run` / `warmup` would.
-    return ModelRunner(tiny_qwen3, num_blocks=32, block_size=4, decode_graphs=True)
+    # Building the graphs object compiles nothing; only `run` / `warmup` would. Static
+    # buckets, as CUDA graphs use them (dynamic packages are CPU ahead-of-time only).
+    return ModelRunner(tiny_qwen3, num_blocks=32, block_size=4, decode_graphs=True,
+                       dynamic_graphs=False)
 
 
 def test_cpu_runner_has_no_cuda_graphs(graph_runner) -> None:

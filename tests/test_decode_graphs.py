@@ -26,7 +26,7 @@ def test_warmup_compiles_what_traffic_hits_first(tiny_qwen3, tmp_path) -> None:
     shorter table before a longer one; within a batch bucket the forwards of a speculative
     round (verify row, MTP extend, draft step) come before the rare 1-token main forward."""
     runner = ModelRunner(tiny_qwen3, num_blocks=32, block_size=4, decode_graphs=True,
-                         compile_cache_dir=tmp_path)
+                         compile_cache_dir=tmp_path, dynamic_graphs=False)
     g = runner.graphs
     keys = g.warmup_keys(list(range(1, 5)), [1, 2, 3], 4 * g.min_blocks * 2, 1)
     names = [k.name for k in keys]
@@ -43,6 +43,19 @@ def test_warmup_compiles_what_traffic_hits_first(tiny_qwen3, tmp_path) -> None:
     assert len(set(keys)) == len(keys) == 2 * 3 * 4
 
 
+def test_dynamic_packages_cover_every_shape(tiny_qwen3, tmp_path) -> None:
+    """One dynamic package per kind covers every batch, query length and table width, main
+    first; a forward runs at its exact shape (no power-of-two padding)."""
+    runner = ModelRunner(tiny_qwen3, num_blocks=32, block_size=4, decode_graphs=True,
+                         compile_cache_dir=tmp_path)
+    g = runner.graphs
+    keys = g.warmup_keys(list(range(1, 33)), [1, 2, 3], 4 * g.min_blocks * 8, 2)
+    assert [k.name for k in keys] == ["main0-dynamic", "mtp0-dynamic", "mtp1-dynamic"]
+    key = g.key_for("main", 0, [1, 3, 2], [[1], [2, 3, 4], [5, 6]])
+    assert (key.batch, key.query_len, key.num_blocks) == (3, 3, 3)
+    assert key.package == keys[0]
+
+
 def test_position_outside_block_table_fails() -> None:
     positions = torch.tensor([[0, 1], [4, 5]])  # row 1 position 5 needs block 1 of 1
     with pytest.raises(IndexError, match="row 1"):
@@ -56,12 +69,13 @@ def test_graph_path_rejects_position_outside_block_table(tiny_qwen3) -> None:
 
 
 @pytest.mark.slow
-def test_graph_forwards_match_eager(tiny_qwen3) -> None:
-    """Ragged batch (B=3 -> bucket 4, S=1..3 -> bucket 4), then an MTP forward over its rows,
-    then single-token steps: same logits and the same KV in every real block; the padding's
-    KV lands only in the scratch block."""
-    runners = [ModelRunner(tiny_qwen3, num_blocks=32, block_size=4, decode_graphs=g)
-               for g in (False, True)]
+@pytest.mark.parametrize("dynamic", [True, False])
+def test_graph_forwards_match_eager(tiny_qwen3, dynamic: bool) -> None:
+    """Ragged batch (static buckets: B=3 -> 4, S=1..3 -> 4; dynamic: exact shapes), then an
+    MTP forward over its rows, then single-token steps: same logits and the same KV in every
+    real block; the padding's KV lands only in the scratch block."""
+    runners = [ModelRunner(tiny_qwen3, num_blocks=32, block_size=4, decode_graphs=g,
+                           dynamic_graphs=dynamic) for g in (False, True)]
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 9, 2)]
     tables = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]]
@@ -80,7 +94,8 @@ def test_graph_forwards_match_eager(tiny_qwen3) -> None:
         out.append(runner.execute(ForwardBatch(
             "mtp", [[1], [2]], [6, 11], tables[:2], [0, 1], hidden_from="mtp",
             hidden_rows=[[0], [4]])))
-    assert runners[1].graphs is not None and len(runners[1].graphs.compiled) == 4
+    assert runners[1].graphs is not None
+    assert len(runners[1].graphs.compiled) == (2 if dynamic else 4)
     for eager, graph in zip(*outs, strict=True):
         assert eager.shape == graph.shape
         assert (eager - graph).abs().max().item() <= 1e-4

@@ -199,6 +199,7 @@ class ModelRunner:
         greedy_rounds: bool | None = None,
         compile_cache_dir: str | Path | None = None,
         compile_ahead_of_time: bool = True,
+        dynamic_graphs: bool = True,
         attention_backend: str = "auto",
         cuda_graphs: bool | None = None,
         num_state_slots: int = 64,
@@ -223,7 +224,7 @@ class ModelRunner:
             draft_vocab_size=draft_vocab_size, cpp_wrapper=cpp_wrapper,
             compile_cache_dir=None if compile_cache_dir is None else str(compile_cache_dir),
             attention_backend=attention_backend, num_state_slots=num_state_slots,
-            decode_graphs=True, cuda_graphs=False)
+            decode_graphs=True, cuda_graphs=False, dynamic_graphs=dynamic_graphs)
         self.background: BackgroundCompile | None = None
         self.device = torch.device(device)
         self.model = load_model(model_path, dtype=dtype, device=self.device)
@@ -292,7 +293,8 @@ class ModelRunner:
                                  greedy_rounds=bool(greedy_rounds))
         self.graphs = (DecodeGraphs(self.model, self.kv_cache, cpp_wrapper=cpp_wrapper,
                                     greedy_rounds=greedy_rounds, cache_dir=compile_cache_dir,
-                                    ahead_of_time=compile_ahead_of_time)
+                                    ahead_of_time=compile_ahead_of_time,
+                                    dynamic=dynamic_graphs)
                        if decode_graphs and (tp.size == 1 or tp.shm is not None) else None)
         # CUDA: every bucket warm-up compiles is also captured as a CUDA graph and replayed
         # (workers/model/cuda_graphs.py); None on CPU, where nothing changes.

@@ -72,6 +72,9 @@ class AttentionMetadata:
     # The caller's other long host tensors of this forward (ids, positions, logit rows),
     # moved in the same staged copy as the tables (`build(ride_along=...)`), on the device.
     staged: list[torch.Tensor] = field(default_factory=list)
+    # Compiled CPU graphs: [B, L] cache slot of each context position; set, attention reads
+    # the cache in place (`layers.inline_paged_attention`) instead of gathering block_index.
+    token_index: torch.Tensor | None = None
 
     @classmethod
     def build(
@@ -140,16 +143,25 @@ class AttentionMetadata:
 
 
 def graph_metadata(positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
-                   block_size: int, backend: str = "gather") -> AttentionMetadata:
+                   block_size: int, backend: str = "gather",
+                   inline: bool = True) -> AttentionMetadata:
     """The metadata of a bucket-padded compiled forward (workers/model/decode_graph.py):
     positions [B, S] and tables [B, NB] are graph inputs, slots [B * S] the KV written (padding
     into the scratch block). Nothing depends on the data: the gather backend's causal mask is
-    built from the positions, the flex backend's block mask too."""
+    built from the positions, the flex backend's block mask too. `inline` (CPU only): the
+    gather backend reads the cache in place (`layers.inline_paged_attention`); off for an
+    eager run of the graph's function, where that would materialise its products."""
     L = tables.shape[1] * block_size
     if backend == "flex":
         return AttentionMetadata(slots, None, tables.reshape(-1), None, L,
                                  FlexPagedMask(positions, tables, block_size))
-    return AttentionMetadata(slots, None, tables.reshape(-1), causal_mask(positions, L), L)
+    token_index = None
+    if inline and tables.device.type == "cpu":  # inductor's C++ kernels fuse these lookups
+        B, NB = tables.shape
+        offsets = torch.arange(block_size, device=tables.device)
+        token_index = (tables.unsqueeze(-1) * block_size + offsets).view(B, NB * block_size)
+    return AttentionMetadata(slots, None, tables.reshape(-1), causal_mask(positions, L), L,
+                             token_index=token_index)
 
 
 def causal_mask(positions: torch.Tensor, context_len: int) -> torch.Tensor:

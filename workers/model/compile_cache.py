@@ -108,9 +108,12 @@ class AOTGraphCache:
                             digest_size=12).hexdigest()
         return self.root / f"{name}-{h}.pt2"
 
-    def get(self, name: str, module: torch.nn.Module, args: tuple) -> Callable:
+    def get(self, name: str, module: torch.nn.Module, args: tuple,
+            dynamic_shapes: tuple | None = None) -> Callable:
         """The compiled callable for `module(*args)`; tensors in `args` may be mutated by the
-        module (the KV cache), which the package does in place as the eager module does."""
+        module (the KV cache), which the package does in place as the eager module does.
+        `dynamic_shapes` (torch.export's spec): the package accepts those dims at any size
+        in their ranges (`args` are then only the example it is traced at)."""
         path = self.path_for(name, args)
         if path.is_file():
             try:
@@ -122,7 +125,7 @@ class AOTGraphCache:
             except Exception as e:  # a corrupt or foreign file: rebuild it
                 log.warning("compile cache entry %s unusable (%s); compiling again", path, e)
         t0 = time.perf_counter()
-        ep = self._export(module, args)
+        ep = self._export(module, args, dynamic_shapes)
         self.root.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".tmp-", suffix=".pt2")
         os.close(fd)
@@ -144,7 +147,7 @@ class AOTGraphCache:
         return fn
 
     @staticmethod
-    def _export(module: torch.nn.Module, args: tuple):
+    def _export(module: torch.nn.Module, args: tuple, dynamic_shapes: tuple | None = None):
         # Export traces with fake tensors (nothing is written to the KV cache) and needs
         # tensors created outside inference mode.
         def plain(a):
@@ -155,4 +158,5 @@ class AOTGraphCache:
                     else a)
 
         with torch.inference_mode(False), torch.no_grad():
-            return torch.export.export(module, plain(args), strict=False)
+            return torch.export.export(module, plain(args), dynamic_shapes=dynamic_shapes,
+                                       strict=False)

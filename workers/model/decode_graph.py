@@ -58,16 +58,33 @@ def query_bucket(n: int) -> int:
 
 @dataclass(frozen=True)
 class GraphKey:
+    """A static bucket, or (`dynamic`) one forward's exact shape run by the one package of
+    its (kind, module) whose batch, query length and table width are dynamic; that package's
+    own key (`package`) has batch = query_len = num_blocks = 0."""
+
     kind: str  # "main" | "mtp" | "round" (a whole greedy round: query_len = k + 1, exact)
     module: int
-    batch: int  # B bucket
-    query_len: int  # S bucket
-    num_blocks: int  # block-table width bucket
+    batch: int  # B bucket (dynamic: B)
+    query_len: int  # S bucket (dynamic: S)
+    num_blocks: int  # block-table width bucket (dynamic: the widest row's)
+    dynamic: bool = False
+
+    @property
+    def package(self) -> GraphKey:
+        """The key of the graph that runs this shape (itself when static)."""
+        return GraphKey(self.kind, self.module, 0, 0, 0, True) if self.dynamic else self
 
     @property
     def name(self) -> str:
         """The bucket's name in logs, progress reports and compile-cache file names."""
+        if self.dynamic:
+            return f"{self.kind}{self.module}-dynamic"
         return f"{self.kind}{self.module}-b{self.batch}-s{self.query_len}-nb{self.num_blocks}"
+
+
+# Example shape a dynamic package is exported at (every dynamic dim > 1, so export keeps it
+# symbolic); fixed, so its compile-cache file name never depends on the first traffic.
+_DYNAMIC_EXAMPLE = (4, 4, 8)  # batch, query length, table width
 
 
 @dataclass
@@ -84,9 +101,11 @@ class GraphInputs:
 
 def _main_graph(model: CausalLM, block_size: int, ids: torch.Tensor, positions: torch.Tensor,
                 slots: torch.Tensor, tables: torch.Tensor, logit_rows: torch.Tensor,
-                caches: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+                caches: list[torch.Tensor], inline: bool = True
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     B, S = ids.shape
-    attn = graph_metadata(positions, slots, tables, block_size, model.attention_backend)
+    attn = graph_metadata(positions, slots.reshape(-1), tables, block_size,
+                          model.attention_backend, inline)
     flat = model(ids, positions, attn, caches).reshape(B * S, -1)  # [B*S, hidden]
     return flat, model.compute_logits(flat[logit_rows])
 
@@ -94,9 +113,11 @@ def _main_graph(model: CausalLM, block_size: int, ids: torch.Tensor, positions: 
 def _mtp_graph(model: CausalLM, block_size: int, module: int, ids: torch.Tensor,
                prev: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                tables: torch.Tensor, logit_rows: torch.Tensor,
-               caches: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+               caches: list[torch.Tensor], inline: bool = True
+               ) -> tuple[torch.Tensor, torch.Tensor]:
     B, S = ids.shape
-    attn = graph_metadata(positions, slots, tables, block_size, model.attention_backend)
+    attn = graph_metadata(positions, slots.reshape(-1), tables, block_size,
+                          model.attention_backend, inline)
     flat = model.forward_mtp(module, ids, prev, positions, attn, caches).reshape(B * S, -1)
     return flat, model.compute_mtp_logits(module, flat[logit_rows])
 
@@ -175,7 +196,7 @@ class DecodeGraphs:
     def __init__(self, model: CausalLM, kv_cache: KVCache, max_query_len: int = 16,
                  min_blocks: int = 32, freeze: bool = True, cpp_wrapper: bool = True,
                  greedy_rounds: bool = False, cache_dir: str | Path | None = None,
-                 ahead_of_time: bool = True) -> None:
+                 ahead_of_time: bool = True, dynamic: bool = True) -> None:
         self.model = model
         self.kv = kv_cache
         self.block_size = kv_cache.block_size
@@ -216,6 +237,16 @@ class DecodeGraphs:
                                    getattr(model, "attention_backend", None),
                                    (get_tp().rank, get_tp().size))
             self.aot = AOTGraphCache(root, fp, lambda: _cpu_compile_settings(True, False))
+        # One ahead-of-time package per (kind, module) with dynamic batch, query length and
+        # table width instead of one per static bucket: 2 packages cover the default config
+        # (72 static buckets took ~40 minutes to compile here), and every forward runs at
+        # its exact shape (no rows padded to a power of two, no table padded to 32 blocks:
+        # at 10 rows the padded bucket cost 18 ms where the exact shape costs 12).
+        # Static buckets stay for torch.compile (CUDA graphs need fixed shapes) and for a
+        # model whose dynamic export fails (`_run_dynamic`).
+        # (FlexAttention's block mask does not export with dynamic dims: flex stays static.)
+        self.dynamic = (dynamic and self.aot is not None
+                        and getattr(model, "attention_backend", None) != "flex")
         self._fns: dict[GraphKey, Callable] = {}
         self.compiled: set[GraphKey] = set()
         # After `warmup`, a bucket it did not compile (e.g. a short prefill chunk) runs eagerly
@@ -238,7 +269,13 @@ class DecodeGraphs:
         S = max(lens)
         if S > self.max_query_len:
             return None
-        nb = bucket(max(len(t) for t in tables), self.min_blocks)
+        widest = max(len(t) for t in tables)
+        if self.dynamic and kind != "round":
+            if widest > self.max_blocks:
+                return None
+            key = GraphKey(kind, module, len(lens), S, widest, True)
+            return None if self.warmed and key.package not in self.compiled else key
+        nb = bucket(widest, self.min_blocks)
         if nb > self.max_blocks:
             return None
         key = GraphKey(kind, module, bucket(len(lens)), query_bucket(S), nb)
@@ -293,9 +330,11 @@ class DecodeGraphs:
         """main / mtp: (hidden [Bp*Sp, hidden] in padded layout, logits [Bp*Sp, V]);
         round: (accepted [Bp], bonus [Bp], drafts [Bp, k]) with `prev` the rows' room."""
         k = inp.key
-        fn = self._fns.get(k)
+        fn = self._fns.get(k.package)
         if fn is not None:
             return tuple(fn(*self._args(inp, prev)))
+        if k.dynamic:
+            return self._run_dynamic(inp, prev)
         if k not in self.compiled:  # this call compiles (or loads) the bucket's graph
             self.compiled.add(k)
             if self.aot is not None:
@@ -311,6 +350,57 @@ class DecodeGraphs:
                 return self._call(inp, prev)
         return self._call(inp, prev)
 
+    def _run_dynamic(self, inp: GraphInputs,
+                     prev: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        """Build (or load) the dynamic package of `inp`'s (kind, module), exported at the
+        fixed example shape, then run `inp`. If the export or compile fails, every later
+        forward uses static buckets (`key_for`) and this one runs eagerly."""
+        pkg = inp.key.package
+        self.compiled.add(pkg)
+        ex_inp, ex_prev = self.example_inputs(pkg)
+        try:
+            fn = self.aot.get(*self._module(pkg), self._args(ex_inp, ex_prev),
+                              dynamic_shapes=self._dynamic_shapes(pkg))
+        except Exception as e:
+            log.warning("dynamic-shape package %s failed (%s); using static buckets",
+                        pkg.name, e)
+            self.compiled.discard(pkg)
+            self.dynamic = False
+            return self._eager(inp, prev)
+        self._fns[pkg] = fn
+        return tuple(fn(*self._args(inp, prev)))
+
+    def _eager(self, inp: GraphInputs,
+               prev: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A main / mtp forward of `inp`'s shape without any graph."""
+        k = inp.key
+        if k.kind == "main":
+            return _main_graph(self.model, self.block_size, inp.ids, inp.positions, inp.slots,
+                               inp.tables, inp.logit_rows, self.kv.buffers, inline=False)
+        return _mtp_graph(self.model, self.block_size, k.module, inp.ids, self._mtp_prev(k, prev),
+                          inp.positions, inp.slots, inp.tables, inp.logit_rows,
+                          self.kv.buffers, inline=False)
+
+    def _dynamic_shapes(self, pkg: GraphKey) -> tuple:
+        """torch.export's dynamic dims of a package's arguments (`_args` order)."""
+        from torch.export import Dim
+
+        B = Dim("B", min=1, max=4096)
+        S = Dim("S", min=1, max=self.max_query_len)
+        nb = Dim("NB", min=1, max=self.max_blocks)
+        rows = Dim("R", min=1, max=4096 * self.max_query_len)
+        bs = {0: B, 1: S}
+        tail = ({0: B, 1: nb}, {0: rows}, [None] * len(self.kv.buffers))
+        if pkg.kind == "main":
+            return (bs, bs, bs) + tail
+        return (bs, {0: B, 1: S}, bs, bs) + tail
+
+    def _mtp_prev(self, k: GraphKey, prev: torch.Tensor) -> torch.Tensor:
+        # One input dtype per graph: the previous hidden comes from the main model (model
+        # dtype) or from a draft step (the MTP's dtype, maybe bf16); a second dtype would make
+        # dynamo recompile the bucket on the serving path.
+        return prev.to(self.model.mtp[k.module].eh_proj.weight.dtype)
+
     def _module(self, k: GraphKey) -> tuple[str, torch.nn.Module]:
         name = k.name
         if k.kind == "round":
@@ -323,12 +413,12 @@ class DecodeGraphs:
         k = inp.key
         if k.kind == "round":
             return (inp.ids, inp.positions, inp.slots, inp.tables, prev, self.kv.buffers)
+        slots = inp.slots.view(inp.ids.shape)  # [B, S]: export can name both dims
         if k.kind == "main":
-            return (inp.ids, inp.positions, inp.slots, inp.tables, inp.logit_rows,
+            return (inp.ids, inp.positions, slots, inp.tables, inp.logit_rows,
                     self.kv.buffers)
-        prev = prev.to(self.model.mtp[k.module].eh_proj.weight.dtype)
-        return (inp.ids, prev, inp.positions, inp.slots, inp.tables, inp.logit_rows,
-                self.kv.buffers)
+        return (inp.ids, self._mtp_prev(k, prev), inp.positions, slots, inp.tables,
+                inp.logit_rows, self.kv.buffers)
 
     def compile_stats(self) -> dict[str, float]:
         """Graphs built here vs loaded from the on-disk cache, and the seconds each took."""
@@ -377,10 +467,7 @@ class DecodeGraphs:
             return self._main(self.model, self.block_size, inp.ids, inp.positions, inp.slots,
                               inp.tables, inp.logit_rows, self.kv.buffers)
         assert prev is not None
-        # One input dtype per graph: the previous hidden comes from the main model (model
-        # dtype) or from a draft step (the MTP's dtype, maybe bf16); a second dtype would make
-        # dynamo recompile the bucket on the serving path.
-        prev = prev.to(self.model.mtp[k.module].eh_proj.weight.dtype)
+        prev = self._mtp_prev(k, prev)
         return self._mtp(self.model, self.block_size, k.module, inp.ids, prev, inp.positions,
                          inp.slots, inp.tables, inp.logit_rows, self.kv.buffers)
 
@@ -411,6 +498,11 @@ class DecodeGraphs:
         done = 0
         restart_deadline = None
         for i, key in enumerate(cached + cold):
+            if key.dynamic and not self.dynamic:  # a dynamic export failed: static buckets
+                self.planned = [k for k in self.planned if not k.dynamic]
+                return done + self.warmup(batch_sizes, query_lens, max_context, mtp_modules,
+                                          log, deadline, cached_only, restart_budget_s,
+                                          run_bucket)
             if i == len(cached) and cached and restart_budget_s is not None:
                 restart_deadline = time.monotonic() + restart_budget_s
                 deadline = (restart_deadline if deadline is None
@@ -429,7 +521,10 @@ class DecodeGraphs:
         return done
 
     def example_inputs(self, key: GraphKey) -> tuple[GraphInputs, torch.Tensor | None]:
-        """Inputs of `key`'s shapes that write only the scratch block (what warm-up runs)."""
+        """Inputs of `key`'s shapes that write only the scratch block (what warm-up runs; a
+        dynamic package's: its fixed example shape)."""
+        if key.dynamic and key.batch == 0:
+            key = GraphKey(key.kind, key.module, *_DYNAMIC_EXAMPLE, True)
         table = [self.kv.scratch_block] * key.num_blocks
         B, S = key.batch, key.query_len
         if key.kind == "round":
@@ -470,6 +565,9 @@ class DecodeGraphs:
         kinds = [("main", 0)] + [("mtp", m) for m in range(mtp_modules)]
         fused = self.greedy_rounds and mtp_modules == 1 and any(s >= 2 for s in query_lens)
         batches = sorted({bucket(b) for b in batch_sizes})
+        if self.dynamic:  # one package per kind covers every shape; fused rounds are static
+            return [GraphKey(kind, module, 0, 0, 0, True) for kind, module in kinds] + [
+                GraphKey("round", 0, B, 2, nb) for nb in nbs for B in batches if fused]
         rare = len(queries) > 1  # speculating: a 1-token main forward is the exception
         keys = []
         for nb in nbs:

@@ -158,6 +158,9 @@ class Attention(nn.Module):
                 out = attn.flex.attend(q.transpose(1, 2), kv_cache, self.scale)
                 out = out.transpose(1, 2).reshape(B, S, -1)
                 return self.o_proj(out if gate is None else out * gate)
+            if attn.token_index is not None:  # compiled CPU graph: no context copy
+                out = inline_paged_attention(q, flat, attn.token_index, attn.mask, self.scale)
+                return self.o_proj(out if gate is None else out * gate)
             # index_select on the block dim is a plain copy of contiguous blocks (several
             # times faster than advanced indexing): [2, B, L, Hk, D].
             ctx = kv_cache.index_select(1, attn.block_index).view(
@@ -168,6 +171,29 @@ class Attention(nn.Module):
             )
         out = out.transpose(1, 2).reshape(B, S, -1)
         return self.o_proj(out if gate is None else out * gate)
+
+
+def inline_paged_attention(q: torch.Tensor, flat_kv: torch.Tensor, token_index: torch.Tensor,
+                           mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention over the paged cache written as broadcast products and reductions, for
+    inductor's CPU code generator: it fuses the `token_index` lookups into the score and
+    output reductions as indirect loads, so no row's context is copied out of the cache (the
+    gather path copies [2, B, L, Hk, D] per layer, then SDPA reads it again; measured on the
+    default model at 16 rows x 512 positions: 14.4 vs 18.0 ms per forward). Eagerly this
+    would materialise [B, S, L, Hk, G, D] products: only compiled graphs take it.
+
+    q [B, S, Hq, D]; flat_kv [2, slots, Hk, D]; token_index [B, L] cache slot of each context
+    position; mask [B, 1, S, L] bool. Returns [B, S, Hq * D]."""
+    B, S, Hq, D = q.shape
+    Hk = flat_kv.shape[2]
+    G = Hq // Hk
+    L = token_index.shape[1]
+    k = flat_kv[0][token_index].to(q.dtype).view(B, 1, L, Hk, 1, D)
+    v = flat_kv[1][token_index].to(q.dtype).view(B, 1, L, Hk, 1, D)
+    scores = (q.reshape(B, S, 1, Hk, G, D) * k).sum(-1) * scale  # [B, S, L, Hk, G]
+    scores = scores.masked_fill(~mask.view(B, S, L, 1, 1), float("-inf"))
+    p = torch.softmax(scores, dim=2).unsqueeze(-1)
+    return (p * v).sum(2).reshape(B, S, Hq * D)
 
 
 class DecoderLayer(nn.Module):
