@@ -130,7 +130,9 @@ def _guidellm(guidellm: str, port: int, model: str, streams: int, requests: int,
     from mtpserve.workers.paths import default_model_path
 
     cmd = [guidellm, "run",
-           "--backend", f"kind=openai_http,target=http://127.0.0.1:{port},model={model}",
+           # /v1/completions: the default model has no chat template (vLLM refuses chat)
+           "--backend", f"kind=openai_http,target=http://127.0.0.1:{port},model={model},"
+           "request_format=/v1/completions",
            "--profile", f"kind=concurrent,streams={streams}",
            "--data", "kind=synthetic_text,prompt_tokens=128,output_tokens=64",
            "--constraint", f"kind=max_requests,count={requests}",
@@ -285,9 +287,10 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--json", type=Path)
-    ap.add_argument("--served", action="store_true",
-                    help="also guidellm against `mtpserve up` and `vllm serve`, each from an "
-                         "empty compile cache, then again warm")
+    ap.add_argument("--served", nargs="*", choices=("mtpserve", "vllm"),
+                    help="also guidellm against `mtpserve up` and (with --vllm-python) "
+                         "`vllm serve`, or the ones named, each from an empty compile cache, "
+                         "then again warm")
     ap.add_argument("--offline", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--requests", type=int, default=24)
@@ -331,11 +334,13 @@ def main() -> None:
         record("vllm", "qwen3" if k == 0 else "glm4_moe", k,
                theirs(args.vllm_python, plain if k == 0 else twin, prompts,
                       args.batch_sizes, k, args.max_tokens, args.reps, args.threads))
-    if args.served:
+    served = None if args.served is None else set(args.served or ("mtpserve", "vllm"))
+    if served:
         result["served"] = []
         result["served_after_health_s"] = args.after_health
-        servers = [("mtpserve up", lambda c, o: served_ours(args, c, o))]
-        if args.vllm_python:
+        servers = [("mtpserve up", lambda c, o: served_ours(args, c, o))
+                   ] if "mtpserve" in served else []
+        if args.vllm_python and "vllm" in served:
             k = args.vllm_serve_k
             servers.append((f"vllm serve{f' mtp k={k}' if k else ''}",
                             lambda c, o: served_vllm(args, twin if k else plain, k, c, o)))
@@ -347,7 +352,7 @@ def main() -> None:
                 result["served"].append({"server": name, "cache": state, "rows": rows})
     if result["offline"]:
         print("\n".join(table(result)))
-    if args.served:
+    if served:
         print("\n".join(served_table(result)))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

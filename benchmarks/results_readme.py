@@ -346,13 +346,21 @@ def grammar_stall(name: str) -> list[str]:
 
 
 def peer(name: str) -> list[str]:
-    from mtpserve.benchmarks.peer_bench import table
+    from mtpserve.benchmarks.peer_bench import served_table, table
 
     d = _load(name)
-    return [f"tok/s (tokens per round), {d['dtype']}, {d['threads']} threads, "
-            f"{d['num_prompts']} held-out prompts cycled to each batch, {d['max_tokens']} "
-            "greedy tokens each, end to end per `generate` call (prefill included), best of "
-            "2 after a warm call.", "", *table(d)]
+    out = [f"tok/s (tokens per round), {d['dtype']}, {d['threads']} threads, "
+           f"{d['num_prompts']} held-out prompts cycled to each batch, {d['max_tokens']} "
+           "greedy tokens each, end to end per `generate` call (prefill included), best of "
+           "2 after a warm call.", "", *table(d)]
+    if d.get("served"):
+        out += ["", "Served (`--served`): guidellm, concurrent streams, synthetic 128-token "
+                "prompts, 64 output tokens, 24 requests per run over `/v1/completions`, "
+                f"starting {d['served_after_health_s']:.0f} s after the server's first "
+                "healthy answer; `mtpserve up` is the default config (disaggregated, "
+                "adaptive k <= 2, background compile on), `vllm serve` plain decoding. Output "
+                "tok/s (ITL p50 ms):", "", *served_table(d)]
+    return out
 
 
 @dataclass(frozen=True)
