@@ -64,9 +64,15 @@ def running_server(cfg: dict, timeout_s: float) -> Iterator[float]:
         threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
         yield start_s
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        stop_process_group(proc, 120)
         Path(f.name).unlink(missing_ok=True)
+
+
+def stop_process_group(proc: subprocess.Popen, timeout_s: float) -> None:
+    """SIGTERM to a server started with `start_new_session=True` and its children, then
+    SIGKILL if it has not exited within `timeout_s`."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)

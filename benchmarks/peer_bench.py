@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -177,6 +176,8 @@ def served_vllm(args, model_dir: str, k: int, cache: Path, out: Path) -> list[di
     `cache`."""
     import urllib.request
 
+    from mtpserve.benchmarks.local_server import stop_process_group
+
     env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CACHE_ROOT": str(cache / "vllm"),
            "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4")}
@@ -205,11 +206,7 @@ def served_vllm(args, model_dir: str, k: int, cache: Path, out: Path) -> list[di
         t_health = time.perf_counter()
         return _measure(args, args.port, "tiny-code-mtp", out, t_health - t0, t_health)
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        stop_process_group(proc, 60)
         log.close()
 
 

@@ -56,6 +56,29 @@ def test_dynamic_packages_cover_every_shape(tiny_qwen3, tmp_path) -> None:
     assert key.package == keys[0]
 
 
+def test_a_failed_dynamic_export_falls_back_to_static_buckets(tiny_qwen3, tmp_path) -> None:
+    """A model whose dynamic export fails: that forward runs eagerly with the eager logits,
+    and from then on the forwards map to static buckets (nothing compiled here: the export
+    is made to fail before it starts)."""
+    eager = ModelRunner(tiny_qwen3, num_blocks=16, block_size=4, decode_graphs=False)
+    runner = ModelRunner(tiny_qwen3, num_blocks=16, block_size=4, decode_graphs=True,
+                         compile_cache_dir=tmp_path)
+    g = runner.graphs
+    assert g.dynamic
+
+    def refuse(*a, **kw):
+        raise RuntimeError("export refused")
+
+    g.aot.get = refuse
+    batch = ForwardBatch("main", [[3, 4, 5], [6, 7]], [0, 0], [[1, 2], [3]], [2, 3])
+    want = eager.execute(batch)
+    got = runner.execute(batch)
+    assert (want - got).abs().max().item() <= 1e-5
+    assert not g.dynamic and not g.compiled
+    key = g.key_for("main", 0, [1, 1], [[1, 2], [3]])
+    assert not key.dynamic and (key.batch, key.num_blocks) == (2, g.min_blocks)
+
+
 def test_position_outside_block_table_fails() -> None:
     positions = torch.tensor([[0, 1], [4, 5]])  # row 1 position 5 needs block 1 of 1
     with pytest.raises(IndexError, match="row 1"):

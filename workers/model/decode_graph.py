@@ -1,11 +1,15 @@
-"""Fixed-shape decode forwards: one compiled graph per (kind, module, batch, query, blocks) bucket.
+"""Compiled decode forwards: on CPU one dynamic-shape package per (kind, module), elsewhere one
+fixed-shape graph per (kind, module, batch, query, blocks) bucket.
 
 A decode step is dominated by fixed per-op cost (~360 small eager ops per forward), not by
 arithmetic. Compiling the forward with inductor fuses the norms, RoPE, residuals and the
 attention bookkeeping into a few kernels (on CPU with freezing, which also pre-packs the linear
-weights). Shapes are static per bucket, never dynamic (a dynamic-shape attempt recompiled and ran
-7x slower): batch B and query length S are rounded up to powers of two, the block table to a
-power of two of at least `min_blocks` blocks. Nothing in the graph branches on data: padding
+weights). On CPU an ahead-of-time package is exported with batch, query length and table width
+as dynamic dims and runs every forward at its exact shape (a dynamic torch.compile attempt,
+which recompiled per shape, ran 7x slower; an exported package compiles once). Static buckets
+(torch.compile / CUDA graphs, flex, a failed dynamic export) round batch B and query length S
+up to powers of two, the block table to a power of two of at least `min_blocks` blocks.
+Nothing in the graph branches on data: padding
 query slots write their K/V into the cache's scratch block, padding table entries point at it,
 and the causal mask is always a tensor built in the graph from the positions.
 
@@ -69,10 +73,15 @@ class GraphKey:
     num_blocks: int  # block-table width bucket (dynamic: the widest row's)
     dynamic: bool = False
 
+    @staticmethod
+    def dynamic_package(kind: str, module: int) -> GraphKey:
+        """The key of (kind, module)'s dynamic-shape package."""
+        return GraphKey(kind, module, 0, 0, 0, True)
+
     @property
     def package(self) -> GraphKey:
         """The key of the graph that runs this shape (itself when static)."""
-        return GraphKey(self.kind, self.module, 0, 0, 0, True) if self.dynamic else self
+        return GraphKey.dynamic_package(self.kind, self.module) if self.dynamic else self
 
     @property
     def name(self) -> str:
@@ -239,9 +248,9 @@ class DecodeGraphs:
             self.aot = AOTGraphCache(root, fp, lambda: _cpu_compile_settings(True, False))
         # One ahead-of-time package per (kind, module) with dynamic batch, query length and
         # table width instead of one per static bucket: 2 packages cover the default config
-        # (72 static buckets took ~40 minutes to compile here), and every forward runs at
-        # its exact shape (no rows padded to a power of two, no table padded to 32 blocks:
-        # at 10 rows the padded bucket cost 18 ms where the exact shape costs 12).
+        # where it had 72 static buckets of ~30 s each, and every forward runs at its exact
+        # shape (no rows padded to a power of two, no table padded to 32 blocks: 10 rows of
+        # ~280 positions ran the 16-row, 32-block bucket in 18 ms, the exact shape in 12).
         # Static buckets stay for torch.compile (CUDA graphs need fixed shapes) and for a
         # model whose dynamic export fails (`_run_dynamic`).
         # (FlexAttention's block mask does not export with dynamic dims: flex stays static.)
@@ -391,9 +400,9 @@ class DecodeGraphs:
         rows = Dim("R", min=1, max=4096 * self.max_query_len)
         bs = {0: B, 1: S}
         tail = ({0: B, 1: nb}, {0: rows}, [None] * len(self.kv.buffers))
-        if pkg.kind == "main":
+        if pkg.kind == "main":  # ids, positions, slots
             return (bs, bs, bs) + tail
-        return (bs, {0: B, 1: S}, bs, bs) + tail
+        return (bs, bs, bs, bs) + tail  # ids, prev hidden [B, S, hidden], positions, slots
 
     def _mtp_prev(self, k: GraphKey, prev: torch.Tensor) -> torch.Tensor:
         # One input dtype per graph: the previous hidden comes from the main model (model
@@ -566,7 +575,7 @@ class DecodeGraphs:
         fused = self.greedy_rounds and mtp_modules == 1 and any(s >= 2 for s in query_lens)
         batches = sorted({bucket(b) for b in batch_sizes})
         if self.dynamic:  # one package per kind covers every shape; fused rounds are static
-            return [GraphKey(kind, module, 0, 0, 0, True) for kind, module in kinds] + [
+            return [GraphKey.dynamic_package(kind, module) for kind, module in kinds] + [
                 GraphKey("round", 0, B, 2, nb) for nb in nbs for B in batches if fused]
         rare = len(queries) > 1  # speculating: a 1-token main forward is the exception
         keys = []

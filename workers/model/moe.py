@@ -274,7 +274,8 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """x [T, hidden], weights/idx [T, K] -> this rank's partial sum [T, hidden]."""
         T, K = idx.shape
-        # T and K are static (a compiled bucket's shape), so this choice is too.
+        # T and K are static in a compiled bucket, so this choice is too; a dynamic-shape
+        # package is traced with T * K > 1 and runs the grouped path at every T.
         if T * K <= _GATHER_PAIRS:
             return self._gathered(x, weights, idx)
         return self._grouped(x, weights, idx)
