@@ -129,7 +129,6 @@ def test_legacy_top_level_rope_keys(ckpt, tmp_path) -> None:
     ({"layer_types": ["sliding_attention", "full_attention"]}, "sliding_attention"),
     ({"index_topk": 2048}, "index_topk"),
     ({"kv_lora_rank": 16}, "kv_lora_rank"),
-    ({"model_type": "deepseek_v32"}, "DSA"),
     ({"hidden_act": "gelu"}, "gelu"),
     ({"model_type": "glm4_moe", "n_routed_experts": 8, "num_experts_per_tok": 2,
       "moe_intermediate_size": 32, "topk_method": "greedy"}, "topk_method"),

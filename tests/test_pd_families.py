@@ -6,9 +6,10 @@ tests/test_disagg_datapath.py). The TP-2 side runs in this process with its rank
 of a local cluster; the TP-1 side runs in a child process of its own (a process holds one TP
 layout, `parallel.set_tp`, as a Serve replica does); KV over loopback gloo pairs. On tiny
 random checkpoints saved by transformers' own classes: GLM-4.5 (GQA, its 2 KV heads split
-across decode ranks, MoE MTP layer), Qwen3-MoE (GQA, no MTP layer: k = 0) and DeepSeek-V3
+across decode ranks, MoE MTP layer), Qwen3-MoE (GQA, no MTP layer: k = 0), DeepSeek-V3
 (MLA: the latent replicated on every rank, pulled whole by each decode rank from one prefill
-replica). Disaggregated greedy (k = 2 with an MTP layer) == the single-process engine; every
+replica) and DeepSeek-V3.2 (the same slot also holding the DSA indexer's key, prompts longer
+than its top-k). Disaggregated greedy (k = 2 with an MTP layer) == the single-process engine; every
 pull really happened (no recompute) and every block is free on both sides well before the
 hold TTL (a 2 -> 1 MLA prefill rank nobody pulls from is dropped, not left to expire).
 """
@@ -32,7 +33,7 @@ pytestmark = pytest.mark.ray
 ray = pytest.importorskip("ray")
 
 # family -> MTP layers in its checkpoint (Qwen3-MoE ships none).
-FAMILIES = {"glm4_moe": 1, "qwen3_moe": 0, "deepseek_v3": 1}
+FAMILIES = {"glm4_moe": 1, "qwen3_moe": 0, "deepseek_v3": 1, "deepseek_v32": 1}
 HOLD_TTL_S = 60.0  # far above the wait below: a block freed in time was released, not expired
 MAX_TOKENS = 10
 
@@ -179,9 +180,10 @@ def prompts() -> list[list[int]]:
 
 
 # The default tier runs one case per direction and per cache shape (MLA's replicated latent
-# 1 -> 2, GQA MoE 2 -> 1); the other four are the slow tier. Each family's P/D exactness at
-# TP=1 is also test_model_families.py::test_disaggregated_equals_offline.
-_DEFAULT_CASES = {("deepseek_v3", 1, 2), ("glm4_moe", 2, 1)}
+# 1 -> 2, with and without DSA, GQA MoE 2 -> 1); the other six are the slow tier. Each
+# family's P/D exactness at TP=1 is also test_model_families.py's
+# test_disaggregated_equals_offline.
+_DEFAULT_CASES = {("deepseek_v3", 1, 2), ("glm4_moe", 2, 1), ("deepseek_v32", 1, 2)}
 
 
 @pytest.mark.parametrize(("family", "prefill_tp", "decode_tp"), [
@@ -231,7 +233,7 @@ def test_disaggregated_across_tp_sizes_equals_offline(local_ray, ckpts, family, 
         assert pst["pending"] == dst["pending"] == []
         # Decode rank 0 pulled every request: MLA's latent from one prefill replica, GQA's
         # heads from every prefill rank that holds some of them.
-        mla = family == "deepseek_v3"
+        mla = family in ("deepseek_v3", "deepseek_v32")
         per_request = 1 if mla else max(prefill_tp // decode_tp, 1)
         assert dst["kv"]["pulls"] == len(ps) * per_request
         # Prefill rank 0 served every decode rank that pulls from it.

@@ -258,6 +258,9 @@ class ModelRunner:
             self.state_cache = StateCache(self.config, num_state_slots, dtype, self.device,
                                           num_speculative_tokens)
             decode_graphs = greedy_rounds = cuda_graphs = False
+        if self.config.mla is not None and self.config.mla.dsa is not None:
+            # DSA's top-k over the live context length is not in the graphs yet: eager.
+            decode_graphs = greedy_rounds = cuda_graphs = False
         if cuda_graphs is None:
             cuda_graphs = self.device.type == "cuda"
         self.kv_budget: KVMemoryBudget | None = None

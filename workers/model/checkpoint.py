@@ -69,6 +69,10 @@ def block_tensor_names(cfg: ModelConfig, prefix: str, layer_idx: int = 0,
                 ("q_proj",) if cfg.mla.q_lora_rank is None
                 else ("q_a_proj", "q_a_layernorm", "q_b_proj"))
             + ("kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")]
+        if cfg.mla.dsa is not None and layer_idx not in cfg.mla.dsa.shared_layers:
+            names += [f"self_attn.indexer.{n}" for n in (
+                "wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias",
+                "weights_proj.weight")]
     full = cfg.layer(layer_idx).attention != "linear"
     if cfg.attention_bias and full:
         names += _BIAS
@@ -189,6 +193,12 @@ def expected_shape(cfg: ModelConfig, internal: str) -> tuple[int, ...]:
     key = ".".join(leaf)
     inter = cfg.intermediate_size
     mla = cfg.mla
+    if mla is not None and ".self_attn.indexer." in internal:
+        assert mla.dsa is not None
+        n, dh = mla.dsa.index_n_heads, mla.dsa.index_head_dim
+        return {"wq_b.weight": (n * dh, mla.q_lora_rank or 0), "wk.weight": (dh, h),
+                "k_norm.weight": (dh,), "k_norm.bias": (dh,),
+                "weights_proj.weight": (n, h)}[key]
     if mla is not None and ".self_attn." in internal:
         H = cfg.num_attention_heads
         return {

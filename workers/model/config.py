@@ -26,9 +26,7 @@ logger = logging.getLogger(__name__)
 _TEXT_PART = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 
 # Families we know of but do not serve yet, with the reason (named by `check` and `up`).
-_NOT_YET = {
-    "deepseek_v32": "the DSA (sparse attention) indexer is not implemented",
-}
+_NOT_YET: dict[str, str] = {}
 
 
 @dataclass(frozen=True)
@@ -105,10 +103,8 @@ class ModelConfig:
         values) split in two halves over the two planes, so the cache keeps one shape for
         every family (KV bytes per token are exactly the latent's) and every TP rank holds
         the whole latent (its heads all read it)."""
-        if self.mla is not None:
-            if self.mla.latent_dim % 2:
-                raise UnsupportedConfig(f"MLA latent of odd size {self.mla.latent_dim}")
-            return 1, self.mla.latent_dim // 2
+        if self.mla is not None:  # cache_dim is even (padded)
+            return 1, self.mla.cache_dim // 2
         return kv_head_split(self.num_key_value_heads, tp_size)[0], self.head_dim
 
     @property
@@ -132,6 +128,9 @@ class ModelConfig:
             lines.append(f"layers {_ranges(idx)}: {kind} ({len(idx)})")
         if self.mla is not None:
             lines.append(f"attention: {self.num_attention_heads} heads, {self.mla.describe()}")
+            if self.mla.dsa is not None:
+                lines.append(self.mla.dsa.describe() + "; the indexer's keys page with the "
+                             "latent; forwards run eagerly (no compiled graphs yet)")
         else:
             lines.append(f"attention: {self.num_attention_heads} heads, "
                          f"{self.num_key_value_heads} KV heads, head dim {self.head_dim}"
@@ -180,7 +179,8 @@ class ModelConfig:
             )
         fields = family(cfg)
         _refuse_unknown_math(cfg, mla=fields.mla is not None,
-                             hybrid=fields.linear is not None)
+                             hybrid=fields.linear is not None,
+                             dsa=fields.mla is not None and fields.mla.dsa is not None)
         rope = parse_rope(cfg)
         quant = parse_quantization(cfg)
         heads = cfg["num_attention_heads"]
@@ -343,20 +343,24 @@ def _ranges(idx: list[int]) -> str:
     return ", ".join(out)
 
 
-def _refuse_unknown_math(cfg: dict[str, Any], mla: bool = False, hybrid: bool = False
-                         ) -> None:
+def _refuse_unknown_math(cfg: dict[str, Any], mla: bool = False, hybrid: bool = False,
+                         dsa: bool = False) -> None:
     """Config keys that change the model's math and that we do not implement: refused by name
     (serving such a model as if they were absent would be silently wrong)."""
     if cfg.get("use_sliding_window"):
         raise UnsupportedConfig(f"use_sliding_window (sliding_window "
                                 f"{cfg.get('sliding_window')}) is not supported")
     allowed = {"full_attention", "linear_attention"} if hybrid else {"full_attention"}
+    if dsa:  # DeepSeek-V3.2 / GLM-5 name every DSA layer so
+        allowed.add("indexed_attention")
     other = sorted({t for t in cfg.get("layer_types") or [] if t not in allowed})
     if other:
         raise UnsupportedConfig(f"layer_types {other} are not supported (full_attention only)")
     for key in ("index_topk", "index_n_heads", "index_head_dim"):
-        if cfg.get(key) is not None:
-            raise UnsupportedConfig(f"{key}: a DSA (sparse attention) indexer is not supported")
+        if cfg.get(key) is not None and not dsa:
+            raise UnsupportedConfig(f"{key}: a DSA (sparse attention) indexer in a "
+                                    f"{cfg.get('model_type')!r} model is not supported "
+                                    "(DSA is served for deepseek_v32 and glm_moe_dsa)")
     if cfg.get("kv_lora_rank") is not None and not mla:
         raise UnsupportedConfig(f"kv_lora_rank: MLA attention in a {cfg.get('model_type')!r} "
                                 "model is not supported")

@@ -213,7 +213,7 @@ class DecoderLayer(nn.Module):
         elif cfg.layer(layer_idx).attention == "mla":
             from mtpserve.workers.model.mla import MLAttention  # builds on apply_rope here
 
-            self.self_attn = MLAttention(cfg)
+            self.self_attn = MLAttention(cfg, layer_idx)
         else:
             self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

@@ -20,6 +20,11 @@ Softmax scale: qk_head_dim^-0.5, times mscale(factor, mscale_all_dim)^2 under Ya
 TP: heads split across ranks (q_b_proj / q_proj and kv_b_proj column-parallel, o_proj
 row-parallel); q_a_proj and kv_a_proj_with_mqa replicated, so every rank computes and caches
 the whole latent.
+
+DSA (DeepSeek-V3.2, GLM-5; workers/model/dsa.py): the cache slot also holds the indexer's key,
+the indexer picks each query's top-k tokens, and attention runs over those only: decode and
+verify rows (absorbed) gather the selected latents, so their attention costs the same at any
+context length past top-k; prefill (expanded) masks the rest.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from torch import nn
 
 from mtpserve.workers.model.attention_metadata import AttentionMetadata
 from mtpserve.workers.model.config import ModelConfig
+from mtpserve.workers.model.dsa import Indexer, Selection, select
 from mtpserve.workers.model.layers import RMSNorm, apply_rope
 from mtpserve.workers.model.parallel import (
     ColumnParallelLinear,
@@ -60,7 +66,7 @@ def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 
 
 class MLAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int = 0) -> None:
         super().__init__()
         mla = cfg.mla
         assert mla is not None
@@ -87,6 +93,17 @@ class MLAttention(nn.Module):
             assert rope.factor is not None
             self.scale *= yarn_get_mscale(rope.factor, rope.mscale_all_dim) ** 2
         self.rotate = apply_rope_interleaved if mla.rope_interleave else apply_rope
+        # DSA: this layer's indexer, or (GLM-5 "shared" layers) none: the previous full layer's
+        # selection is reused (`share_selection_from`); `selection` holds the last forward's.
+        self.indexer: Indexer | None = None
+        self.selection: Selection | None = None
+        self._source: list[MLAttention] = []  # a plain list: not a submodule
+        if mla.dsa is not None and layer_idx not in mla.dsa.shared_layers:
+            self.indexer = Indexer(cfg)
+
+    def share_selection_from(self, layer: MLAttention) -> None:
+        """Reuse `layer`'s top-k selection (it runs first in every forward)."""
+        self._source[:] = [layer]
 
     def forward(
         self,
@@ -97,10 +114,12 @@ class MLAttention(nn.Module):
     ) -> torch.Tensor:
         B, S, _ = x.shape
         m, Hl = self.mla, self.num_heads
+        q_latent = None
         if m.q_lora_rank is None:
             q = self.q_proj(x)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q_latent = self.q_a_layernorm(self.q_a_proj(x))
+            q = self.q_b_proj(q_latent)
         q = q.view(B, S, Hl, m.qk_head_dim)
         q_nope, q_pe = q.split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([m.kv_lora_rank, m.qk_rope_head_dim],
@@ -109,10 +128,18 @@ class MLAttention(nn.Module):
         pe = self.rotate(torch.cat([q_pe, k_pe.unsqueeze(2)], dim=2), *rope)
         q = torch.cat([q_nope, pe[:, :, :Hl]], dim=-1)
         latent = torch.cat([self.kv_a_layernorm(c_kv), pe[:, :, Hl]], dim=-1)  # [B, S, Dl]
+        index_keys = None
+        if m.dsa is not None:  # the slot: [latent | indexer key | pad]
+            # A shared layer has no indexer and no key: its part of the slot stays zero.
+            index_keys = (self.indexer.key(x, rope).to(latent.dtype) if self.indexer is not None
+                          else latent.new_zeros(B, S, m.dsa.index_head_dim))
+            pad = m.cache_dim - m.latent_dim - m.dsa.index_head_dim
+            latent = torch.cat([latent, index_keys] + ([latent.new_zeros(B, S, pad)]
+                                                       if pad else []), dim=-1)
         mask, causal = None, True
         if attn is not None:
             assert kv_cache is not None
-            half = m.latent_dim // 2
+            half = m.cache_dim // 2
             flat = kv_cache.view(2, -1, 1, half)
             new = latent.reshape(B * S, 2, half).transpose(0, 1).unsqueeze(2)
             if attn.write_rows is not None:  # padded query slots write nowhere
@@ -120,13 +147,26 @@ class MLAttention(nn.Module):
             flat[:, attn.write_slots] = new.to(kv_cache.dtype)
             ctx = kv_cache.index_select(1, attn.block_index).view(
                 2, B, -1, half)[:, :, : attn.max_context_len].to(q.dtype)
-            latent = torch.cat([ctx[0], ctx[1]], dim=-1)  # [B, L, Dl]
+            latent = torch.cat([ctx[0], ctx[1]], dim=-1)  # [B, L, cache_dim]
             mask, causal = attn.mask, False
             if attn.flex is not None:
                 # Flex reads GQA caches in place; the latent is one small vector per token,
                 # so MLA gathers it under either backend, with the causal mask built here.
                 ctx_pos = torch.arange(latent.shape[1], device=latent.device)
                 mask = (ctx_pos <= attn.flex.positions.unsqueeze(-1)).unsqueeze(1)
+        if m.dsa is not None:
+            if index_keys is not None and attn is not None:
+                index_keys = latent[..., m.latent_dim: m.latent_dim + m.dsa.index_head_dim]
+            latent = latent[..., : m.latent_dim]
+            L = latent.shape[1]
+            if mask is None:  # no cache: causal over this forward; cache: every token
+                mask = (torch.ones(L, L, dtype=torch.bool, device=x.device).tril()
+                        .view(1, 1, L, L) if attn is None
+                        else torch.ones(B, 1, S, L, dtype=torch.bool, device=x.device))
+            sel = self._select(x, q_latent, rope, index_keys, mask)
+            mask, causal = sel.mask, False
+            if attn is not None and S <= _ABSORB_MAX_QUERY and sel.index is not None:
+                return self._absorbed_sparse(q_nope, pe[:, :, :Hl], latent, sel)
         if attn is not None and S <= _ABSORB_MAX_QUERY:
             return self._absorbed(q_nope, pe[:, :, :Hl], latent, mask)
         c, k_rot = latent.split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
@@ -140,14 +180,60 @@ class MLAttention(nn.Module):
         )
         return self.o_proj(out.transpose(1, 2).reshape(B, S, Hl * m.v_head_dim))
 
+    def _select(self, x: torch.Tensor, q_latent: torch.Tensor | None,
+                rope: tuple[torch.Tensor, torch.Tensor], keys: torch.Tensor | None,
+                allowed: torch.Tensor) -> Selection:
+        """This layer's top-k (DSA), or the source layer's when it shares one."""
+        assert self.mla.dsa is not None
+        if self.indexer is None:
+            sel = self._source[0].selection
+            assert sel is not None, "a shared DSA layer ran before its source layer"
+            return sel
+        topk = self.mla.dsa.index_topk
+        scores = None
+        if allowed.shape[-1] > topk:  # shorter contexts select everything: skip scoring
+            assert q_latent is not None and keys is not None
+            scores = self.indexer.scores(x, q_latent, rope, keys)
+        self.selection = select(scores, allowed, topk)
+        return self.selection
+
+    def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b_proj's key and value halves per local head, [Hl, nope | v, kv_lora]."""
+        m = self.mla
+        w = self.kv_b_proj.weight.unflatten(0, (self.num_heads,
+                                                m.qk_nope_head_dim + m.v_head_dim))
+        w_uk, w_uv = w.split([m.qk_nope_head_dim, m.v_head_dim], dim=1)
+        return w_uk, w_uv
+
+    def _absorbed_sparse(self, q_nope: torch.Tensor, q_rot: torch.Tensor,
+                         latent: torch.Tensor, sel: Selection) -> torch.Tensor:
+        """Absorbed attention over each query's selected tokens only (DSA): the selected
+        latents are gathered per query, [B, S, k, kv_lora + rope], so the cost follows
+        top-k, not the context length."""
+        m, Hl = self.mla, self.num_heads
+        B, S = q_nope.shape[:2]
+        assert sel.index is not None and sel.valid is not None
+        w_uk, w_uv = self._w_uk_uv()
+        q_lat = torch.einsum("bshn,hnr->bshr", q_nope, w_uk)
+        q = torch.cat([q_lat, q_rot], dim=-1)  # [B, S, Hl, kv_lora + rope]
+        L, k = latent.shape[1], sel.index.shape[-1]
+        rows = (sel.index + torch.arange(B, device=latent.device).view(B, 1, 1) * L)
+        kv = latent.reshape(B * L, -1).index_select(0, rows.reshape(-1)).view(
+            B * S, 1, k, -1)
+        out = F.scaled_dot_product_attention(
+            q.reshape(B * S, 1, Hl, -1), kv, kv[..., : m.kv_lora_rank],
+            attn_mask=sel.valid.reshape(B * S, 1, 1, k), scale=self.scale,
+        ).view(B, S, Hl, m.kv_lora_rank)
+        out = torch.einsum("bshr,hvr->bshv", out, w_uv)
+        return self.o_proj(out.reshape(B, S, Hl * m.v_head_dim))
+
     def _absorbed(self, q_nope: torch.Tensor, q_rot: torch.Tensor, latent: torch.Tensor,
                   mask: torch.Tensor | None) -> torch.Tensor:
         """Attention in latent space: q_nope [B, S, Hl, nope], q_rot [B, S, Hl, rope],
         latent [B, L, kv_lora + rope] (the cache's rows), mask [B, 1, S, L]."""
         m, Hl = self.mla, self.num_heads
         B, S = q_nope.shape[:2]
-        w = self.kv_b_proj.weight.unflatten(0, (Hl, m.qk_nope_head_dim + m.v_head_dim))
-        w_uk, w_uv = w.split([m.qk_nope_head_dim, m.v_head_dim], dim=1)  # [Hl, *, kv_lora]
+        w_uk, w_uv = self._w_uk_uv()  # [Hl, *, kv_lora]
         q_lat = torch.einsum("bshn,hnr->bhsr", q_nope, w_uk)
         q = torch.cat([q_lat, q_rot.transpose(1, 2)], dim=-1)  # [B, Hl, S, kv_lora + rope]
         # Every local head attends the same single latent "head": fold the heads into query

@@ -28,6 +28,11 @@ class DecoderBody(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        dsa = cfg.mla.dsa if cfg.mla is not None else None
+        for i in dsa.shared_layers if dsa is not None else ():
+            # GLM-5 "shared" layers reuse the closest earlier layer with an indexer.
+            src = max(j for j in range(i) if j not in dsa.shared_layers)
+            self.layers[i].self_attn.share_selection_from(self.layers[src].self_attn)
 
 
 class CausalLM(nn.Module):

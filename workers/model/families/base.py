@@ -47,8 +47,31 @@ class MoEConfig:
 
 
 @dataclass(frozen=True)
+class DSAConfig:
+    """DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5): a lightning indexer scores every cached
+    token per query (`index_n_heads` heads of `index_head_dim`, ReLU, summed with per-head
+    weights) and each query attends to its `index_topk` best only."""
+
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    rope_interleave: bool  # the indexer's rope: interleaved pairs (GLM-5) or half-split (V3.2)
+    # Layers without an indexer of their own that reuse the previous full layer's selection
+    # (GLM-5's `indexer_types` "shared"); main-layer indices.
+    shared_layers: tuple[int, ...] = ()
+
+    def describe(self) -> str:
+        s = (f"DSA: indexer {self.index_n_heads} heads x {self.index_head_dim}, top-"
+             f"{self.index_topk} tokens per query"
+             + (", interleaved rope" if self.rope_interleave else ", half-split rope"))
+        if self.shared_layers:
+            s += f", {len(self.shared_layers)} layers reuse the previous layer's selection"
+        return s
+
+
+@dataclass(frozen=True)
 class MLAConfig:
-    """Multi-head latent attention (DeepSeek-V2/V3, GLM-4.7-Flash)."""
+    """Multi-head latent attention (DeepSeek-V2/V3, GLM-4.7-Flash; with `dsa`, V3.2 / GLM-5)."""
 
     q_lora_rank: int | None  # None: one q_proj
     kv_lora_rank: int
@@ -56,6 +79,7 @@ class MLAConfig:
     qk_rope_head_dim: int
     v_head_dim: int
     rope_interleave: bool = True  # rotary pairs (x0, x1), (x2, x3), ... as DeepSeek lays out
+    dsa: DSAConfig | None = None
 
     @property
     def qk_head_dim(self) -> int:
@@ -66,10 +90,21 @@ class MLAConfig:
         """Values cached per token and layer: the normed latent + the rotated shared key."""
         return self.kv_lora_rank + self.qk_rope_head_dim
 
+    @property
+    def cache_dim(self) -> int:
+        """Values one cache slot holds per token and layer: the latent, then (DSA) the
+        indexer's key, padded to an even count (the cache's two planes hold one half each).
+        The indexer's key pages with the latent, so the block manager, KV transfer, prefix
+        caching and the memory plan all count it without knowing it is there."""
+        n = self.latent_dim + (self.dsa.index_head_dim if self.dsa else 0)
+        return n + n % 2
+
     def describe(self) -> str:
         return (f"MLA: q_lora_rank {self.q_lora_rank}, kv_lora_rank {self.kv_lora_rank}, "
                 f"qk nope {self.qk_nope_head_dim} + rope {self.qk_rope_head_dim}, "
-                f"v {self.v_head_dim}; cache {self.latent_dim} values/token/layer"
+                f"v {self.v_head_dim}; cache {self.cache_dim} values/token/layer"
+                + (f" (latent {self.latent_dim} + indexer key {self.dsa.index_head_dim})"
+                   if self.dsa else "")
                 + (", interleaved rope" if self.rope_interleave else ""))
 
 

@@ -1,5 +1,7 @@
 """DeepSeek-V3 / V3.1 / R1 (`deepseek_v3`) and GLM-4.7-Flash (`glm4_moe_lite`): MLA attention in
 every layer, the sigmoid grouped-top-k MoE of `glm4_moe` past the first dense layers.
+DeepSeek-V3.2 (`deepseek_v32`) and GLM-5 (`glm_moe_dsa`): the same, with DeepSeek Sparse
+Attention (an indexer per layer, workers/model/dsa.py).
 
 Layer kinds as transformers builds them: `DeepseekV3DecoderLayer` is MoE from
 `first_k_dense_replace` on; `Glm4MoeLiteDecoderLayer` reads `mlp_layer_types` ("dense" /
@@ -12,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from mtpserve.workers.model.families.base import (
+    DSAConfig,
     FamilyFields,
     LayerSpec,
     MLAConfig,
@@ -20,7 +23,29 @@ from mtpserve.workers.model.families.base import (
 from mtpserve.workers.model.families.glm4_moe import sigmoid_moe
 from mtpserve.workers.model.rope import UnsupportedConfig
 
-MODEL_TYPES = ("deepseek_v3", "glm4_moe_lite")
+MODEL_TYPES = ("deepseek_v3", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa")
+# DeepSeek Sparse Attention families: the V3 layout plus an indexer in every layer.
+DSA_TYPES = ("deepseek_v32", "glm_moe_dsa")
+
+
+def dsa_config(cfg: dict[str, Any]) -> DSAConfig:
+    """The indexer of DeepSeek-V3.2 (half-split rope) or GLM-5 (interleaved rope, and layers
+    whose `indexer_types` entry is "shared" reuse the previous full layer's top-k)."""
+    if not cfg.get("q_lora_rank"):
+        raise UnsupportedConfig("DSA without q_lora_rank: the indexer's query reads the "
+                                "q_a_proj latent")
+    types = cfg.get("indexer_types") or []
+    bad = sorted({t for t in types if t not in ("full", "shared")})
+    if bad:
+        raise UnsupportedConfig(f"indexer_types {bad} are not supported (full / shared)")
+    shared = tuple(i for i, t in enumerate(types) if t == "shared")
+    if 0 in shared:
+        raise UnsupportedConfig("indexer_types: layer 0 is 'shared' but has no earlier "
+                                "full layer to share")
+    return DSAConfig(
+        index_n_heads=int(cfg["index_n_heads"]), index_head_dim=int(cfg["index_head_dim"]),
+        index_topk=int(cfg["index_topk"]),
+        rope_interleave=cfg["model_type"] == "glm_moe_dsa", shared_layers=shared)
 
 
 def mla_config(cfg: dict[str, Any]) -> MLAConfig:
@@ -30,6 +55,7 @@ def mla_config(cfg: dict[str, Any]) -> MLAConfig:
         qk_nope_head_dim=int(cfg["qk_nope_head_dim"]),
         qk_rope_head_dim=int(cfg["qk_rope_head_dim"]), v_head_dim=int(cfg["v_head_dim"]),
         rope_interleave=bool(cfg.get("rope_interleave", True)),
+        dsa=dsa_config(cfg) if cfg.get("model_type") in DSA_TYPES else None,
     )
 
 
