@@ -55,11 +55,22 @@ def _reference(path: Path, family: str, num_mtp: int = 0):
 
 
 @pytest.mark.parametrize("family", DSA_FAMILIES)
-def test_dsa_logits_match_transformers_and_the_selection_matters(ckpt, family) -> None:
+def test_dsa_logits_match_transformers_and_the_selection_matters(ckpt, family,
+                                                                 monkeypatch) -> None:
+    from mtpserve.workers.model import mla
+
     path = ckpt(family, num_mtp=1)
     ref = _reference(path, family)
+    calls = []
+    sparse = mla.MLAttention._sparse_decode
+    monkeypatch.setattr(mla.MLAttention, "_sparse_decode",
+                        lambda self, *a: calls.append(1) or sparse(self, *a))
     # Two prefill chunks (the second scores the first's cached indexer keys), then one-token
-    # decode steps through the sparse gather, all past top-k.
+    # decode steps, all past top-k: read from the pages (indexer keys, then the selected
+    # latents), and again from the whole gathered context.
+    _check_paged_logits(path, ref, 30, 6)
+    assert len(calls) >= 2 * 7  # both layers' decode steps and the second chunk
+    monkeypatch.setattr(mla, "_SPARSE_DECODE", False)
     _check_paged_logits(path, ref, 30, 6)
     # The same weights attending to every token give other logits: the top-k is in effect.
     dense = path.parent / (path.name + "-dense")

@@ -51,6 +51,9 @@ _LATENT_NORM_EPS = 1e-6
 # Query lengths up to this use the absorbed form (decode rounds are k + 1 <= 8 tokens; for
 # DeepSeek-V3's ranks the absorbed form costs less per query token below ~170 tokens).
 _ABSORB_MAX_QUERY = 16
+# DSA decode reads the indexer keys and the selected latents straight from the pages; off,
+# the whole context is gathered first (the form the flex backend uses).
+_SPARSE_DECODE = True
 
 
 def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -145,6 +148,12 @@ class MLAttention(nn.Module):
             if attn.write_rows is not None:  # padded query slots write nowhere
                 new = new[:, attn.write_rows]
             flat[:, attn.write_slots] = new.to(kv_cache.dtype)
+            if (_SPARSE_DECODE and m.dsa is not None and attn.flex is None
+                    and S <= _ABSORB_MAX_QUERY
+                    and attn.max_context_len > m.dsa.index_topk
+                    and m.latent_dim >= half):  # the indexer key lies in plane 1
+                return self._sparse_decode(x, q_latent, rope, q_nope, pe[:, :, :Hl], attn,
+                                           flat, kv_cache.shape[2])
             ctx = kv_cache.index_select(1, attn.block_index).view(
                 2, B, -1, half)[:, :, : attn.max_context_len].to(q.dtype)
             latent = torch.cat([ctx[0], ctx[1]], dim=-1)  # [B, L, cache_dim]
@@ -166,7 +175,10 @@ class MLAttention(nn.Module):
             sel = self._select(x, q_latent, rope, index_keys, mask)
             mask, causal = sel.mask, False
             if attn is not None and S <= _ABSORB_MAX_QUERY and sel.index is not None:
-                return self._absorbed_sparse(q_nope, pe[:, :, :Hl], latent, sel)
+                rows = sel.index + torch.arange(B, device=x.device).view(B, 1, 1) * L
+                kv = latent.reshape(B * L, -1).index_select(0, rows.reshape(-1))
+                return self._absorbed_sparse(q_nope, pe[:, :, :Hl],
+                                             kv.view(B, S, -1, m.latent_dim), sel)
         if attn is not None and S <= _ABSORB_MAX_QUERY:
             return self._absorbed(q_nope, pe[:, :, :Hl], latent, mask)
         c, k_rot = latent.split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
@@ -205,21 +217,47 @@ class MLAttention(nn.Module):
         w_uk, w_uv = w.split([m.qk_nope_head_dim, m.v_head_dim], dim=1)
         return w_uk, w_uv
 
+    def _sparse_decode(self, x: torch.Tensor, q_latent: torch.Tensor | None,
+                       rope: tuple[torch.Tensor, torch.Tensor], q_nope: torch.Tensor,
+                       q_rot: torch.Tensor, attn: AttentionMetadata, flat: torch.Tensor,
+                       block_size: int) -> torch.Tensor:
+        """DSA decode / verify rows straight from the paged cache: only the indexer keys of the
+        context are read (one slice of plane 1 per token), then only the selected tokens'
+        latents, so past top-k a step reads index_head_dim values per context token instead
+        of the whole slot. `flat` [2, slots, 1, cache_dim / 2]."""
+        m = self.mla
+        assert m.dsa is not None
+        B, S = q_nope.shape[:2]
+        L = attn.max_context_len
+        t = torch.arange(L, device=x.device)
+        slots = attn.block_index.view(B, -1)[:, t // block_size] * block_size + t % block_size
+        allowed = (attn.mask if attn.mask is not None
+                   else torch.ones(B, 1, S, L, dtype=torch.bool, device=x.device))
+        keys = None
+        if self.indexer is not None:
+            off = m.latent_dim - m.cache_dim // 2
+            keys = flat[1, slots.reshape(-1), 0, off: off + m.dsa.index_head_dim].view(
+                B, L, -1)
+        sel = self._select(x, q_latent, rope, keys, allowed)
+        assert sel.index is not None
+        k = sel.index.shape[-1]
+        picked = slots.gather(1, sel.index.reshape(B, S * k)).reshape(-1)
+        kv = torch.cat([flat[0, picked, 0], flat[1, picked, 0]], dim=-1)[..., : m.latent_dim]
+        return self._absorbed_sparse(q_nope, q_rot, kv.view(B, S, k, -1).to(q_nope.dtype), sel)
+
     def _absorbed_sparse(self, q_nope: torch.Tensor, q_rot: torch.Tensor,
-                         latent: torch.Tensor, sel: Selection) -> torch.Tensor:
-        """Absorbed attention over each query's selected tokens only (DSA): the selected
-        latents are gathered per query, [B, S, k, kv_lora + rope], so the cost follows
-        top-k, not the context length."""
+                         kv: torch.Tensor, sel: Selection) -> torch.Tensor:
+        """Absorbed attention over each query's selected tokens only (DSA): `kv` [B, S, k,
+        kv_lora + rope] holds each query's selected latents, so the cost follows top-k, not
+        the context length."""
         m, Hl = self.mla, self.num_heads
         B, S = q_nope.shape[:2]
         assert sel.index is not None and sel.valid is not None
         w_uk, w_uv = self._w_uk_uv()
         q_lat = torch.einsum("bshn,hnr->bshr", q_nope, w_uk)
         q = torch.cat([q_lat, q_rot], dim=-1)  # [B, S, Hl, kv_lora + rope]
-        L, k = latent.shape[1], sel.index.shape[-1]
-        rows = (sel.index + torch.arange(B, device=latent.device).view(B, 1, 1) * L)
-        kv = latent.reshape(B * L, -1).index_select(0, rows.reshape(-1)).view(
-            B * S, 1, k, -1)
+        k = sel.index.shape[-1]
+        kv = kv.reshape(B * S, 1, k, -1)
         out = F.scaled_dot_product_attention(
             q.reshape(B * S, 1, Hl, -1), kv, kv[..., : m.kv_lora_rank],
             attn_mask=sel.valid.reshape(B * S, 1, 1, k), scale=self.scale,
