@@ -8,6 +8,7 @@ rank and are selected by row indices, never shipped.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -38,6 +39,8 @@ from mtpserve.workers.model.decode_graph import DecodeGraphs, GraphInputs, Graph
 from mtpserve.workers.model.loader import load_model
 from mtpserve.workers.model.parallel import get_tp
 from mtpserve.workers.spec_decode.draft_vocab import draft_token_ids
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -230,6 +233,11 @@ class ModelRunner:
         self.model = load_model(model_path, dtype=dtype, device=self.device)
         # Eager forwards and compiled graphs both read it (workers/model/attention_metadata).
         self.attention_backend = resolve_attention_backend(attention_backend, self.device.type)
+        if self.attention_backend == "flex" and any(
+                s.sliding_window for s in self.model.config.layers):
+            logger.info("sliding-window layers: the gather attention backend (flex's paged "
+                        "mask has no window)")
+            self.attention_backend = "gather"
         self.model.attention_backend = self.attention_backend
         if self.device.type == "cpu":
             column_major_linears(self.model)

@@ -75,6 +75,22 @@ class AttentionMetadata:
     # Compiled CPU graphs: [B, L] cache slot of each context position; set, attention reads
     # the cache in place (`layers.inline_paged_attention`) instead of gathering block_index.
     token_index: torch.Tensor | None = None
+    # [B, S] each query's position (padding: one its row may attend from); sliding-window
+    # layers build their masks from it (`window_mask`).
+    positions: torch.Tensor | None = None
+    _windows: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def window_mask(self, size: int) -> torch.Tensor:
+        """[B, 1, S, L] bool of a sliding-window layer: causal, and a query at p sees only
+        (p - size, p]. Built once per forward and window size, shared by its layers."""
+        mask = self._windows.get(size)
+        if mask is None:
+            assert self.positions is not None, "sliding-window attention needs positions"
+            ctx = torch.arange(self.max_context_len, device=self.positions.device)
+            near = (ctx.view(1, 1, -1) > self.positions.unsqueeze(-1) - size).unsqueeze(1)
+            mask = near if self.mask is None else self.mask & near
+            self._windows[size] = mask
+        return mask
 
     @classmethod
     def build(
@@ -119,17 +135,18 @@ class AttentionMetadata:
         # Query at position p attends context positions <= p; padded queries attend position 0
         # so no row is fully masked (that would make NaNs).
         write_slots = slots[rows] if padded else slots
-        host = [write_slots, tables, pos] + list(ride_along)
+        qpos = pos.masked_fill(~write.view(B, S), 0)
+        host = [write_slots, tables, pos] + list(ride_along) + [qpos]
         if padded:
             host.append(rows)
         dev = stage(host, device)
         d_slots, d_tables, d_pos = dev[:3]
         staged = dev[3: 3 + len(ride_along)]
+        d_qpos = dev[3 + len(ride_along)]
         d_rows = dev[-1] if padded else None
         if backend == "flex":
             return cls(d_slots, d_rows, d_tables.view(-1), None, ctx_len,
                        FlexPagedMask(d_pos, d_tables, block_size), staged)
-        qpos = pos.masked_fill(~write.view(B, S), 0)
         mask = (ctx.view(1, 1, -1) <= qpos.unsqueeze(-1)).unsqueeze(1)
         return cls(
             write_slots=d_slots,
@@ -139,6 +156,7 @@ class AttentionMetadata:
             mask=None if bool(mask.all()) else stage([mask], device)[0],
             max_context_len=ctx_len,
             staged=staged,
+            positions=d_qpos,
         )
 
 
@@ -161,7 +179,7 @@ def graph_metadata(positions: torch.Tensor, slots: torch.Tensor, tables: torch.T
         offsets = torch.arange(block_size, device=tables.device)
         token_index = (tables.unsqueeze(-1) * block_size + offsets).view(B, NB * block_size)
     return AttentionMetadata(slots, None, tables.reshape(-1), causal_mask(positions, L), L,
-                             token_index=token_index)
+                             token_index=token_index, positions=positions)
 
 
 def causal_mask(positions: torch.Tensor, context_len: int) -> torch.Tensor:

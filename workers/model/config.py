@@ -123,7 +123,8 @@ class ModelConfig:
         kinds: dict[str, list[int]] = {}
         for i in range(self.num_hidden_layers):
             spec = self.layer(i)
-            kinds.setdefault(f"{spec.attention.upper()} + {spec.mlp}", []).append(i)
+            window = f" (window {spec.sliding_window})" if spec.sliding_window else ""
+            kinds.setdefault(f"{spec.attention.upper()}{window} + {spec.mlp}", []).append(i)
         for kind, idx in kinds.items():
             lines.append(f"layers {_ranges(idx)}: {kind} ({len(idx)})")
         if self.mla is not None:
@@ -153,8 +154,9 @@ class ModelConfig:
                          "(prefill -> decode, re-sharded by heads when TP sizes differ)")
         for m in range(self.num_mtp_modules):
             spec = self.layer(self.num_hidden_layers + m)
+            window = f" (window {spec.sliding_window})" if spec.sliding_window else ""
             lines.append(f"MTP module {m} ({self.mtp_naming} naming): "
-                         f"{spec.attention.upper()} + {spec.mlp} block")
+                         f"{spec.attention.upper()}{window} + {spec.mlp} block")
         if not self.num_mtp_modules:
             lines.append("MTP modules: none")
         lines.append(f"rope: {self.rope.describe()}")
@@ -180,7 +182,8 @@ class ModelConfig:
         fields = family(cfg)
         _refuse_unknown_math(cfg, mla=fields.mla is not None,
                              hybrid=fields.linear is not None,
-                             dsa=fields.mla is not None and fields.mla.dsa is not None)
+                             dsa=fields.mla is not None and fields.mla.dsa is not None,
+                             sliding=any(s.sliding_window for s in fields.layers))
         rope = parse_rope(cfg)
         quant = parse_quantization(cfg)
         heads = cfg["num_attention_heads"]
@@ -344,13 +347,17 @@ def _ranges(idx: list[int]) -> str:
 
 
 def _refuse_unknown_math(cfg: dict[str, Any], mla: bool = False, hybrid: bool = False,
-                         dsa: bool = False) -> None:
+                         dsa: bool = False, sliding: bool = False) -> None:
     """Config keys that change the model's math and that we do not implement: refused by name
-    (serving such a model as if they were absent would be silently wrong)."""
-    if cfg.get("use_sliding_window"):
+    (serving such a model as if they were absent would be silently wrong). `sliding`: the
+    family read its sliding-window layers (`LayerSpec.sliding_window`)."""
+    if cfg.get("use_sliding_window") and not sliding:
         raise UnsupportedConfig(f"use_sliding_window (sliding_window "
-                                f"{cfg.get('sliding_window')}) is not supported")
+                                f"{cfg.get('sliding_window')}) is not supported for "
+                                f"{cfg.get('model_type')!r} (served for qwen2 / qwen3)")
     allowed = {"full_attention", "linear_attention"} if hybrid else {"full_attention"}
+    if sliding:
+        allowed.add("sliding_attention")
     if dsa:  # DeepSeek-V3.2 / GLM-5 name every DSA layer so
         allowed.add("indexed_attention")
     other = sorted({t for t in cfg.get("layer_types") or [] if t not in allowed})

@@ -94,9 +94,10 @@ class MLP(nn.Module):
 class Attention(nn.Module):
     """GQA attention over a paged KV cache (or plain causal attention when training)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int = 0) -> None:
         super().__init__()
         tp = get_tp().size
+        self.window = cfg.layer(layer_idx).sliding_window  # None: full attention
         self.head_dim = cfg.head_dim
         self.num_heads = cfg.num_attention_heads // tp
         if cfg.num_attention_heads % tp:
@@ -141,10 +142,15 @@ class Attention(nn.Module):
             qk = torch.cat([self.q_norm(qk[:, :, :Hq]), self.k_norm(qk[:, :, Hq:])], dim=2)
         qk = apply_rope(qk, *rope)
         q, k = qk[:, :, :Hq], qk[:, :, Hq:]
-        if attn is None:  # training / reference: full causal attention over the sequence
+        if attn is None:  # training / reference: causal attention over the sequence
+            window = None
+            if self.window is not None:
+                t = torch.arange(S, device=x.device)
+                d = t.view(-1, 1) - t.view(1, -1)  # query - key
+                window = ((d >= 0) & (d < self.window)).view(1, 1, S, S)
             out = F.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                is_causal=True, scale=self.scale, enable_gqa=True,
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=window,
+                is_causal=window is None, scale=self.scale, enable_gqa=True,
             )
         else:
             assert kv_cache is not None
@@ -155,11 +161,13 @@ class Attention(nn.Module):
                 new_kv = new_kv[:, attn.write_rows]
             flat[:, attn.write_slots] = new_kv
             if attn.flex is not None:  # paged in place: no gather (flex_paged_attention.py)
+                assert self.window is None, "sliding windows run under the gather backend"
                 out = attn.flex.attend(q.transpose(1, 2), kv_cache, self.scale)
                 out = out.transpose(1, 2).reshape(B, S, -1)
                 return self.o_proj(out if gate is None else out * gate)
+            mask = attn.mask if self.window is None else attn.window_mask(self.window)
             if attn.token_index is not None:  # compiled CPU graph: no context copy
-                out = inline_paged_attention(q, flat, attn.token_index, attn.mask, self.scale)
+                out = inline_paged_attention(q, flat, attn.token_index, mask, self.scale)
                 return self.o_proj(out if gate is None else out * gate)
             # index_select on the block dim is a plain copy of contiguous blocks (several
             # times faster than advanced indexing): [2, B, L, Hk, D].
@@ -167,7 +175,7 @@ class Attention(nn.Module):
                 2, B, -1, Hk, D)[:, :, : attn.max_context_len].to(q.dtype)
             out = F.scaled_dot_product_attention(
                 q.transpose(1, 2), ctx[0].transpose(1, 2), ctx[1].transpose(1, 2),
-                attn_mask=attn.mask, scale=self.scale, enable_gqa=True,
+                attn_mask=mask, scale=self.scale, enable_gqa=True,
             )
         out = out.transpose(1, 2).reshape(B, S, -1)
         return self.o_proj(out if gate is None else out * gate)
@@ -215,7 +223,7 @@ class DecoderLayer(nn.Module):
 
             self.self_attn = MLAttention(cfg, layer_idx)
         else:
-            self.self_attn = Attention(cfg)
+            self.self_attn = Attention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp: nn.Module
         if cfg.layer(layer_idx).mlp == "moe":

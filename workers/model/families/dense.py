@@ -1,10 +1,11 @@
-"""Dense decoders: Llama, Qwen2, Qwen3, MiMo (Qwen2-shaped). GQA + SwiGLU in every layer."""
+"""Dense decoders: Llama, Qwen2, Qwen3, MiMo (Qwen2-shaped). GQA + SwiGLU in every layer;
+Qwen2 / Qwen3 with sliding-window layers where the config asks for them."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from mtpserve.workers.model.families.base import FamilyFields, LayerSpec, num_layers_with_mtp
+from mtpserve.workers.model.families.base import FamilyFields, LayerSpec, sliding_windows
 
 _DEFAULTS = {
     "llama": dict(attention_bias=False, qk_norm=False),
@@ -20,5 +21,7 @@ def fields(cfg: dict[str, Any]) -> FamilyFields:
     return FamilyFields(
         attention_bias=bool(cfg.get("attention_bias", d["attention_bias"])),
         qk_norm=d["qk_norm"],
-        layers=(LayerSpec(),) * num_layers_with_mtp(cfg),
+        # Qwen2 / Qwen3 window some layers (`layer_types`, or from `max_window_layers`).
+        layers=tuple(LayerSpec(sliding_window=w) for w in sliding_windows(
+            cfg, gated=cfg.get("model_type") in ("qwen2", "qwen3"))),
     )
