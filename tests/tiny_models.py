@@ -203,3 +203,81 @@ def make_hf_checkpoint(
     save_file({k: v.contiguous() for k, v in tensors.items()}, path / "model.safetensors",
               metadata={"format": "pt"})
     return path
+
+
+def make_step_checkpoint(path: Path, num_mtp: int = 1, seed: int = 0,
+                         vocab_size: int = 256, mtp_sliding: bool = False,
+                         limits: tuple[float, float] = (0.3, 0.5)) -> Path:
+    """A random Step-3.7 checkpoint saved by transformers' `Step3p7ForConditionalGeneration`
+    (its text model, `step3p5`, and a one-block vision tower): 4 layers (full, sliding x 3,
+    window 6), sliding layers with 6 query heads and full ones 4 (2 KV heads), rope theta 5e6
+    and partial rotary 0.5 on full layers, 1e4 and full rotary on sliding ones, layers 0-1
+    dense and 2-3 MoE (4 experts, top-2, a shared expert), SwiGLU clamps (`limits`: routed,
+    shared) on layers 2-3, and `num_mtp` MTP layers at `model.layers.{4 + i}` with their own
+    `shared_head.{norm, output}` (MoE blocks; sliding when `mtp_sliding`). The hub's legacy
+    layout is what is passed in (lists padded with the MTP layers), as the released config
+    writes it; transformers saves its own."""
+    import transformers
+    from safetensors.torch import load_file
+
+    n = 4
+    types = ["full_attention", "sliding_attention", "sliding_attention", "sliding_attention"]
+    mtp_types = ["sliding_attention" if mtp_sliding else "full_attention"] * num_mtp
+
+    def text(layers: list[str], mtp: int) -> dict:
+        total = len(layers)
+        routed, shared = limits
+        return dict(
+            model_type="step3p5", vocab_size=vocab_size, hidden_size=64, intermediate_size=96,
+            moe_intermediate_size=32, share_expert_dim=48, num_hidden_layers=total - mtp,
+            num_attention_heads=4, num_attention_groups=2, head_dim=16,
+            attention_other_setting={"num_attention_heads": 6, "num_attention_groups": 2},
+            layer_types=layers, sliding_window=6,
+            rope_theta=[5e6 if t == "full_attention" else 1e4 for t in layers],
+            partial_rotary_factors=[0.5 if t == "full_attention" else 1.0 for t in layers],
+            moe_num_experts=4, moe_top_k=2, moe_layers_enum=",".join(
+                str(i) for i in range(2, total)),
+            swiglu_limits=[0, 0] + [routed] * (total - 2),
+            swiglu_limits_shared=[0, 0] + [shared] * (total - 2),
+            num_nextn_predict_layers=mtp, max_position_embeddings=512, rms_norm_eps=1e-6,
+            bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+
+    vision = dict(width=16, layers=1, heads=2, image_size=28, patch_size=14,
+                  max_position_embeddings=4)
+
+    def build(layers: list[str], mtp: int):
+        torch.manual_seed(seed)
+        cfg = transformers.Step3p7Config(text_config=text(layers, mtp), vision_config=vision)
+        model = transformers.Step3p7ForConditionalGeneration(cfg).eval()
+        _randomise(model)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):  # (1 + w) norms: spread w around 0
+                    p.uniform_(-0.5, 0.5)
+        return model
+
+    model = build(types + mtp_types, num_mtp)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    if not num_mtp:
+        return path
+    tensors = load_file(path / "model.safetensors")
+    longer = build(types + mtp_types, 0)  # the MTP blocks as main layers n.. of a longer model
+    with tempfile.TemporaryDirectory() as tmp:
+        longer.save_pretrained(tmp, safe_serialization=True)
+        sd = load_file(Path(tmp) / "model.safetensors")
+    h = 64
+    g = torch.Generator().manual_seed(seed + 2)
+    for m in range(num_mtp):
+        p = f"model.layers.{n + m}."
+        for name, t in sd.items():
+            if name.startswith(p):
+                tensors[name] = t.clone()
+        for norm in ("enorm", "hnorm", "shared_head.norm"):
+            tensors[p + norm + ".weight"] = torch.rand(h, generator=g) - 0.5
+        tensors[p + "eh_proj.weight"] = torch.randn(h, 2 * h, generator=g) * 0.1
+        # transformers' MtpModel drops this head and uses lm_head: the same values here.
+        tensors[p + "shared_head.output.weight"] = tensors["lm_head.weight"].clone()
+    save_file({k: v.contiguous() for k, v in tensors.items()}, path / "model.safetensors",
+              metadata={"format": "pt"})
+    return path

@@ -46,7 +46,38 @@ _MTP_NAMES = {
              "norm": "final_layernorm", "head": None, "embed_tokens": None},
     "qwen3_next": {"enorm": "pre_fc_norm_embedding", "hnorm": "pre_fc_norm_hidden",
                    "eh_proj": "fc", "norm": "norm", "head": None, "embed_tokens": None},
+    "step3p5": {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj",
+                "norm": "shared_head.norm", "head": "shared_head.output",
+                "embed_tokens": "embed_tokens"},
 }
+# Step's MoE layer as its checkpoints name it -> our module names (routed experts stacked:
+# moe.gate_proj / moe.up_proj [E, I, hidden], moe.down_proj [E, hidden, I]).
+_STEP_MOE = ((".moe.gate.weight", ".mlp.gate.weight"),
+             (".moe.router_bias", ".mlp.gate.e_score_correction_bias"),
+             (".moe.gate_proj.weight", ".mlp.experts.gate_proj"),
+             (".moe.up_proj.weight", ".mlp.experts.up_proj"),
+             (".moe.down_proj.weight", ".mlp.experts.down_proj"),
+             (".share_expert.", ".mlp.shared_experts."))
+
+
+def internal_name(cfg: ModelConfig, name: str) -> str:
+    """Our parameter name for checkpoint tensor `name` where a family names it otherwise."""
+    if cfg.model_type == "step3p5":
+        for old, new in _STEP_MOE:
+            if old in name:
+                return name.replace(old, new)
+    return name
+
+
+def layer_index(cfg: ModelConfig, name: str) -> int | None:
+    """The attention-layer index a tensor belongs to (main layers, then MTP blocks)."""
+    m = re.search(r"(?:^|\.)layers\.(\d+)\.", name)
+    if m and not name.startswith("mtp."):
+        return int(m.group(1))
+    m = re.match(r"mtp\.(\d+)\.", name)
+    if m:
+        return cfg.num_hidden_layers + int(m.group(1))
+    return None
 
 
 def block_tensor_names(cfg: ModelConfig, prefix: str, layer_idx: int = 0,
@@ -73,12 +104,18 @@ def block_tensor_names(cfg: ModelConfig, prefix: str, layer_idx: int = 0,
             names += [f"self_attn.indexer.{n}" for n in (
                 "wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias",
                 "weights_proj.weight")]
+    if cfg.head_gate is not None:  # Step: the output gate's own projection
+        names.append("self_attn.g_proj.weight")
     full = cfg.layer(layer_idx).attention != "linear"
     if cfg.attention_bias and full:
         names += _BIAS
     if cfg.qk_norm and full:
         names += _QK_NORM
-    if cfg.layer(layer_idx).mlp == "moe":
+    if cfg.layer(layer_idx).mlp == "moe" and cfg.model_type == "step3p5":
+        names += ["moe.gate.weight", "moe.router_bias", "moe.gate_proj.weight",
+                  "moe.up_proj.weight", "moe.down_proj.weight"]
+        names += [f"share_expert.{p}.weight" for p in _PROJ]
+    elif cfg.layer(layer_idx).mlp == "moe":
         moe = cfg.moe
         assert moe is not None
         names.append("mlp.gate.weight")
@@ -101,7 +138,7 @@ def block_tensor_names(cfg: ModelConfig, prefix: str, layer_idx: int = 0,
 
 def mtp_prefixes(cfg: ModelConfig, module: int) -> tuple[str, str]:
     """(prefix of the MTP-specific tensors, prefix of its decoder block) for module `module`."""
-    if cfg.mtp_naming == "deepseek_v3":
+    if cfg.mtp_naming in ("deepseek_v3", "step3p5"):
         p = f"model.layers.{cfg.num_hidden_layers + module}."
         return p, p
     if cfg.mtp_naming == "mimo":
@@ -121,7 +158,7 @@ def expected_tensors(cfg: ModelConfig, fused_experts: bool = False
     (optional if cfg.tie_word_embeddings else required)["lm_head.weight"] = "lm_head.weight"
     for i in range(cfg.num_hidden_layers):
         for name in block_tensor_names(cfg, f"model.layers.{i}.", i, fused_experts):
-            required[name] = name
+            required[name] = internal_name(cfg, name)
     if cfg.mtp_naming == "qwen3_next" and cfg.num_mtp_modules > 1:
         raise NotImplementedError("Qwen3-Next MTP with more than one layer is not supported")
     names = _MTP_NAMES[cfg.mtp_naming]
@@ -133,7 +170,7 @@ def expected_tensors(cfg: ModelConfig, fused_experts: bool = False
             if names[canon]:
                 optional[f"{own}{names[canon]}.weight"] = f"mtp.{m}.{canon}.weight"
         for name in block_tensor_names(cfg, block, cfg.num_hidden_layers + m, fused_experts):
-            required[name] = f"mtp.{m}.block." + name[len(block):]
+            required[name] = internal_name(cfg, f"mtp.{m}.block." + name[len(block):])
     if cfg.weights_prefix != "model.":  # the text part of a multimodal checkpoint
         def moved(names: dict[str, str]) -> dict[str, str]:
             return {(cfg.weights_prefix + n[len("model."):] if n.startswith("model.") else n): i
@@ -188,7 +225,10 @@ def read_header(files: dict[str, Path]) -> dict[str, tuple[tuple[int, ...], str]
 
 def expected_shape(cfg: ModelConfig, internal: str) -> tuple[int, ...]:
     """Full (unsharded) shape the checkpoint tensor must have."""
+    internal = internal_name(cfg, internal)
     h, d = cfg.hidden_size, cfg.head_dim
+    idx = layer_index(cfg, internal)
+    heads = cfg.num_attention_heads if idx is None else cfg.attention_heads(idx)
     leaf = internal.rsplit(".", 2)[-2:]
     key = ".".join(leaf)
     inter = cfg.intermediate_size
@@ -228,6 +268,8 @@ def expected_shape(cfg: ModelConfig, internal: str) -> tuple[int, ...]:
             "out_proj.weight": (h, vd),
         }[key]
     if cfg.moe is not None:
+        if internal.endswith((".experts.gate_proj", ".experts.up_proj")):  # stacked, Step
+            return (cfg.moe.num_experts, cfg.moe.intermediate_size, h)
         if ".shared_expert." in internal:
             inter = cfg.moe.shared_intermediate_size
         elif internal.endswith("shared_expert_gate.weight"):
@@ -239,19 +281,20 @@ def expected_shape(cfg: ModelConfig, internal: str) -> tuple[int, ...]:
         if ".experts." in internal:
             inter = cfg.moe.intermediate_size
         elif ".shared_experts." in internal:
-            inter = cfg.moe.intermediate_size * cfg.moe.num_shared_experts
+            inter = cfg.moe.shared_experts_width
         elif internal.endswith("mlp.gate.weight"):
             return (cfg.moe.num_experts, h)
         elif internal.endswith("e_score_correction_bias"):
             return (cfg.moe.num_experts,)
     table = {
-        "q_proj.weight": (cfg.num_attention_heads * d * (2 if cfg.attn_output_gate else 1), h),
+        "q_proj.weight": (heads * d * (2 if cfg.attn_output_gate else 1), h),
+        "g_proj.weight": (heads if cfg.head_gate == "head" else heads * d, h),
         "k_proj.weight": (cfg.num_key_value_heads * d, h),
         "v_proj.weight": (cfg.num_key_value_heads * d, h),
-        "q_proj.bias": (cfg.num_attention_heads * d,),
+        "q_proj.bias": (heads * d,),
         "k_proj.bias": (cfg.num_key_value_heads * d,),
         "v_proj.bias": (cfg.num_key_value_heads * d,),
-        "o_proj.weight": (h, cfg.num_attention_heads * d),
+        "o_proj.weight": (h, heads * d),
         "q_norm.weight": (d,),
         "k_norm.weight": (d,),
         "gate_proj.weight": (inter, h),
@@ -288,13 +331,14 @@ def inventory(path: str | Path, cfg: ModelConfig | None = None) -> list[Inventor
             status = "ok" if shape == want else f"shape mismatch: expected {want}"
         elif internal is None:
             # The vision tower of a multimodal checkpoint served by its text part.
-            vision = cfg.weights_prefix != "model." and name.startswith("model.visual.")
+            vision = any(name.startswith(p) for p in cfg.vision_prefixes)
             status = "ok" if _IGNORABLE.match(name) or vision else "unused"
         elif dtype == "F8_E4M3" and (cfg.quant is None or name + SCALE_SUFFIX not in meta):
             status = "fp8 weight without its weight_scale_inv / quantization_config"
         else:
             # Match the checkpoint name's leaf (q_proj, not the fused qkv_proj).
-            want = expected_shape(cfg, name.replace("shared_head.head", "head"))
+            want = expected_shape(cfg, name.replace("shared_head.head", "head").replace(
+                "shared_head.output", "head"))
             if name in _renamed_eh_proj(cfg):
                 want = (cfg.hidden_size, 2 * cfg.hidden_size)
             if shape != want:

@@ -8,7 +8,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from mtpserve.workers.model.families import FAMILIES, LayerSpec, MLAConfig, MoEConfig
+from mtpserve.workers.model.families import (
+    FAMILIES,
+    LayerSpec,
+    MLAConfig,
+    MoEConfig,
+    step3p5,
+)
 from mtpserve.workers.model.families.base import (
     MTP_DEPTH_KEYS,
     MTP_SIZE_KEYS,
@@ -18,12 +24,15 @@ from mtpserve.workers.model.families.base import (
 from mtpserve.workers.model.quantization import FP8BlockConfig, parse_quantization
 from mtpserve.workers.model.rope import RopeConfig, UnsupportedConfig, parse_rope
 
-MTPNaming = Literal["deepseek_v3", "mimo", "qwen3_next"]
+MTPNaming = Literal["deepseek_v3", "mimo", "qwen3_next", "step3p5"]
 
 logger = logging.getLogger(__name__)
 
 # Multimodal checkpoints served by their text part: model_type -> the text model's type.
-_TEXT_PART = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+_TEXT_PART = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text", "step3p7": "step3p5"}
+# Where each multimodal checkpoint keeps its text model's tensors, and its vision tower's.
+_TEXT_PREFIX = {"step3p7": "model."}
+_VISION_PREFIXES = {"step3p7": ("vision_model.", "vit_large_projector.")}
 
 # Families we know of but do not serve yet, with the reason (named by `check` and `up`).
 _NOT_YET: dict[str, str] = {}
@@ -64,6 +73,13 @@ class ModelConfig:
     # Where the decoder's tensors live in the checkpoint ("model.language_model." for the
     # text part of a multimodal checkpoint); internal names always start with "model.".
     weights_prefix: str = "model."
+    # Tensors of a multimodal checkpoint's vision tower (ignored: the text model is served).
+    vision_prefixes: tuple[str, ...] = ()
+    # Step: the output gate's own g_proj ("head" | "channel"), the softmax scale, and one rope
+    # per `LayerSpec.rope` index (index 0 is `rope`).
+    head_gate: str | None = None
+    attention_scale: float | None = None
+    ropes: tuple[RopeConfig, ...] = ()
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -113,6 +129,10 @@ class ModelConfig:
         heads for GQA, 1 for MLA's latent (which every rank holds whole)."""
         return self.kv_cache_layout(1)[0]
 
+    def attention_heads(self, index: int) -> int:
+        """Query heads of attention layer `index` (Step's sliding layers have their own)."""
+        return self.layer(index).num_heads or self.num_attention_heads
+
     def layer(self, index: int) -> LayerSpec:
         """Attention layer `index` (main layers, then the MTP modules' blocks)."""
         return self.layers[index] if self.layers else LayerSpec()
@@ -133,10 +153,17 @@ class ModelConfig:
                 lines.append(self.mla.dsa.describe() + "; the indexer's keys page with the "
                              "latent; forwards run eagerly (no compiled graphs yet)")
         else:
-            lines.append(f"attention: {self.num_attention_heads} heads, "
-                         f"{self.num_key_value_heads} KV heads, head dim {self.head_dim}"
+            other = sorted({self.attention_heads(i) for i in range(self.num_attention_layers)}
+                           - {self.num_attention_heads})
+            lines.append(f"attention: {self.num_attention_heads} heads"
+                         + "".join(f" ({h} in windowed layers)" for h in other)
+                         + f", {self.num_key_value_heads} KV heads, head dim {self.head_dim}"
                          + (", qk-norm" if self.qk_norm else "")
-                         + (", qkv bias" if self.attention_bias else ""))
+                         + (", qkv bias" if self.attention_bias else "")
+                         + (f", sigmoid output gate per {self.head_gate}" if self.head_gate
+                            else "")
+                         + (f", scale {self.attention_scale:.4g}" if self.attention_scale
+                            else ""))
         if self.moe is not None:
             lines.append(f"MoE: {self.moe.describe()}")
         if self.linear is not None:
@@ -159,7 +186,17 @@ class ModelConfig:
                          f"{spec.attention.upper()}{window} + {spec.mlp} block")
         if not self.num_mtp_modules:
             lines.append("MTP modules: none")
-        lines.append(f"rope: {self.rope.describe()}")
+        if len(self.ropes) > 1:
+            for r, rope in enumerate(self.ropes):
+                idx = [i for i in range(self.num_attention_layers) if self.layer(i).rope == r]
+                lines.append(f"rope (layers {_ranges(idx)}): {rope.describe()}")
+        else:
+            lines.append(f"rope: {self.rope.describe()}")
+        clamps = sorted({(s.swiglu_limit, s.shared_swiglu_limit) for s in self.layers
+                         if s.swiglu_limit or s.shared_swiglu_limit}, key=str)
+        if clamps:
+            lines.append("SwiGLU clamps (MLP / routed, shared): " + ", ".join(
+                f"{a or '-'} / {b or '-'}" for a, b in clamps))
         lines.append(f"quantization: {self.quant.describe() if self.quant else 'none'}")
         return lines
 
@@ -167,11 +204,16 @@ class ModelConfig:
     def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
         model_type = cfg.get("model_type", "llama")
         weights_prefix = "model."
+        vision: tuple[str, ...] = ()
         if model_type in _TEXT_PART and "text_config" in cfg:
-            cfg, weights_prefix = _text_part(cfg), "model.language_model."
+            weights_prefix = _TEXT_PREFIX.get(model_type, "model.language_model.")
+            vision = _VISION_PREFIXES.get(model_type, ("model.visual.",))
+            cfg = _text_part(cfg)
             model_type = cfg["model_type"]
         else:
             cfg = _lift_mtp_keys(cfg)
+        if model_type in step3p5.MODEL_TYPES:  # legacy hub key names
+            cfg = step3p5.normalise(cfg)
         if model_type in _NOT_YET:
             raise UnsupportedConfig(f"model_type {model_type!r}: {_NOT_YET[model_type]}")
         family = FAMILIES.get(model_type)
@@ -184,7 +226,8 @@ class ModelConfig:
                              hybrid=fields.linear is not None,
                              dsa=fields.mla is not None and fields.mla.dsa is not None,
                              sliding=any(s.sliding_window for s in fields.layers))
-        rope = parse_rope(cfg)
+        ropes = tuple(parse_rope({**cfg, "rope_parameters": r}) for r in fields.ropes)
+        rope = ropes[0] if ropes else parse_rope(cfg)
         quant = parse_quantization(cfg)
         heads = cfg["num_attention_heads"]
         # MTP module count under each published convention (top level or text_config).
@@ -192,7 +235,7 @@ class ModelConfig:
         if key == "mtp_num_hidden_layers":
             naming = "qwen3_next"
         else:
-            naming = "mimo" if model_type == "mimo" else "deepseek_v3"
+            naming = {"mimo": "mimo", "step3p5": "step3p5"}.get(model_type, "deepseek_v3")
         naming = cfg.get("mtp_naming", naming)
         _check_mtp_sizes(cfg, n_mtp, fields.layers[cfg["num_hidden_layers"]:], fields.moe)
         eos_ids = _eos_ids(cfg.get("eos_token_id"))
@@ -228,6 +271,10 @@ class ModelConfig:
             attn_output_gate=fields.attn_output_gate,
             zero_centred_norm=fields.zero_centred_norm,
             weights_prefix=weights_prefix,
+            vision_prefixes=vision,
+            head_gate=fields.head_gate,
+            attention_scale=fields.attention_scale,
+            ropes=ropes,
             raw=cfg,
         )
 
@@ -269,8 +316,9 @@ def _text_part(cfg: dict[str, Any]) -> dict[str, Any]:
     top level's token ids / tying where the text config lacks them. Its multimodal rope
     sections (`mrope_section`, `mrope_interleaved`) are dropped: a text-only request has the
     same position on all three axes, where M-RoPE is plain RoPE."""
-    logger.info("%s: serving the text model; the vision tower (model.visual.*) is ignored",
-                cfg["model_type"])
+    logger.info("%s: serving the text model; the vision tower (%s) is ignored",
+                cfg["model_type"], ", ".join(f"{p}*" for p in _VISION_PREFIXES.get(
+                    cfg["model_type"], ("model.visual.",))))
     text = dict(cfg["text_config"])
     text.setdefault("model_type", _TEXT_PART[cfg["model_type"]])
     for key in ("eos_token_id", "bos_token_id", "tie_word_embeddings"):

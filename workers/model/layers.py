@@ -81,14 +81,24 @@ class MLP(nn.Module):
     `reduce=False` leaves the TP partial sums to the caller (an MoE layer's shared experts,
     summed with the routed experts in one all-reduce)."""
 
-    def __init__(self, hidden: int, intermediate: int, reduce: bool = True) -> None:
+    def __init__(self, hidden: int, intermediate: int, reduce: bool = True,
+                 limit: float | None = None) -> None:
         super().__init__()
         self.gate_up_proj = ColumnParallelLinear(hidden, [intermediate, intermediate])
         self.down_proj = RowParallelLinear(intermediate, hidden, reduce=reduce)
+        self.limit = limit  # Step's clamp (`swiglu`); None: plain SwiGLU
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(swiglu(gate, up, self.limit))
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None = None) -> torch.Tensor:
+    """silu(gate) * up; with `limit` (Step-3.5/3.7), silu(gate) <= limit and |up| <= limit,
+    the clamp after the activation as transformers' Step3p7MLP applies it."""
+    if limit is None:
+        return F.silu(gate) * up
+    return F.silu(gate).clamp(max=limit) * up.clamp(min=-limit, max=limit)
 
 
 class Attention(nn.Module):
@@ -99,24 +109,30 @@ class Attention(nn.Module):
         tp = get_tp().size
         self.window = cfg.layer(layer_idx).sliding_window  # None: full attention
         self.head_dim = cfg.head_dim
-        self.num_heads = cfg.num_attention_heads // tp
-        if cfg.num_attention_heads % tp:
-            raise ValueError(f"TP size {tp} must divide {cfg.num_attention_heads} heads")
+        H = cfg.attention_heads(layer_idx)  # Step's sliding layers have their own count
+        self.num_heads = H // tp
+        if H % tp:
+            raise ValueError(f"TP size {tp} must divide {H} heads")
         # TP above the KV heads replicates them (`kv_head_split`): rank r holds KV head
         # r * Hk // tp, which its contiguous query heads [r Hq/tp, (r+1) Hq/tp) all attend to.
         self.num_kv_heads, kv_replicas = kv_head_split(cfg.num_key_value_heads, tp)
-        self.scale = cfg.head_dim**-0.5
+        self.scale = cfg.attention_scale or cfg.head_dim**-0.5
         d = cfg.head_dim
         # Qwen3-Next: q_proj holds [q | gate] per head; the output is scaled by sigmoid(gate).
         self.output_gate = cfg.attn_output_gate
         qd = 2 * d if self.output_gate else d
         self.qkv_proj = ColumnParallelLinear(
             cfg.hidden_size,
-            [cfg.num_attention_heads * qd, cfg.num_key_value_heads * d,
-             cfg.num_key_value_heads * d],
+            [H * qd, cfg.num_key_value_heads * d, cfg.num_key_value_heads * d],
             bias=cfg.attention_bias, replicas=[1, kv_replicas, kv_replicas],
         )
-        self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size)
+        self.o_proj = RowParallelLinear(H * d, cfg.hidden_size)
+        # Step: o_proj(attn * sigmoid(g_proj(x))), one gate per head or per channel; split by
+        # heads like q, so each rank gates its own heads.
+        self.head_gate = cfg.head_gate
+        self.g_proj = (ColumnParallelLinear(cfg.hidden_size, [H if cfg.head_gate == "head"
+                                                              else H * d])
+                       if cfg.head_gate is not None else None)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
 
@@ -131,6 +147,10 @@ class Attention(nn.Module):
         Hq, Hk, D = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)
         gate = None
+        if self.g_proj is not None:
+            g = torch.sigmoid(self.g_proj(x))
+            gate = (g.unsqueeze(-1).expand(B, S, Hq, D).reshape(B, S, Hq * D)
+                    if self.head_gate == "head" else g)
         if self.output_gate:
             qg, kv = qkv.split([Hq * 2 * D, 2 * Hk * D], dim=-1)
             qg = qg.view(B, S, Hq, 2 * D)
@@ -230,9 +250,11 @@ class DecoderLayer(nn.Module):
             from mtpserve.workers.model.moe import MoE  # moe.py builds on MLP from here
 
             assert cfg.moe is not None
-            self.mlp = MoE(cfg.hidden_size, cfg.moe, cfg)  # cfg: the FP8-experts rule
+            # cfg: the FP8-experts rule; layer_idx: its SwiGLU clamps (Step)
+            self.mlp = MoE(cfg.hidden_size, cfg.moe, cfg, layer_idx)
         else:
-            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size,
+                           limit=cfg.layer(layer_idx).swiglu_limit)
 
     def forward(
         self,

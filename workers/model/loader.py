@@ -38,9 +38,10 @@ class CheckpointError(ValueError):
 
 _EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _EXPERT_PART = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", None)}
-# Stacked experts (Qwen3.5-MoE): gate_up_proj [E, 2 I, hidden], down_proj [E, hidden, I].
-_STACKED = re.compile(r"(.*\.experts)\.(gate_up_proj|down_proj)$")
-_STACKED_PARAM = {"gate_up_proj": "w13", "down_proj": "w2"}
+# Stacked experts (Qwen3.5-MoE): gate_up_proj [E, 2 I, hidden], down_proj [E, hidden, I];
+# Step: gate_proj and up_proj [E, I, hidden] apart.
+_STACKED = re.compile(r"(.*\.experts)\.(gate_up_proj|gate_proj|up_proj|down_proj)$")
+_STACKED_PARAM = {"gate_up_proj": "w13", "gate_proj": "w13", "up_proj": "w13", "down_proj": "w2"}
 
 
 def _per_expert(internal: str, tensor: torch.Tensor, shard: object
@@ -51,8 +52,9 @@ def _per_expert(internal: str, tensor: torch.Tensor, shard: object
     m = _STACKED.match(internal)
     if m is None:
         return [(tensor, shard)]
-    if m.group(2) == "down_proj":
-        return [(tensor[e], (e, None)) for e in range(tensor.shape[0])]
+    part = {"down_proj": None, "gate_proj": 0, "up_proj": 1}
+    if m.group(2) in part:
+        return [(tensor[e], (e, part[m.group(2)])) for e in range(tensor.shape[0])]
     inter = tensor.shape[1] // 2
     return [(tensor[e, p * inter:(p + 1) * inter], (e, p))
             for e in range(tensor.shape[0]) for p in (0, 1)]

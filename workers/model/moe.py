@@ -52,7 +52,7 @@ from torch import nn
 
 from mtpserve.workers.model.families.base import MoEConfig
 from mtpserve.workers.model.fp8 import FP8, GROUP, keep_experts_fp8
-from mtpserve.workers.model.layers import MLP
+from mtpserve.workers.model.layers import MLP, swiglu
 from mtpserve.workers.model.parallel import (
     ReplicatedLinear,
     _divide,
@@ -280,9 +280,12 @@ class Experts(nn.Module):
             return self._gathered(x, weights, idx)
         return self._grouped(x, weights, idx)
 
+    # Step's clamp of the routed experts (`layers.swiglu`); set by MoE, None: plain SwiGLU.
+    limit: float | None = None
+
     def _swiglu(self, gu: torch.Tensor) -> torch.Tensor:
         gate, up = gu.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return swiglu(gate, up, self.limit)
 
     def _gathered(self, x: torch.Tensor, weights: torch.Tensor,
                   idx: torch.Tensor) -> torch.Tensor:
@@ -312,7 +315,8 @@ class Experts(nn.Module):
                                   out_int32=True)
         rows = x.index_select(0, order // K)  # [M, hidden], grouped by expert
         w13, w2 = self.w13, self.w2
-        if self.fp8 and x.is_cuda and fp8_grouped_kernel is not None:
+        # The fused FP8 kernel knows no SwiGLU clamp: clamped experts take the torch path.
+        if self.fp8 and x.is_cuda and fp8_grouped_kernel is not None and self.limit is None:
             out = fp8_grouped_kernel(self, rows, offs)
         else:
             if self.fp8:
@@ -342,13 +346,17 @@ class Experts(nn.Module):
 class MoE(nn.Module):
     """Router + routed experts (+ shared experts); one all-reduce per layer under TP."""
 
-    def __init__(self, hidden: int, cfg: MoEConfig, model_cfg: ModelConfig | None = None
-                 ) -> None:
+    def __init__(self, hidden: int, cfg: MoEConfig, model_cfg: ModelConfig | None = None,
+                 layer_idx: int | None = None) -> None:
         super().__init__()
+        spec = (model_cfg.layer(layer_idx) if model_cfg is not None and layer_idx is not None
+                else None)
         self.gate = Router(hidden, cfg)
         self.experts = Experts(hidden, cfg, model_cfg)
+        self.experts.limit = spec.swiglu_limit if spec is not None else None
         self.shared_experts = (
-            MLP(hidden, cfg.intermediate_size * cfg.num_shared_experts, reduce=False)
+            MLP(hidden, cfg.shared_experts_width, reduce=False,
+                limit=spec.shared_swiglu_limit if spec is not None else None)
             if cfg.num_shared_experts else None
         )
         # Qwen3-Next: `shared_expert` (its own width) times sigmoid(shared_expert_gate(x)); the

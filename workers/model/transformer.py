@@ -55,6 +55,9 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.mtp = nn.ModuleList(MTPModule(cfg, m) for m in range(cfg.num_mtp_modules))
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope)
+        # Step ropes each layer type its own way (`LayerSpec.rope`): index 0 is `rotary`.
+        self.extra_rotary = nn.ModuleList(
+            RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, r) for r in cfg.ropes[1:])
         if cfg.zero_centred_norm:  # Qwen3-Next: every RMSNorm (main and MTP) scales by 1 + w
             for mod in self.modules():
                 if isinstance(mod, RMSNorm):
@@ -70,10 +73,16 @@ class CausalLM(nn.Module):
         """Main-model hidden states after the final norm, [B, S, hidden] (what MTP consumes).
         Hybrid models: `kv_caches[i]` of a linear layer is its `LinearState` (state slots)."""
         x = self.model.embed_tokens(input_ids)
-        rope = self.rotary.cos_sin(positions)
+        ropes = self.ropes(positions)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, rope, attn, None if kv_caches is None else kv_caches[i])
+            x = layer(x, ropes[self.config.layer(i).rope], attn,
+                      None if kv_caches is None else kv_caches[i])
         return self.model.norm(x)
+
+    def ropes(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """cos, sin at `positions` of each of the model's ropes (one unless layer types rope
+        differently), computed once per forward."""
+        return [r.cos_sin(positions) for r in (self.rotary, *self.extra_rotary)]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.logits(hidden).float()
@@ -94,7 +103,9 @@ class CausalLM(nn.Module):
         # The MTP module may run in a cheaper dtype than the main model (`lower_mtp_precision`):
         # its inputs follow its weights (no-ops when they match).
         dt = mtp.eh_proj.weight.dtype
-        return mtp(embed(input_ids).to(dt), prev_hidden.to(dt), self.rotary.cos_sin(positions),
+        spec = self.config.layer(self.config.num_hidden_layers + module)
+        rotary = self.rotary if spec.rope == 0 else self.extra_rotary[spec.rope - 1]
+        return mtp(embed(input_ids).to(dt), prev_hidden.to(dt), rotary.cos_sin(positions),
                    attn, kv)
 
     def compute_mtp_logits(self, module: int, hidden: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ from mtpserve.workers.model.families import (
     qwen3_5,
     qwen3_moe,
     qwen3_next,
+    step3p5,
 )
 from mtpserve.workers.model.families.base import FamilyFields, LayerSpec, MLAConfig, MoEConfig
 
@@ -24,6 +25,7 @@ FAMILIES: dict[str, Callable[[dict[str, Any]], FamilyFields]] = {
     **{t: deepseek_v3.fields for t in deepseek_v3.MODEL_TYPES},
     **{t: qwen3_next.fields for t in qwen3_next.MODEL_TYPES},
     **{t: qwen3_5.fields for t in qwen3_5.MODEL_TYPES},
+    **{t: step3p5.fields for t in step3p5.MODEL_TYPES},
 }
 
 __all__ = ["FAMILIES", "FamilyFields", "LayerSpec", "MLAConfig", "MoEConfig"]

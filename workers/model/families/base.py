@@ -30,6 +30,14 @@ class MoEConfig:
     shared_intermediate_size: int = 0
     shared_expert_gate: bool = False
 
+    @property
+    def shared_experts_width(self) -> int:
+        """Intermediate size of the ungated shared experts (`shared_experts.*`): their count
+        times the expert width, or (Step) a width of their own."""
+        if self.shared_intermediate_size and not self.shared_expert_gate:
+            return self.shared_intermediate_size
+        return self.intermediate_size * self.num_shared_experts
+
     def describe(self) -> str:
         s = f"{self.num_experts} experts, top-{self.top_k} ({self.scoring}"
         if self.n_group > 1:
@@ -43,6 +51,8 @@ class MoEConfig:
             s += f", {self.num_shared_experts} shared"
         if self.shared_expert_gate:
             s += f", gated shared expert {self.shared_intermediate_size}"
+        elif self.shared_intermediate_size and self.num_shared_experts:
+            s += f" of width {self.shared_intermediate_size}"
         return s
 
 
@@ -147,6 +157,12 @@ class LayerSpec:
     # Sliding-window attention: a query at position p attends to (p - W, p], the last W
     # tokens including itself (transformers' `sliding_window` convention). None: full.
     sliding_window: int | None = None
+    num_heads: int | None = None  # query heads of this layer (None: the model's)
+    rope: int = 0  # which of the model's ropes (`ModelConfig.ropes`; 0: `rope`)
+    # SwiGLU clamps (Step): silu(gate) <= L and |up| <= L; the layer's MLP or routed experts,
+    # and its shared expert. None: no clamp.
+    swiglu_limit: float | None = None
+    shared_swiglu_limit: float | None = None
 
 
 @dataclass(frozen=True)
@@ -161,6 +177,11 @@ class FamilyFields:
     linear: LinearAttentionConfig | None = None  # hybrid models: their linear layers
     attn_output_gate: bool = False  # full attention: o_proj(attn * sigmoid(gate)), Qwen3-Next
     zero_centred_norm: bool = False  # RMSNorm scales by (1 + w)
+    # Step: the output gate from its own g_proj, one scalar per "head" or per "channel".
+    head_gate: str | None = None
+    attention_scale: float | None = None  # softmax scale (None: head_dim ** -0.5)
+    # Rope dicts per `LayerSpec.rope` index when layer types rope differently (Step).
+    ropes: tuple[dict[str, Any], ...] = ()
 
 
 def num_experts(cfg: dict[str, Any]) -> int:

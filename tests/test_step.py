@@ -1,0 +1,182 @@
+"""Step-3.5 / Step-3.7-Flash (`step3p7` checkpoints, served by their `step3p5` text model)
+against transformers' `Step3p7ForConditionalGeneration` on tiny random checkpoints it saved:
+full and sliding layers with their own query-head counts and ropes, the per-head sigmoid
+output gate, (1 + w) norms, SwiGLU clamps, the sigmoid MoE with its shared expert, and MTP
+layers with their own heads. Paged prefill + decode logits within 1e-4 (fp32), MTP draft
+logits == transformers' MtpModel, greedy k = 0..3 == transformers, TP 2 == TP 1, the hub's
+legacy config layout read as transformers reads it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from helpers import assert_mtp_steps_match_reference, hf_greedy
+from test_model_families import _check_paged_logits
+from tiny_models import make_step_checkpoint
+from tiny_tokenizer import VOCAB_SIZE, make_tokenizer
+
+from mtpserve.workers.model.config import ModelConfig
+from mtpserve.workers.model.loader import load_model
+from mtpserve.workers.model_runner import ForwardBatch, ModelRunner
+
+
+class _Reference(torch.nn.Module):
+    """transformers' model with the text config where `_check_paged_logits` reads it."""
+
+    def __init__(self, model) -> None:
+        super().__init__()
+        self.inner, self.config = model, model.config.text_config
+
+    def forward(self, ids):
+        return self.inner(input_ids=ids)
+
+
+@pytest.fixture(scope="module")
+def step(tmp_path_factory) -> Path:
+    path = make_step_checkpoint(tmp_path_factory.mktemp("step") / "step37", num_mtp=1,
+                                vocab_size=VOCAB_SIZE)
+    make_tokenizer(path)
+    return path
+
+
+def _reference(path: Path):
+    return transformers.Step3p7ForConditionalGeneration.from_pretrained(path).eval()
+
+
+def test_step_config(step) -> None:
+    cfg = ModelConfig.from_pretrained(step)
+    assert [cfg.attention_heads(i) for i in range(5)] == [4, 6, 6, 6, 4]
+    assert [s.sliding_window for s in cfg.layers] == [None, 6, 6, 6, None]
+    assert [s.rope for s in cfg.layers] == [0, 1, 1, 1, 0]
+    assert cfg.ropes[0].partial_rotary_factor == 0.5 and cfg.ropes[1].theta == 1e4
+    assert [s.swiglu_limit for s in cfg.layers] == [None, None, 0.3, 0.3, None]
+    assert cfg.mtp_naming == "step3p5" and cfg.num_mtp_modules == 1
+    lines = "\n".join(cfg.describe())
+    assert "4 heads (6 in windowed layers)" in lines and "output gate per head" in lines
+
+
+def test_step_logits_match_transformers_and_the_clamps_matter(step, tmp_path) -> None:
+    _check_paged_logits(step, _Reference(_reference(step)), 24, 6)
+    loose = tmp_path / "loose"
+    loose.mkdir()
+    for f in step.iterdir():
+        (loose / f.name).symlink_to(f)
+    (loose / "config.json").unlink()
+    cfg = json.loads((step / "config.json").read_text())
+    cfg["text_config"]["swiglu_limits"] = cfg["text_config"]["swiglu_limits_shared"] = None
+    (loose / "config.json").write_text(json.dumps(cfg))
+    ids = torch.randint(0, VOCAB_SIZE, (1, 16), generator=torch.Generator().manual_seed(3))
+    pos = torch.arange(16).unsqueeze(0)
+    with torch.no_grad():
+        a, b = (m.compute_logits(m(ids, pos)) for m in (load_model(step), load_model(loose)))
+    assert (a - b).abs().max().item() > 1e-3
+
+
+def test_step_mtp_draft_logits_match_transformers_mtp_model(step) -> None:
+    from transformers.modeling_layers import MtpModel
+
+    ref = _reference(step)
+    mtp_ref = MtpModel.from_pretrained(ref).eval()
+    ours = load_model(step)
+    assert ours.mtp[0].head is not None  # shared_head.output (here equal to lm_head)
+
+    class Main(torch.nn.Module):  # `ref.model(ids).last_hidden_state`, as the helper reads
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = ref.model
+
+    ids = torch.randint(0, VOCAB_SIZE, (1, 21), generator=torch.Generator().manual_seed(2))
+    n = 19
+    logits_ref = assert_mtp_steps_match_reference(Main(), mtp_ref, ours, ids, n)
+    runner = ModelRunner(step, num_blocks=16, block_size=4)
+    table = [list(range(1, 7))]
+    runner.execute(ForwardBatch("main", [ids[0, :n].tolist()], [0], table, [n - 1]))
+    paged = runner.execute(ForwardBatch("mtp", [ids[0, 1:n + 1].tolist()], [0], table,
+                                        list(range(n)), hidden_from="main",
+                                        hidden_rows=[list(range(n))]))
+    assert (paged - logits_ref[0]).abs().max().item() <= 1e-4
+
+
+def test_step_greedy_with_drafts_equals_transformers(step) -> None:
+    from mtpserve.workers import LLM, SamplingParams
+
+    ref = _Reference(_reference(step))
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, VOCAB_SIZE, (n,), generator=g).tolist() for n in (7, 19)]
+    want = [hf_greedy(ref, p, 12) for p in prompts]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    for k in range(4):
+        llm = LLM(str(step), num_speculative_tokens=k, num_kv_blocks=64, block_size=4)
+        got = [r.output_token_ids for r in llm.generate(prompts, params)]
+        assert got == want, f"k={k}"
+
+
+def test_step_tp2_engine_with_prefix_caching_equals_tp1(step) -> None:
+    """Two gloo ranks: 2 / 3 query heads and their gates per rank in full / sliding layers,
+    one KV head each, experts split; k = 2 and prefix caching == one process."""
+    import torch.multiprocessing as mp
+    from serve_cluster import free_port
+    from test_tensor_parallel import PROMPT, _greedy_tokens, _split_rank
+
+    path = str(step)
+    prompts = [PROMPT, [9, 8, 7, 6, 5, 4, 3], PROMPT + [1, 2, 3, 4, 5]]
+    want, _ = _greedy_tokens(None, path, prompts, caching=False)
+    ctx = mp.get_context("spawn")
+    out, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_split_rank, args=(r, port, path, prompts, out, True))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    results = dict((role, rest) for role, *rest in (out.get(timeout=240) for _ in procs))
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    (_, (got, hits)), (_, worker_failed) = results["driver"], results["worker"]
+    assert got == want and hits == 8 and not worker_failed
+
+
+def test_step_legacy_hub_config_reads_as_transformers_saves_it(step) -> None:
+    """The released config.json's layout (per-layer lists padded with the MTP layer,
+    `rope_theta` / `partial_rotary_factors` lists, `attention_other_setting`, `moe_layers_enum`,
+    legacy key names) gives the same model config as the one transformers saved."""
+    saved = json.loads((step / "config.json").read_text())
+    t = saved["text_config"]
+    legacy = {k: v for k, v in t.items() if k not in (
+        "layer_types", "mtp_layer_types", "mlp_layer_types", "mtp_mlp_layer_types",
+        "rope_parameters", "per_layer_config", "num_sliding_attention_heads",
+        "num_key_value_heads", "n_routed_experts", "num_experts_per_tok")}
+    legacy.update(
+        layer_types=t["layer_types"] + t["mtp_layer_types"],
+        rope_theta=[5e6, 1e4, 1e4, 1e4, 5e6], partial_rotary_factors=[0.5, 1, 1, 1, 0.5],
+        attention_other_setting={"num_attention_heads": 6, "num_attention_groups": 2},
+        num_attention_groups=2, moe_num_experts=4, moe_top_k=2, moe_layers_enum="2,3,4",
+        hidden_act="swigluoai")
+    a = ModelConfig.from_dict(saved)
+    b = ModelConfig.from_dict({**saved, "text_config": legacy})
+    assert a.layers == b.layers and a.ropes == b.ropes and a.moe == b.moe
+    assert a.num_key_value_heads == b.num_key_value_heads == 2
+
+
+def test_step_sliding_mtp_layer(tmp_path) -> None:
+    """A sliding-window MTP layer with the sliding layers' 6 query heads (transformers'
+    MtpModel builds it with the full layers' 4 and fails to load it): it loads, drafts at its
+    own window, and greedy k = 2 == transformers."""
+    from mtpserve.workers import LLM, SamplingParams
+
+    path = make_step_checkpoint(tmp_path / "step-swa-mtp", num_mtp=1, vocab_size=VOCAB_SIZE,
+                                mtp_sliding=True)
+    make_tokenizer(path)
+    ours = load_model(path)
+    attn = ours.mtp[0].block.self_attn
+    assert attn.window == 6 and attn.num_heads == 6
+    prompt = torch.randint(3, VOCAB_SIZE, (17,), generator=torch.Generator().manual_seed(5))
+    want = hf_greedy(_Reference(_reference(path)), prompt.tolist(), 10)
+    llm = LLM(str(path), num_speculative_tokens=2, num_kv_blocks=64, block_size=4)
+    got = llm.generate([prompt.tolist()], SamplingParams(max_tokens=10, temperature=0,
+                                                         ignore_eos=True))
+    assert got[0].output_token_ids == want
+    assert llm.engine.stats()["total_drafted"] > 0
