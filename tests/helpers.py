@@ -87,6 +87,33 @@ def assert_mtp_steps_match_reference(ref, mtp_ref, ours, ids, n: int, tol: float
     return logits_ref
 
 
+def assert_graphs_match_eager(path, vocab: int = 300) -> None:
+    """Compiled decode graphs (CPU: one dynamic package per kind) give the eager logits on a
+    ragged batch: a prefill, then 1-3 new tokens per row, then an MTP forward over them."""
+    import torch
+
+    from mtpserve.workers.model_runner import ForwardBatch, ModelRunner
+
+    runners = [ModelRunner(path, num_blocks=32, block_size=4, decode_graphs=g)
+               for g in (False, True)]
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (9, 13, 2)]
+    tables = [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10], [11, 12, 13, 14, 15]]
+    outs: list[list[torch.Tensor]] = [[], []]
+    for runner, out in zip(runners, outs, strict=True):
+        runner.execute(ForwardBatch("main", prompts, [0, 0, 0], tables, [0]))
+        news = [[7], [8, 9], [10, 11, 12]]
+        starts = [len(p) for p in prompts]
+        out.append(runner.execute(ForwardBatch("main", news, starts, tables,
+                                               [0, 3, 4, 6, 7, 8])))
+        out.append(runner.execute(ForwardBatch(
+            "mtp", news, starts, tables, [0, 4, 8], hidden_from="main",
+            hidden_rows=[[0], [3, 4], [6, 7, 8]])))
+    assert runners[1].graphs is not None and runners[1].graphs.compiled
+    for eager, graph in zip(*outs, strict=True):
+        assert (eager - graph).abs().max().item() <= 1e-4
+
+
 def hf_greedy(ref, prompt: list[int], n: int) -> list[int]:
     """`n` greedy tokens of transformers' model `ref` after `prompt`, without its KV cache
     (a full forward per token: the plainest reference)."""

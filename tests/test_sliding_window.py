@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from helpers import assert_mtp_steps_match_reference, hf_greedy
+from helpers import assert_graphs_match_eager, assert_mtp_steps_match_reference, hf_greedy
 from test_model_families import _check_paged_logits
 from tiny_models import make_hf_checkpoint
 from tiny_tokenizer import VOCAB_SIZE, make_tokenizer
@@ -107,21 +107,4 @@ def test_sliding_greedy_with_drafts_equals_transformers(swa) -> None:
 def test_sliding_graph_forwards_match_eager(swa) -> None:
     """The compiled decode graphs (the window mask built in-graph from the positions) give
     the eager logits on a ragged batch past the window."""
-    runners = [ModelRunner(swa, num_blocks=32, block_size=4, decode_graphs=g)
-               for g in (False, True)]
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, VOCAB_SIZE, (n,), generator=g).tolist() for n in (9, 13, 2)]
-    tables = [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10], [11, 12, 13, 14, 15]]
-    outs: list[list[torch.Tensor]] = [[], []]
-    for runner, out in zip(runners, outs, strict=True):
-        runner.execute(ForwardBatch("main", prompts, [0, 0, 0], tables, [0]))
-        news = [[7], [8, 9], [10, 11, 12]]
-        starts = [len(p) for p in prompts]
-        out.append(runner.execute(ForwardBatch("main", news, starts, tables,
-                                               [0, 3, 4, 6, 7, 8])))
-        out.append(runner.execute(ForwardBatch(
-            "mtp", news, starts, tables, [0, 4, 8], hidden_from="main",
-            hidden_rows=[[0], [3, 4], [6, 7, 8]])))
-    assert runners[1].graphs is not None and runners[1].graphs.compiled
-    for eager, graph in zip(*outs, strict=True):
-        assert (eager - graph).abs().max().item() <= 1e-4
+    assert_graphs_match_eager(swa)

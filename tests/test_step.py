@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from helpers import assert_mtp_steps_match_reference, hf_greedy
+from helpers import assert_graphs_match_eager, assert_mtp_steps_match_reference, hf_greedy
 from test_model_families import _check_paged_logits
 from tiny_models import make_step_checkpoint
 from tiny_tokenizer import VOCAB_SIZE, make_tokenizer
@@ -180,3 +180,10 @@ def test_step_sliding_mtp_layer(tmp_path) -> None:
                                                          ignore_eos=True))
     assert got[0].output_token_ids == want
     assert llm.engine.stats()["total_drafted"] > 0
+
+
+@pytest.mark.slow
+def test_step_graph_forwards_match_eager(step) -> None:
+    """The compiled decode graphs cover Step's layers (per-layer heads and ropes, gates,
+    clamps, windows) with the eager logits."""
+    assert_graphs_match_eager(step)
