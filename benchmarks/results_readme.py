@@ -333,6 +333,23 @@ def structured(name: str) -> list[str]:
            if "immediate_eos_healing_any_tail" in h else ".")]
 
 
+def dsa(name: str) -> list[str]:
+    r = _load(name)
+    gen = [[g["batch"], _f(g["transformers"]), _f(g["k0"]), _f(g["k3"]), ", ".join(
+        "-" if a is None else f"{a:.2f}" for a in g["acceptance_per_module"])]
+        for g in r["generate"]]
+    steps = []
+    for batch, s in r["steps"].items():
+        for ctx, t in s["dsa"].items():
+            d = s["dense"][ctx]
+            steps.append([batch, ctx, f"{t:.2f}", f"{d:.2f}", f"{d / t:.2f}"])
+    return _table(["batch", "transformers.generate tok/s", "mtpserve k=0", "mtpserve k=3",
+                   "acceptance per MTP depth (k=3)"], gen) + [
+        "", f"{r['tokens']} greedy tokens after 96-token prompts (top-"
+        f"{r['sizes']['index_topk']}). One decode step, ms:", ""] + _table(
+        ["batch", "context", "DSA (top-k)", "dense MLA", "dense / DSA"], steps)
+
+
 def grammar_stall(name: str) -> list[str]:
     r = _load(name)
     res = r["results"]
@@ -556,6 +573,18 @@ BENCHMARKS = [
           note="Its MTP layer is random (acceptance 0), so k = 3 shows the cost of speculation "
           "on a hybrid, not its gain. No result file is stored; one run's numbers are in "
           "docs/model_families.md."),
+    Bench("dsa_bench.py", "DeepSeek Sparse Attention (DeepSeek-V3.2 architecture)",
+          "python -m mtpserve.benchmarks.dsa_bench --tokens 32 --json out.json",
+          "A small random `DeepseekV32ForCausalLM` (hidden 256, 8 heads, kv_lora 128, indexer "
+          "8 x 64, top-64, one MTP layer), one thread: `LLM.generate` at k = 0 and 3 against "
+          "`transformers.generate` on prompts past top-k, and one decode step against context "
+          "length, DSA (indexer keys, then the selected latents, read from the pages) against "
+          "the same weights attending to every token (dense MLA), side by side in one run.",
+          ("dsa-cpu.json",), dsa,
+          "The MTP layer is random (acceptance 0), so k = 3 is the cost of speculation "
+          "without its gain. Past top-k the DSA step grows only with the indexer's scoring "
+          "(index heads x head dim per context token). DSA models run eagerly (no compiled "
+          "graphs yet)."),
     Bench("gpu_check.py", "The GPU check",
           "python -m mtpserve.benchmarks.gpu_check --out DIR\n"
           "python -m mtpserve.benchmarks.gpu_check --out DIR --device cpu   # dry run on CPU",
