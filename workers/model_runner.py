@@ -269,6 +269,10 @@ class ModelRunner:
         if self.config.mla is not None and self.config.mla.dsa is not None:
             # DSA's top-k over the live context length is not in the graphs yet: eager.
             decode_graphs = greedy_rounds = cuda_graphs = False
+            from mtpserve.workers.model.dsa import sparse_attention_backend
+
+            logger.info("DSA sparse attention: %s (%s); decode graphs off",
+                        *sparse_attention_backend(self.device.type))
         if cuda_graphs is None:
             cuda_graphs = self.device.type == "cuda"
         self.kv_budget: KVMemoryBudget | None = None

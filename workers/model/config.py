@@ -35,7 +35,13 @@ _TEXT_PREFIX = {"step3p7": "model."}
 _VISION_PREFIXES = {"step3p7": ("vision_model.", "vit_large_projector.")}
 
 # Families we know of but do not serve yet, with the reason (named by `check` and `up`).
-_NOT_YET: dict[str, str] = {}
+_NOT_YET: dict[str, str] = {
+    "mimo_v2_flash": "MiMo-V2-Flash's attention sinks, per-layer-type KV head counts (4 full, "
+                     "8 sliding) and value head dim (128, keys 192) are not implemented",
+    "deepseek_v4": "DeepSeek-V4's hyper-connections (4 residual streams), compressed sparse "
+                   "attention (CSA / HCA with its compressor and indexer), hash-routed MoE and "
+                   "its mtp.{i} e_proj / h_proj MTP layout are not implemented",
+}
 
 
 @dataclass(frozen=True)
@@ -152,6 +158,7 @@ class ModelConfig:
             if self.mla.dsa is not None:
                 lines.append(self.mla.dsa.describe() + "; the indexer's keys page with the "
                              "latent; forwards run eagerly (no compiled graphs yet)")
+                lines.append(_dsa_kernels_line())
         else:
             other = sorted({self.attention_heads(i) for i in range(self.num_attention_layers)}
                            - {self.num_attention_heads})
@@ -439,3 +446,14 @@ def _linear_kernels_line() -> str:
     except (RuntimeError, ValueError) as e:  # MTPSERVE_LINEAR_ATTENTION asks the impossible
         return f"linear attention kernels on this host ({here}): refused: {e}"
     return f"linear attention kernels on this host ({here}): {backend} ({why})"
+
+
+def _dsa_kernels_line() -> str:
+    """Which sparse-attention path a DSA replica on this host would take (dsa.py's probe)."""
+    import torch
+
+    from mtpserve.workers.model.dsa import sparse_attention_backend
+
+    here = "cuda" if torch.cuda.is_available() else "cpu"
+    backend, why = sparse_attention_backend(here)
+    return f"DSA sparse attention on this host ({here}): {backend} ({why})"

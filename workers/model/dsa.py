@@ -108,3 +108,19 @@ def select(scores: torch.Tensor | None, allowed: torch.Tensor, topk: int) -> Sel
     picked = torch.zeros_like(masked, dtype=torch.bool).scatter_(-1, index, True)
     valid = allowed[:, 0].expand_as(picked).gather(-1, index)
     return Selection(picked.unsqueeze(1) & allowed, index, valid)
+
+
+def sparse_attention_backend(device_type: str) -> tuple[str, str]:
+    """(backend, why) of DSA's sparse attention on this host, for `check` and the replica log.
+    The torch path (gathered top-k latents, absorbed attention) runs everywhere; on CUDA the
+    libraries made for it are probed by import: FlashMLA's sparse kernels, FlashInfer's MLA.
+    Neither is wired into the forward yet, so the answer is "torch" either way, with what was
+    found (a GPU session would wire and check the one found)."""
+    if device_type != "cuda":
+        return "torch", f"{device_type}: gathered top-k latents, absorbed attention"
+    import importlib.util
+
+    found = [name for name in ("flash_mla", "flashinfer")
+             if importlib.util.find_spec(name) is not None]
+    return "torch", ("found " + ", ".join(found) + " (not wired yet)" if found
+                     else "no flash_mla / flashinfer installed")
