@@ -128,7 +128,6 @@ def test_legacy_top_level_rope_keys(ckpt, tmp_path) -> None:
     ({"use_sliding_window": True, "sliding_window": 64}, "use_sliding_window"),
     ({"layer_types": ["sliding_attention", "full_attention"]}, "sliding_attention"),
     ({"index_topk": 2048}, "index_topk"),
-    ({"model_type": "mimo_v2_flash"}, "attention sinks"),
     ({"model_type": "deepseek_v4"}, "hyper-connections"),
     ({"kv_lora_rank": 16}, "kv_lora_rank"),
     ({"hidden_act": "gelu"}, "gelu"),

@@ -281,3 +281,73 @@ def make_step_checkpoint(path: Path, num_mtp: int = 1, seed: int = 0,
     save_file({k: v.contiguous() for k, v in tensors.items()}, path / "model.safetensors",
               metadata={"format": "pt"})
     return path
+
+
+def make_mimo_v2_flash_checkpoint(path: Path, num_mtp: int = 1, seed: int = 0,
+                                  vocab_size: int = 256) -> Path:
+    """A random MiMo-V2-Flash checkpoint saved by transformers' `MiMoV2FlashForCausalLM`:
+    4 layers (full, sliding, sliding, full; window 5), 4 query heads of 24 (values 16, scaled
+    by 0.707), 1 KV head in full layers and 2 in sliding ones with their sinks, partial rope
+    (8 of 24 dims) at theta 5e6 / 1e4, layer 0 dense and 1-3 MoE (4 experts, top-2), and
+    `num_mtp` MTP layers under `model.mtp.layers.{i}` as SGLang loads them (a sliding block
+    with a sink and a dense MLP, `pre_mlp_layernorm`, enorm / hnorm / eh_proj /
+    final_layernorm), `num_nextn_predict_layers` in config.json. Returns the path; the longer
+    model whose layer 4 + i is MTP block i is saved beside it (`mimo_mtp_blocks(path)`, for
+    the reference)."""
+    import transformers
+    from safetensors.torch import load_file
+
+    n = 4
+    types = ["full_attention", "sliding_attention", "sliding_attention", "full_attention"]
+    kinds = ["dense", "sparse", "sparse", "sparse"]
+    rope = {t: {"rope_type": "default", "rope_theta": th, "partial_rotary_factor": 0.334}
+            for t, th in (("full_attention", 5e6), ("sliding_attention", 1e4))}
+
+    def build(layer_types: list[str], mlp: list[str]):
+        torch.manual_seed(seed)
+        cfg = transformers.MiMoV2FlashConfig(
+            vocab_size=vocab_size, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+            num_hidden_layers=len(layer_types), num_attention_heads=4, num_key_value_heads=1,
+            head_dim=24, v_head_dim=16, sliding_window=5, layer_types=layer_types,
+            mlp_layer_types=mlp, n_routed_experts=4, num_experts_per_tok=2,
+            rope_parameters=rope, max_position_embeddings=512, rms_norm_eps=1e-6,
+            bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+        model = transformers.MiMoV2FlashForCausalLM(cfg).eval()
+        _randomise(model)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(".sinks"):
+                    p.uniform_(-1.0, 1.0)
+        return model
+
+    model = build(types, kinds)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    if not num_mtp:
+        return path
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["num_nextn_predict_layers"] = num_mtp
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    longer = build(types + ["sliding_attention"] * num_mtp, kinds + ["dense"] * num_mtp)
+    longer.save_pretrained(mimo_mtp_blocks(path), safe_serialization=True)
+    sd = load_file(mimo_mtp_blocks(path) / "model.safetensors")
+    tensors = load_file(path / "model.safetensors")
+    g = torch.Generator().manual_seed(seed + 2)
+    h = 64
+    for m in range(num_mtp):
+        src, dst = f"model.layers.{n + m}.", f"model.mtp.layers.{m}."
+        for name, t in sd.items():
+            if name.startswith(src):
+                tensors[dst + name[len(src):].replace(
+                    "post_attention_layernorm", "pre_mlp_layernorm")] = t.clone()
+        for norm in ("enorm", "hnorm", "final_layernorm"):
+            tensors[f"{dst}{norm}.weight"] = torch.rand(h, generator=g) + 0.5
+        tensors[f"{dst}eh_proj.weight"] = torch.randn(h, 2 * h, generator=g) * 0.1
+    save_file({k: v.contiguous() for k, v in tensors.items()}, path / "model.safetensors",
+              metadata={"format": "pt"})
+    return path
+
+
+def mimo_mtp_blocks(path: Path) -> Path:
+    """Where make_mimo_v2_flash_checkpoint saves the model holding its MTP blocks."""
+    return path.parent / (path.name + "-mtp-blocks")

@@ -234,9 +234,9 @@ class ModelRunner:
         # Eager forwards and compiled graphs both read it (workers/model/attention_metadata).
         self.attention_backend = resolve_attention_backend(attention_backend, self.device.type)
         if self.attention_backend == "flex" and any(
-                s.sliding_window for s in self.model.config.layers):
-            logger.info("sliding-window layers: the gather attention backend (flex's paged "
-                        "mask has no window)")
+                s.sliding_window or s.attention_sinks for s in self.model.config.layers):
+            logger.info("sliding-window or sink layers: the gather attention backend (flex's "
+                        "paged mask has no window, its softmax no sink)")
             self.attention_backend = "gather"
         self.model.attention_backend = self.attention_backend
         if self.device.type == "cpu":

@@ -49,6 +49,8 @@ _MTP_NAMES = {
     "step3p5": {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj",
                 "norm": "shared_head.norm", "head": "shared_head.output",
                 "embed_tokens": "embed_tokens"},
+    "mimo_v2": {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj",
+                "norm": "final_layernorm", "head": None, "embed_tokens": None},
 }
 # Step's MoE layer as its checkpoints name it -> our module names (routed experts stacked:
 # moe.gate_proj / moe.up_proj [E, I, hidden], moe.down_proj [E, hidden, I]).
@@ -62,6 +64,10 @@ _STEP_MOE = ((".moe.gate.weight", ".mlp.gate.weight"),
 
 def internal_name(cfg: ModelConfig, name: str) -> str:
     """Our parameter name for checkpoint tensor `name` where a family names it otherwise."""
+    if name.endswith(".self_attn.attention_sink_bias"):  # MiMo-V2-Flash's sinks
+        return name.removesuffix("attention_sink_bias") + "sinks"
+    if cfg.mtp_naming == "mimo_v2" and ".pre_mlp_layernorm." in name:  # its MTP blocks
+        return name.replace(".pre_mlp_layernorm.", ".post_attention_layernorm.")
     if cfg.model_type == "step3p5":
         for old, new in _STEP_MOE:
             if old in name:
@@ -71,12 +77,12 @@ def internal_name(cfg: ModelConfig, name: str) -> str:
 
 def layer_index(cfg: ModelConfig, name: str) -> int | None:
     """The attention-layer index a tensor belongs to (main layers, then MTP blocks)."""
+    m = re.match(r"(?:mtp|model\.mtp\.layers)\.(\d+)\.", name)
+    if m:
+        return cfg.num_hidden_layers + int(m.group(1))
     m = re.search(r"(?:^|\.)layers\.(\d+)\.", name)
     if m and not name.startswith("mtp."):
         return int(m.group(1))
-    m = re.match(r"mtp\.(\d+)\.", name)
-    if m:
-        return cfg.num_hidden_layers + int(m.group(1))
     return None
 
 
@@ -106,6 +112,10 @@ def block_tensor_names(cfg: ModelConfig, prefix: str, layer_idx: int = 0,
                 "weights_proj.weight")]
     if cfg.head_gate is not None:  # Step: the output gate's own projection
         names.append("self_attn.g_proj.weight")
+    if cfg.layer(layer_idx).attention_sinks:  # MiMo-V2-Flash's sliding layers
+        names.append("self_attn.attention_sink_bias")
+    if cfg.mtp_naming == "mimo_v2" and layer_idx >= cfg.num_hidden_layers:
+        names = [n.replace("post_attention_layernorm", "pre_mlp_layernorm") for n in names]
     full = cfg.layer(layer_idx).attention != "linear"
     if cfg.attention_bias and full:
         names += _BIAS
@@ -143,6 +153,9 @@ def mtp_prefixes(cfg: ModelConfig, module: int) -> tuple[str, str]:
         return p, p
     if cfg.mtp_naming == "mimo":
         p = f"model.mtp_layers.{module}."
+        return p, p
+    if cfg.mtp_naming == "mimo_v2":
+        p = f"model.mtp.layers.{module}."
         return p, p
     return "mtp.", f"mtp.layers.{module}."
 
@@ -229,6 +242,12 @@ def expected_shape(cfg: ModelConfig, internal: str) -> tuple[int, ...]:
     h, d = cfg.hidden_size, cfg.head_dim
     idx = layer_index(cfg, internal)
     heads = cfg.num_attention_heads if idx is None else cfg.attention_heads(idx)
+    kv = cfg.num_key_value_heads
+    if idx is not None and cfg.layer(idx).num_kv_heads:
+        kv = cfg.layer(idx).num_kv_heads
+    dv = cfg.v_head_dim or d
+    if internal.endswith("self_attn.sinks"):
+        return (heads,)
     leaf = internal.rsplit(".", 2)[-2:]
     key = ".".join(leaf)
     inter = cfg.intermediate_size
@@ -289,12 +308,12 @@ def expected_shape(cfg: ModelConfig, internal: str) -> tuple[int, ...]:
     table = {
         "q_proj.weight": (heads * d * (2 if cfg.attn_output_gate else 1), h),
         "g_proj.weight": (heads if cfg.head_gate == "head" else heads * d, h),
-        "k_proj.weight": (cfg.num_key_value_heads * d, h),
-        "v_proj.weight": (cfg.num_key_value_heads * d, h),
+        "k_proj.weight": (kv * d, h),
+        "v_proj.weight": (kv * dv, h),
         "q_proj.bias": (heads * d,),
-        "k_proj.bias": (cfg.num_key_value_heads * d,),
-        "v_proj.bias": (cfg.num_key_value_heads * d,),
-        "o_proj.weight": (h, heads * d),
+        "k_proj.bias": (kv * d,),
+        "v_proj.bias": (kv * dv,),
+        "o_proj.weight": (h, heads * dv),
         "q_norm.weight": (d,),
         "k_norm.weight": (d,),
         "gate_proj.weight": (inter, h),

@@ -13,6 +13,7 @@ from mtpserve.workers.model.families import (
     LayerSpec,
     MLAConfig,
     MoEConfig,
+    mimo_v2_flash,
     step3p5,
 )
 from mtpserve.workers.model.families.base import (
@@ -24,7 +25,7 @@ from mtpserve.workers.model.families.base import (
 from mtpserve.workers.model.quantization import FP8BlockConfig, parse_quantization
 from mtpserve.workers.model.rope import RopeConfig, UnsupportedConfig, parse_rope
 
-MTPNaming = Literal["deepseek_v3", "mimo", "qwen3_next", "step3p5"]
+MTPNaming = Literal["deepseek_v3", "mimo", "qwen3_next", "step3p5", "mimo_v2"]
 
 logger = logging.getLogger(__name__)
 
@@ -36,8 +37,6 @@ _VISION_PREFIXES = {"step3p7": ("vision_model.", "vit_large_projector.")}
 
 # Families we know of but do not serve yet, with the reason (named by `check` and `up`).
 _NOT_YET: dict[str, str] = {
-    "mimo_v2_flash": "MiMo-V2-Flash's attention sinks, per-layer-type KV head counts (4 full, "
-                     "8 sliding) and value head dim (128, keys 192) are not implemented",
     "deepseek_v4": "DeepSeek-V4's hyper-connections (4 residual streams), compressed sparse "
                    "attention (CSA / HCA with its compressor and indexer), hash-routed MoE and "
                    "its mtp.{i} e_proj / h_proj MTP layout are not implemented",
@@ -86,6 +85,9 @@ class ModelConfig:
     head_gate: str | None = None
     attention_scale: float | None = None
     ropes: tuple[RopeConfig, ...] = ()
+    # MiMo-V2-Flash: 128-dim values under 192-dim keys (zero-padded in the cache), scaled.
+    v_head_dim: int | None = None
+    value_scale: float = 1.0
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -162,9 +164,19 @@ class ModelConfig:
         else:
             other = sorted({self.attention_heads(i) for i in range(self.num_attention_layers)}
                            - {self.num_attention_heads})
+            few_kv = sorted({s.num_kv_heads for s in self.layers if s.num_kv_heads})
             lines.append(f"attention: {self.num_attention_heads} heads"
                          + "".join(f" ({h} in windowed layers)" for h in other)
-                         + f", {self.num_key_value_heads} KV heads, head dim {self.head_dim}"
+                         + f", {self.num_key_value_heads} KV heads"
+                         + "".join(f" ({h} in full layers, repeated into the cache)"
+                                   for h in few_kv)
+                         + f", head dim {self.head_dim}"
+                         + (f", value head dim {self.v_head_dim} (zero-padded in the cache)"
+                            if self.v_head_dim and self.v_head_dim != self.head_dim else "")
+                         + (f", values x{self.value_scale:g}" if self.value_scale != 1.0
+                            else "")
+                         + (", attention sinks in windowed layers"
+                            if any(s.attention_sinks for s in self.layers) else "")
                          + (", qk-norm" if self.qk_norm else "")
                          + (", qkv bias" if self.attention_bias else "")
                          + (f", sigmoid output gate per {self.head_gate}" if self.head_gate
@@ -221,6 +233,8 @@ class ModelConfig:
             cfg = _lift_mtp_keys(cfg)
         if model_type in step3p5.MODEL_TYPES:  # legacy hub key names
             cfg = step3p5.normalise(cfg)
+        if model_type in mimo_v2_flash.MODEL_TYPES:
+            cfg = mimo_v2_flash.normalise(cfg)
         if model_type in _NOT_YET:
             raise UnsupportedConfig(f"model_type {model_type!r}: {_NOT_YET[model_type]}")
         family = FAMILIES.get(model_type)
@@ -242,7 +256,8 @@ class ModelConfig:
         if key == "mtp_num_hidden_layers":
             naming = "qwen3_next"
         else:
-            naming = {"mimo": "mimo", "step3p5": "step3p5"}.get(model_type, "deepseek_v3")
+            naming = {"mimo": "mimo", "step3p5": "step3p5",
+                      "mimo_v2_flash": "mimo_v2"}.get(model_type, "deepseek_v3")
         naming = cfg.get("mtp_naming", naming)
         _check_mtp_sizes(cfg, n_mtp, fields.layers[cfg["num_hidden_layers"]:], fields.moe)
         eos_ids = _eos_ids(cfg.get("eos_token_id"))
@@ -282,6 +297,8 @@ class ModelConfig:
             head_gate=fields.head_gate,
             attention_scale=fields.attention_scale,
             ropes=ropes,
+            v_head_dim=fields.v_head_dim,
+            value_scale=fields.value_scale,
             raw=cfg,
         )
 

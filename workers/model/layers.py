@@ -106,27 +106,36 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer_idx: int = 0) -> None:
         super().__init__()
-        tp = get_tp().size
-        self.window = cfg.layer(layer_idx).sliding_window  # None: full attention
-        self.head_dim = cfg.head_dim
+        tp = get_tp()
+        spec = cfg.layer(layer_idx)
+        self.window = spec.sliding_window  # None: full attention
+        self.head_dim = d = cfg.head_dim
         H = cfg.attention_heads(layer_idx)  # Step's sliding layers have their own count
-        self.num_heads = H // tp
-        if H % tp:
-            raise ValueError(f"TP size {tp} must divide {H} heads")
+        self.num_heads = H // tp.size
+        if H % tp.size:
+            raise ValueError(f"TP size {tp.size} must divide {H} heads")
         # TP above the KV heads replicates them (`kv_head_split`): rank r holds KV head
         # r * Hk // tp, which its contiguous query heads [r Hq/tp, (r+1) Hq/tp) all attend to.
-        self.num_kv_heads, kv_replicas = kv_head_split(cfg.num_key_value_heads, tp)
-        self.scale = cfg.attention_scale or cfg.head_dim**-0.5
-        d = cfg.head_dim
+        Hk = spec.num_kv_heads or cfg.num_key_value_heads
+        self.num_kv_heads, kv_replicas = kv_head_split(Hk, tp.size)
+        # A layer with fewer KV heads than the cache holds (MiMo-V2-Flash's full layers)
+        # repeats each into consecutive cache heads: the same attention, one cache shape.
+        cache_heads = kv_head_split(cfg.num_key_value_heads, tp.size)[0]
+        if cache_heads % self.num_kv_heads:
+            raise ValueError(f"layer {layer_idx}: {Hk} KV heads do not tile the cache's "
+                             f"{cfg.num_key_value_heads} under TP {tp.size}")
+        self.kv_repeat = cache_heads // self.num_kv_heads
+        self.v_dim = cfg.v_head_dim or d  # zero-padded to head_dim in the cache when smaller
+        self.value_scale = cfg.value_scale
+        self.scale = cfg.attention_scale or d ** -0.5
         # Qwen3-Next: q_proj holds [q | gate] per head; the output is scaled by sigmoid(gate).
         self.output_gate = cfg.attn_output_gate
         qd = 2 * d if self.output_gate else d
         self.qkv_proj = ColumnParallelLinear(
-            cfg.hidden_size,
-            [H * qd, cfg.num_key_value_heads * d, cfg.num_key_value_heads * d],
+            cfg.hidden_size, [H * qd, Hk * d, Hk * self.v_dim],
             bias=cfg.attention_bias, replicas=[1, kv_replicas, kv_replicas],
         )
-        self.o_proj = RowParallelLinear(H * d, cfg.hidden_size)
+        self.o_proj = RowParallelLinear(H * self.v_dim, cfg.hidden_size)
         # Step: o_proj(attn * sigmoid(g_proj(x))), one gate per head or per channel; split by
         # heads like q, so each rank gates its own heads.
         self.head_gate = cfg.head_gate
@@ -135,16 +144,20 @@ class Attention(nn.Module):
                        if cfg.head_gate is not None else None)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        # MiMo-V2-Flash: a learned logit per head in each softmax's denominator (no value);
+        # the checkpoint's `attention_sink_bias`, this rank's heads.
+        self.sinks: nn.Parameter | None = None
+        if spec.attention_sinks:
+            self.sinks = nn.Parameter(torch.zeros(self.num_heads))
+            rank, n = tp.rank, self.num_heads
+            self.sinks.weight_loader = lambda p, t, _s=None: p.data.copy_(  # type: ignore
+                t[rank * n:(rank + 1) * n])
 
-    def forward(
-        self,
-        x: torch.Tensor,  # [B, S, hidden]
-        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin [B, S, 1, D]
-        attn: AttentionMetadata | None,
-        kv_cache: torch.Tensor | None,  # [2, num_blocks, block_size, Hk, D]
-    ) -> torch.Tensor:
+    def _qkv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """q [B, S, Hq, D]; k, v [B, S, cache heads, D]; the output gate (or None)."""
         B, S, _ = x.shape
-        Hq, Hk, D = self.num_heads, self.num_kv_heads, self.head_dim
+        Hq, Hk, D, Dv = self.num_heads, self.num_kv_heads, self.head_dim, self.v_dim
         qkv = self.qkv_proj(x)
         gate = None
         if self.g_proj is not None:
@@ -156,22 +169,51 @@ class Attention(nn.Module):
             qg = qg.view(B, S, Hq, 2 * D)
             gate = torch.sigmoid(qg[..., D:].reshape(B, S, Hq * D))
             qkv = torch.cat([qg[..., :D].reshape(B, S, Hq * D), kv], dim=-1)
-        qkv = qkv.view(B, S, Hq + 2 * Hk, D)
-        qk, v = qkv[:, :, : Hq + Hk], qkv[:, :, Hq + Hk :]
+        if Dv == D:  # one view, no copies
+            qkv = qkv.view(B, S, Hq + 2 * Hk, D)
+            qk, v = qkv[:, :, : Hq + Hk], qkv[:, :, Hq + Hk:]
+        else:
+            qk, v = qkv.split([(Hq + Hk) * D, Hk * Dv], dim=-1)
+            qk, v = qk.view(B, S, Hq + Hk, D), v.view(B, S, Hk, Dv)
         if self.q_norm is not None:
             qk = torch.cat([self.q_norm(qk[:, :, :Hq]), self.k_norm(qk[:, :, Hq:])], dim=2)
         qk = apply_rope(qk, *rope)
         q, k = qk[:, :, :Hq], qk[:, :, Hq:]
+        if self.value_scale != 1.0:
+            v = v * self.value_scale
+        if Dv < D:
+            v = F.pad(v, (0, D - Dv))
+        if self.kv_repeat > 1:
+            k = k.repeat_interleave(self.kv_repeat, dim=2)
+            v = v.repeat_interleave(self.kv_repeat, dim=2)
+        return q, k, v, gate
+
+    def _out(self, out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        """[B, S, Hq * D] attention output -> o_proj (values' padding dropped, gate applied)."""
+        if self.v_dim < self.head_dim:
+            B, S, _ = out.shape
+            out = out.view(B, S, self.num_heads, self.head_dim)[..., : self.v_dim].reshape(
+                B, S, -1)
+        return self.o_proj(out if gate is None else out * gate)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [B, S, hidden]
+        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin [B, S, 1, D]
+        attn: AttentionMetadata | None,
+        kv_cache: torch.Tensor | None,  # [2, num_blocks, block_size, Hk, D]
+    ) -> torch.Tensor:
+        B, S, _ = x.shape
+        q, k, v, gate = self._qkv(x, rope)
+        Hk, D = k.shape[2], self.head_dim
         if attn is None:  # training / reference: causal attention over the sequence
             window = None
             if self.window is not None:
                 t = torch.arange(S, device=x.device)
                 d = t.view(-1, 1) - t.view(1, -1)  # query - key
                 window = ((d >= 0) & (d < self.window)).view(1, 1, S, S)
-            out = F.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=window,
-                is_causal=window is None, scale=self.scale, enable_gqa=True,
-            )
+            out = _attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), window,
+                          self.scale, self.sinks, causal=window is None)
         else:
             assert kv_cache is not None
             # One write and one gather for K and V together (fewer ops per token).
@@ -181,28 +223,51 @@ class Attention(nn.Module):
                 new_kv = new_kv[:, attn.write_rows]
             flat[:, attn.write_slots] = new_kv
             if attn.flex is not None:  # paged in place: no gather (flex_paged_attention.py)
-                assert self.window is None, "sliding windows run under the gather backend"
+                assert self.window is None and self.sinks is None, (
+                    "sliding windows and sinks run under the gather backend")
                 out = attn.flex.attend(q.transpose(1, 2), kv_cache, self.scale)
-                out = out.transpose(1, 2).reshape(B, S, -1)
-                return self.o_proj(out if gate is None else out * gate)
+                return self._out(out.transpose(1, 2).reshape(B, S, -1), gate)
             mask = attn.mask if self.window is None else attn.window_mask(self.window)
             if attn.token_index is not None:  # compiled CPU graph: no context copy
-                out = inline_paged_attention(q, flat, attn.token_index, mask, self.scale)
-                return self.o_proj(out if gate is None else out * gate)
+                out = inline_paged_attention(q, flat, attn.token_index, mask, self.scale,
+                                             self.sinks)
+                return self._out(out, gate)
             # index_select on the block dim is a plain copy of contiguous blocks (several
             # times faster than advanced indexing): [2, B, L, Hk, D].
             ctx = kv_cache.index_select(1, attn.block_index).view(
                 2, B, -1, Hk, D)[:, :, : attn.max_context_len].to(q.dtype)
-            out = F.scaled_dot_product_attention(
-                q.transpose(1, 2), ctx[0].transpose(1, 2), ctx[1].transpose(1, 2),
-                attn_mask=mask, scale=self.scale, enable_gqa=True,
-            )
-        out = out.transpose(1, 2).reshape(B, S, -1)
-        return self.o_proj(out if gate is None else out * gate)
+            out = _attend(q.transpose(1, 2), ctx[0].transpose(1, 2), ctx[1].transpose(1, 2),
+                          mask, self.scale, self.sinks)
+        return self._out(out.transpose(1, 2).reshape(B, S, -1), gate)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+            scale: float, sinks: torch.Tensor | None, causal: bool = False) -> torch.Tensor:
+    """q [B, Hq, S, D] over k, v [B, Hk, L, D] (GQA), mask [B | 1, 1, S, L] bool (True: may
+    attend; None: all, or causal). SDPA, or with `sinks` [Hq] the softmax written out with one
+    extra logit per head in its denominator (transformers' MiMo-V2-Flash / gpt-oss eager form;
+    SDPA has no sink input)."""
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                              scale=scale, enable_gqa=True)
+    B, Hq, S, _ = q.shape
+    G = Hq // k.shape[1]
+    if G > 1:
+        k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [B, Hq, S, L]
+    if causal:
+        L = k.shape[2]
+        mask = torch.ones(S, L, dtype=torch.bool, device=q.device).tril(L - S).view(1, 1, S, L)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.to(scores.dtype).view(1, Hq, 1, 1).expand(B, Hq, S, 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(probs.to(v.dtype), v)
 
 
 def inline_paged_attention(q: torch.Tensor, flat_kv: torch.Tensor, token_index: torch.Tensor,
-                           mask: torch.Tensor, scale: float) -> torch.Tensor:
+                           mask: torch.Tensor, scale: float,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention over the paged cache written as broadcast products and reductions, for
     inductor's CPU code generator: it fuses the `token_index` lookups into the score and
     output reductions as indirect loads, so no row's context is copied out of the cache (the
@@ -211,7 +276,8 @@ def inline_paged_attention(q: torch.Tensor, flat_kv: torch.Tensor, token_index: 
     would materialise [B, S, L, Hk, G, D] products: only compiled graphs take it.
 
     q [B, S, Hq, D]; flat_kv [2, slots, Hk, D]; token_index [B, L] cache slot of each context
-    position; mask [B, 1, S, L] bool. Returns [B, S, Hq * D]."""
+    position; mask [B, 1, S, L] bool; sinks [Hq] (or None): one more logit per head in the
+    softmax's denominator. Returns [B, S, Hq * D]."""
     B, S, Hq, D = q.shape
     Hk = flat_kv.shape[2]
     G = Hq // Hk
@@ -220,7 +286,13 @@ def inline_paged_attention(q: torch.Tensor, flat_kv: torch.Tensor, token_index: 
     v = flat_kv[1][token_index].to(q.dtype).view(B, 1, L, Hk, 1, D)
     scores = (q.reshape(B, S, 1, Hk, G, D) * k).sum(-1) * scale  # [B, S, L, Hk, G]
     scores = scores.masked_fill(~mask.view(B, S, L, 1, 1), float("-inf"))
-    p = torch.softmax(scores, dim=2).unsqueeze(-1)
+    if sinks is None:
+        p = torch.softmax(scores, dim=2).unsqueeze(-1)
+    else:
+        sink = sinks.to(scores.dtype).view(1, 1, 1, Hk, G)
+        top = torch.maximum(scores.amax(dim=2, keepdim=True), sink)
+        e = torch.exp(scores - top)
+        p = (e / (e.sum(dim=2, keepdim=True) + torch.exp(sink - top))).unsqueeze(-1)
     return (p * v).sum(2).reshape(B, S, Hq * D)
 
 

@@ -11,6 +11,7 @@ from mtpserve.workers.model.families import (
     deepseek_v3,
     dense,
     glm4_moe,
+    mimo_v2_flash,
     qwen3_5,
     qwen3_moe,
     qwen3_next,
@@ -26,6 +27,7 @@ FAMILIES: dict[str, Callable[[dict[str, Any]], FamilyFields]] = {
     **{t: qwen3_next.fields for t in qwen3_next.MODEL_TYPES},
     **{t: qwen3_5.fields for t in qwen3_5.MODEL_TYPES},
     **{t: step3p5.fields for t in step3p5.MODEL_TYPES},
+    **{t: mimo_v2_flash.fields for t in mimo_v2_flash.MODEL_TYPES},
 }
 
 __all__ = ["FAMILIES", "FamilyFields", "LayerSpec", "MLAConfig", "MoEConfig"]

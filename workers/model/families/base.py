@@ -158,6 +158,10 @@ class LayerSpec:
     # tokens including itself (transformers' `sliding_window` convention). None: full.
     sliding_window: int | None = None
     num_heads: int | None = None  # query heads of this layer (None: the model's)
+    # KV heads of this layer when fewer than the model's (MiMo-V2-Flash's full layers): each
+    # is repeated into the cache's `num_key_value_heads` (the same attention).
+    num_kv_heads: int | None = None
+    attention_sinks: bool = False  # a learned per-head logit in the softmax (MiMo-V2-Flash)
     rope: int = 0  # which of the model's ropes (`ModelConfig.ropes`; 0: `rope`)
     # SwiGLU clamps (Step): silu(gate) <= L and |up| <= L; the layer's MLP or routed experts,
     # and its shared expert. None: no clamp.
@@ -180,6 +184,8 @@ class FamilyFields:
     # Step: the output gate from its own g_proj, one scalar per "head" or per "channel".
     head_gate: str | None = None
     attention_scale: float | None = None  # softmax scale (None: head_dim ** -0.5)
+    v_head_dim: int | None = None  # value head dim when not head_dim (MiMo-V2-Flash)
+    value_scale: float = 1.0  # values scaled before the cache (MiMo-V2-Flash)
     # Rope dicts per `LayerSpec.rope` index when layer types rope differently (Step).
     ropes: tuple[dict[str, Any], ...] = ()
 
