@@ -197,3 +197,39 @@ def test_dsa_seeded_sampling_batch_independent_and_resumable(ckpt) -> None:
     path = ckpt("deepseek_v32", num_mtp=1)
     seeded.test_batched_and_preempted_equal_alone(path)
     seeded.test_resume_after_migration_equals_alone(path)
+
+
+def test_several_mtp_modules_each_draft_at_their_depth(ckpt) -> None:
+    """GLM-5 with 5 MTP modules (GLM-5.2 drafts 5): each module's draft logits == transformers'
+    MtpModel layer m on the same inputs; greedy k = 5 == transformers, and the stats name the
+    module behind each draft depth."""
+    from transformers.modeling_layers import MtpModel
+
+    from mtpserve.workers import LLM, SamplingParams
+
+    path = ckpt("glm_moe_dsa", num_mtp=5, vocab_size=VOCAB_SIZE)
+    make_tokenizer(path)
+    ref = _reference(path, "glm_moe_dsa", num_mtp=5)
+    ref.config.indexer_types = ["full"] * 5  # MtpModel builds layer m from entry m
+    mtp_ref = MtpModel.from_pretrained(ref).eval()
+    for layer in mtp_ref.layers:  # GLM-5's layer also returns its top-k (see above)
+        forward = layer.mtp_block.forward
+        layer.mtp_block.forward = (lambda f: lambda *a, **kw: f(*a, **kw)[0])(forward)
+    ours = load_model(path)
+    ids = torch.randint(0, VOCAB_SIZE, (1, 20), generator=torch.Generator().manual_seed(6))
+    n = 18
+    pos = torch.arange(n).unsqueeze(0)
+    with torch.no_grad():
+        h = ref.model(ids[:, :n]).last_hidden_state
+        for m in range(5):
+            want = mtp_ref._project_to_logits(
+                mtp_ref.forward_layer(m, h, pos, None, input_ids=ids[:, 1:n + 1]))
+            got = ours.compute_mtp_logits(m, ours.forward_mtp(m, ids[:, 1:n + 1], h, pos))
+            assert (got - want).abs().max().item() <= 1e-4, f"module {m}"
+    prompt = ids[0, :13].tolist()
+    llm = LLM(str(path), num_speculative_tokens=5, num_kv_blocks=64, block_size=4)
+    out = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    assert out[0].output_token_ids == hf_greedy(ref, prompt, 12)
+    stats = llm.engine.stats()
+    assert stats["mtp_module_per_position"] == [0, 1, 2, 3, 4]
+    assert len(stats["drafted_per_position"]) == 5 and stats["drafted_per_position"][4] > 0
