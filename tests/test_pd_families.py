@@ -24,7 +24,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from helpers import greedy, make_engine, run_to_completion
-from tiny_models import make_hf_checkpoint, make_step_checkpoint
+from tiny_models import make_hf_checkpoint, make_mimo_v2_flash_checkpoint, make_step_checkpoint
 
 from mtpserve.cluster.config import ClusterConfig
 from mtpserve.workers.messages import GenerateRequest
@@ -33,7 +33,8 @@ pytestmark = pytest.mark.ray
 ray = pytest.importorskip("ray")
 
 # family -> MTP layers in its checkpoint (Qwen3-MoE ships none).
-FAMILIES = {"glm4_moe": 1, "qwen3_moe": 0, "deepseek_v3": 1, "deepseek_v32": 1, "step3p5": 1}
+FAMILIES = {"glm4_moe": 1, "qwen3_moe": 0, "deepseek_v3": 1, "deepseek_v32": 1, "step3p5": 1,
+            "mimo_v2_flash": 1}
 HOLD_TTL_S = 60.0  # far above the wait below: a block freed in time was released, not expired
 MAX_TOKENS = 10
 
@@ -48,7 +49,8 @@ def local_ray(shared_serve) -> None:
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("pd_families")
-    return {f: (make_step_checkpoint(root / f, num_mtp=n) if f == "step3p5"
+    made = {"step3p5": make_step_checkpoint, "mimo_v2_flash": make_mimo_v2_flash_checkpoint}
+    return {f: (made[f](root / f, num_mtp=n) if f in made
                 else make_hf_checkpoint(root / f, f, num_mtp=n)) for f, n in FAMILIES.items()}
 
 
@@ -181,7 +183,7 @@ def prompts() -> list[list[int]]:
 
 
 # The default tier runs one case per direction and per cache shape (MLA's replicated latent
-# 1 -> 2, with and without DSA, GQA MoE 2 -> 1); the other eight are the slow tier. Each
+# 1 -> 2, with and without DSA, GQA MoE 2 -> 1); the other ten are the slow tier. Each
 # family's P/D exactness at TP=1 is also test_model_families.py's
 # test_disaggregated_equals_offline.
 _DEFAULT_CASES = {("deepseek_v3", 1, 2), ("glm4_moe", 2, 1), ("deepseek_v32", 1, 2)}
