@@ -152,3 +152,12 @@ def test_mimo_tp2_engine_with_prefix_caching_equals_tp1(mimo) -> None:
 def test_mimo_graph_forwards_match_eager(mimo) -> None:
     """Compiled decode graphs (sinks in the in-place paged attention) == eager."""
     assert_graphs_match_eager(mimo)
+
+
+def test_mimo_seeded_sampling_batch_independent_and_resumable(mimo) -> None:
+    """A seeded sampled request (k = 3) gives the same tokens alone, batched, under
+    preemption, and resumed after a migration at round ends."""
+    import test_seeded_reproducibility as seeded
+
+    seeded.test_batched_and_preempted_equal_alone(mimo)
+    seeded.test_resume_after_migration_equals_alone(mimo)

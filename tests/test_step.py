@@ -187,3 +187,12 @@ def test_step_graph_forwards_match_eager(step) -> None:
     """The compiled decode graphs cover Step's layers (per-layer heads and ropes, gates,
     clamps, windows) with the eager logits."""
     assert_graphs_match_eager(step)
+
+
+def test_step_seeded_sampling_batch_independent_and_resumable(step) -> None:
+    """A seeded sampled request (k = 3) gives the same tokens alone, batched, under
+    preemption, and resumed after a migration at round ends."""
+    import test_seeded_reproducibility as seeded
+
+    seeded.test_batched_and_preempted_equal_alone(step)
+    seeded.test_resume_after_migration_equals_alone(step)
