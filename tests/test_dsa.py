@@ -233,3 +233,16 @@ def test_several_mtp_modules_each_draft_at_their_depth(ckpt) -> None:
     stats = llm.engine.stats()
     assert stats["mtp_module_per_position"] == [0, 1, 2, 3, 4]
     assert len(stats["drafted_per_position"]) == 5 and stats["drafted_per_position"][4] > 0
+
+
+def test_glm5_indexer_schedule_without_indexer_types(ckpt) -> None:
+    """Without `indexer_types`, GLM-5's schedule comes from `index_topk_freq` /
+    `index_skip_topk_offset` (or `index_topk_pattern`), as transformers derives it."""
+    cfg = json.loads((ckpt("glm_moe_dsa", num_mtp=1) / "config.json").read_text())
+    for key in ("indexer_types", "mlp_layer_types", "layer_types"):  # 2 layers long
+        cfg.pop(key)
+    freq = ModelConfig.from_dict({**cfg, "num_hidden_layers": 4, "index_topk_freq": 2})
+    assert freq.mla.dsa.shared_layers == (2,)
+    pattern = ModelConfig.from_dict({**cfg, "num_hidden_layers": 4,
+                                     "index_topk_pattern": "FSSF"})
+    assert pattern.mla.dsa.shared_layers == (1, 2)

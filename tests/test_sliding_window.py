@@ -108,3 +108,17 @@ def test_sliding_graph_forwards_match_eager(swa) -> None:
     """The compiled decode graphs (the window mask built in-graph from the positions) give
     the eager logits on a ragged batch past the window."""
     assert_graphs_match_eager(swa)
+
+
+def test_windows_only_where_the_config_turns_them_on() -> None:
+    """Qwen2-shaped configs carry `sliding_window` even with `use_sliding_window` false (MiMo
+    ships 32768 so): no layer is windowed then; Llama has no windows at all."""
+    base = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, sliding_window=8)
+    for model_type in ("mimo", "qwen2", "qwen3", "llama"):
+        cfg = ModelConfig.from_dict({**base, "model_type": model_type,
+                                     "use_sliding_window": False})
+        assert [s.sliding_window for s in cfg.layers] == [None, None], model_type
+    on = ModelConfig.from_dict({**base, "model_type": "mimo", "use_sliding_window": True,
+                                "max_window_layers": 1})
+    assert [s.sliding_window for s in on.layers] == [None, 8]

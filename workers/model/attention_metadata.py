@@ -78,6 +78,9 @@ class AttentionMetadata:
     # [B, S] each query's position (padding: one its row may attend from); sliding-window
     # layers build their masks from it (`window_mask`).
     positions: torch.Tensor | None = None
+    # The smallest real query position (host int; None in compiled graphs): a windowed layer
+    # needs no context before min_position - window + 1.
+    min_position: int | None = None
     _windows: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def window_mask(self, size: int) -> torch.Tensor:
@@ -157,6 +160,7 @@ class AttentionMetadata:
             max_context_len=ctx_len,
             staged=staged,
             positions=d_qpos,
+            min_position=int(pos.masked_fill(~write.view(B, S), ctx_len).min()),
         )
 
 

@@ -127,7 +127,9 @@ class ModelConfig:
         values) split in two halves over the two planes, so the cache keeps one shape for
         every family (KV bytes per token are exactly the latent's) and every TP rank holds
         the whole latent (its heads all read it)."""
-        if self.mla is not None:  # cache_dim is even (padded)
+        if self.mla is not None:
+            if self.mla.dsa is None and self.mla.latent_dim % 2:  # DSA pads its slot even
+                raise UnsupportedConfig(f"MLA latent of odd size {self.mla.latent_dim}")
             return 1, self.mla.cache_dim // 2
         return kv_head_split(self.num_key_value_heads, tp_size)[0], self.head_dim
 

@@ -233,9 +233,20 @@ class Attention(nn.Module):
                                              self.sinks)
                 return self._out(out, gate)
             # index_select on the block dim is a plain copy of contiguous blocks (several
-            # times faster than advanced indexing): [2, B, L, Hk, D].
-            ctx = kv_cache.index_select(1, attn.block_index).view(
-                2, B, -1, Hk, D)[:, :, : attn.max_context_len].to(q.dtype)
+            # times faster than advanced indexing): [2, B, L, Hk, D]. A windowed layer copies
+            # only the blocks from its earliest query's window on.
+            lo = first = 0
+            if self.window is not None and attn.min_position is not None:
+                bs = kv_cache.shape[2]
+                lo = max(0, attn.min_position - self.window + 1)
+                first = lo // bs
+            index = (attn.block_index if not first else
+                     attn.block_index.view(B, -1)[:, first:].reshape(-1))
+            ctx = kv_cache.index_select(1, index).view(2, B, -1, Hk, D)[
+                :, :, lo - first * kv_cache.shape[2]: attn.max_context_len - first
+                * kv_cache.shape[2]].to(q.dtype)
+            if lo:
+                mask = mask[..., lo:]
             out = _attend(q.transpose(1, 2), ctx[0].transpose(1, 2), ctx[1].transpose(1, 2),
                           mask, self.scale, self.sinks)
         return self._out(out.transpose(1, 2).reshape(B, S, -1), gate)
@@ -250,19 +261,18 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     if sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                               scale=scale, enable_gqa=True)
-    B, Hq, S, _ = q.shape
-    G = Hq // k.shape[1]
-    if G > 1:
-        k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [B, Hq, S, L]
+    B, Hq, S, D = q.shape
+    Hk, L = k.shape[1], k.shape[2]
+    G = Hq // Hk
+    # Query head h = kv head h // G: broadcast over the group instead of copying K and V.
+    scores = torch.matmul(q.view(B, Hk, G, S, D), k.unsqueeze(2).transpose(-1, -2)) * scale
     if causal:
-        L = k.shape[2]
         mask = torch.ones(S, L, dtype=torch.bool, device=q.device).tril(L - S).view(1, 1, S, L)
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    sink = sinks.to(scores.dtype).view(1, Hq, 1, 1).expand(B, Hq, S, 1)
+    if mask is not None:  # [B | 1, 1, S, L] -> [B | 1, 1, 1, S, L]
+        scores = scores.masked_fill(~mask.unsqueeze(1), float("-inf"))
+    sink = sinks.to(scores.dtype).view(1, Hk, G, 1, 1).expand(B, Hk, G, S, 1)
     probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
-    return torch.matmul(probs.to(v.dtype), v)
+    return torch.matmul(probs.to(v.dtype), v.unsqueeze(2)).view(B, Hq, S, D)
 
 
 def inline_paged_attention(q: torch.Tensor, flat_kv: torch.Tensor, token_index: torch.Tensor,

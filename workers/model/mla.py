@@ -99,7 +99,10 @@ class MLAttention(nn.Module):
         # DSA: this layer's indexer, or (GLM-5 "shared" layers) none: the previous full layer's
         # selection is reused (`share_selection_from`); `selection` holds the last forward's.
         self.indexer: Indexer | None = None
+        # Kept from the last forward only on layers a shared layer reads (its [B, 1, S, L]
+        # mask is big at long contexts: nobody else keeps one past its own layer).
         self.selection: Selection | None = None
+        self._feeds_shared = False
         self._source: list[MLAttention] = []  # a plain list: not a submodule
         if mla.dsa is not None and layer_idx not in mla.dsa.shared_layers:
             self.indexer = Indexer(cfg)
@@ -107,6 +110,7 @@ class MLAttention(nn.Module):
     def share_selection_from(self, layer: MLAttention) -> None:
         """Reuse `layer`'s top-k selection (it runs first in every forward)."""
         self._source[:] = [layer]
+        layer._feeds_shared = True
 
     def forward(
         self,
@@ -206,8 +210,10 @@ class MLAttention(nn.Module):
         if allowed.shape[-1] > topk:  # shorter contexts select everything: skip scoring
             assert q_latent is not None and keys is not None
             scores = self.indexer.scores(x, q_latent, rope, keys)
-        self.selection = select(scores, allowed, topk)
-        return self.selection
+        sel = select(scores, allowed, topk)
+        if self._feeds_shared:
+            self.selection = sel
+        return sel
 
     def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b_proj's key and value halves per local head, [Hl, nope | v, kv_lora]."""

@@ -106,7 +106,9 @@ class MLAConfig:
         indexer's key, padded to an even count (the cache's two planes hold one half each).
         The indexer's key pages with the latent, so the block manager, KV transfer, prefix
         caching and the memory plan all count it without knowing it is there."""
-        n = self.latent_dim + (self.dsa.index_head_dim if self.dsa else 0)
+        if self.dsa is None:  # the latent alone (an odd one is refused by kv_cache_layout)
+            return self.latent_dim
+        n = self.latent_dim + self.dsa.index_head_dim
         return n + n % 2
 
     def describe(self) -> str:

@@ -34,7 +34,7 @@ def dsa_config(cfg: dict[str, Any]) -> DSAConfig:
     if not cfg.get("q_lora_rank"):
         raise UnsupportedConfig("DSA without q_lora_rank: the indexer's query reads the "
                                 "q_a_proj latent")
-    types = cfg.get("indexer_types") or []
+    types = cfg.get("indexer_types") or _indexer_schedule(cfg)
     bad = sorted({t for t in types if t not in ("full", "shared")})
     if bad:
         raise UnsupportedConfig(f"indexer_types {bad} are not supported (full / shared)")
@@ -46,6 +46,22 @@ def dsa_config(cfg: dict[str, Any]) -> DSAConfig:
         index_n_heads=int(cfg["index_n_heads"]), index_head_dim=int(cfg["index_head_dim"]),
         index_topk=int(cfg["index_topk"]),
         rope_interleave=cfg["model_type"] == "glm_moe_dsa", shared_layers=shared)
+
+
+def _indexer_schedule(cfg: dict[str, Any]) -> list[str]:
+    """GLM-5's per-layer indexer types when `indexer_types` is absent, as transformers'
+    GlmMoeDsaConfig derives them: `index_topk_pattern` ("FSSF...": full / shared), else every
+    `index_topk_freq`-th layer from `index_skip_topk_offset` (default 2) runs its own."""
+    if cfg.get("model_type") != "glm_moe_dsa":
+        return []
+    pattern = cfg.get("index_topk_pattern")
+    if pattern is not None:
+        return ([{"F": "full", "S": "shared"}[c] for c in pattern] if isinstance(pattern, str)
+                else list(pattern))
+    freq = max(int(cfg.get("index_topk_freq", 1) or 1), 1)
+    offset = int(cfg.get("index_skip_topk_offset", 2))
+    return ["full" if (max(i - offset + 1, 0) % freq) == 0 else "shared"
+            for i in range(int(cfg["num_hidden_layers"]))]
 
 
 def mla_config(cfg: dict[str, Any]) -> MLAConfig:

@@ -5,7 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from mtpserve.workers.model.families.base import FamilyFields, LayerSpec, sliding_windows
+from mtpserve.workers.model.families.base import (
+    FamilyFields,
+    LayerSpec,
+    num_layers_with_mtp,
+    sliding_windows,
+)
 
 _DEFAULTS = {
     "llama": dict(attention_bias=False, qk_norm=False),
@@ -21,7 +26,9 @@ def fields(cfg: dict[str, Any]) -> FamilyFields:
     return FamilyFields(
         attention_bias=bool(cfg.get("attention_bias", d["attention_bias"])),
         qk_norm=d["qk_norm"],
-        # Qwen2 / Qwen3 window some layers (`layer_types`, or from `max_window_layers`).
-        layers=tuple(LayerSpec(sliding_window=w) for w in sliding_windows(
-            cfg, gated=cfg.get("model_type") in ("qwen2", "qwen3"))),
+        # Qwen2 / Qwen3 / MiMo (Qwen2-shaped) window layers only under `use_sliding_window`
+        # (`layer_types`, or from `max_window_layers`); Llama has no window.
+        layers=tuple(LayerSpec(sliding_window=w) for w in sliding_windows(cfg, gated=True))
+        if cfg.get("model_type", "llama") != "llama"
+        else (LayerSpec(),) * num_layers_with_mtp(cfg),
     )

@@ -90,5 +90,6 @@ def fields(cfg: dict[str, Any]) -> FamilyFields:
     return FamilyFields(
         attention_bias=bool(cfg.get("attention_bias", False)), qk_norm=False, layers=layers,
         moe=moe, v_head_dim=int(cfg["v_head_dim"]),
-        value_scale=float(cfg.get("attention_value_scale") or 1.0),
+        # transformers: 0.707 when the key is absent, 1.0 when it is null
+        value_scale=float(cfg.get("attention_value_scale", 0.707) or 1.0),
         ropes=tuple(dict(rp[t]) for t in present))

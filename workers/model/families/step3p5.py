@@ -73,10 +73,10 @@ def _mlp_kinds(cfg: dict[str, Any], n: int, n_mtp: int) -> list[str]:
             items = enum.split(",") if isinstance(enum, str) else enum
             moe = {int(i) for i in items if str(i).strip()}
         else:
-            moe = set(range(3, n + n_mtp))
+            moe = set(range(3, n))  # transformers: MTP layers dense without the enum
         kinds = ["sparse" if i in moe else "dense" for i in range(n + n_mtp)]
         main, mtp = kinds[:n], kinds[n:]
-    mtp = (mtp + ["sparse"] * n_mtp)[:n_mtp]
+    mtp = (mtp + ["dense"] * n_mtp)[:n_mtp]
     return ["moe" if k == "sparse" else "dense" for k in main + mtp]
 
 
