@@ -114,6 +114,65 @@ def assert_graphs_match_eager(path, vocab: int = 300) -> None:
         assert (eager - graph).abs().max().item() <= 1e-4
 
 
+def assert_tp2_engine_equals_tp1(path) -> dict:
+    """The engine with k = 2 drafts and prefix caching on `path` split over two gloo ranks
+    (activations over shared memory; a later prompt extends an earlier one, reusing its two
+    full blocks) == one process without prefix caching. Returns the driver's plane counts."""
+    import torch.multiprocessing as mp
+    from serve_cluster import free_port
+    from test_tensor_parallel import PROMPT, _greedy_tokens, _split_rank
+
+    path = str(path)
+    prompts = [PROMPT, [9, 8, 7, 6, 5, 4, 3], PROMPT + [1, 2, 3, 4, 5]]
+    want, _ = _greedy_tokens(None, path, prompts, caching=False)
+    ctx = mp.get_context("spawn")
+    out, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_split_rank, args=(r, port, path, prompts, out, True))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    results = dict((role, rest) for role, *rest in (out.get(timeout=240) for _ in procs))
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    (seen, (got, hits)), (_, worker_failed) = results["driver"], results["worker"]
+    assert got == want
+    assert hits == 8  # the third prompt reused PROMPT's first two blocks
+    assert not worker_failed
+    return seen
+
+
+def assert_greedy_with_drafts_equals(path, ref, vocab: int, ks=range(4), n: int = 12,
+                                     lens=(7, 19)) -> None:
+    """`LLM.generate` greedy at each k in `ks` == transformers' `ref` (`hf_greedy`) on random
+    prompts of `lens` tokens."""
+    import torch
+
+    from mtpserve.workers import LLM, SamplingParams
+
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, vocab, (m,), generator=g).tolist() for m in lens]
+    want = [hf_greedy(ref, p, n) for p in prompts]
+    params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+    for k in ks:
+        llm = LLM(str(path), num_speculative_tokens=k, num_kv_blocks=64, block_size=4)
+        got = [r.output_token_ids for r in llm.generate(prompts, params)]
+        assert got == want, f"k={k}"
+
+
+def paged_mtp_logits(path, ids, n: int, block_size: int = 4):
+    """MTP module 0's draft logits over entries 0..n-1 through the paged cache: a main prefill
+    of ids[:n], then the MTP forward over its rows (token t + 1 for entry t)."""
+    from mtpserve.workers.model_runner import ForwardBatch, ModelRunner
+
+    runner = ModelRunner(path, num_blocks=16, block_size=block_size)
+    table = [list(range(1, 1 + -(-(n + 1) // block_size)))]
+    runner.execute(ForwardBatch("main", [ids[0, :n].tolist()], [0], table, [n - 1]))
+    return runner.execute(ForwardBatch("mtp", [ids[0, 1:n + 1].tolist()], [0], table,
+                                       list(range(n)), hidden_from="main",
+                                       hidden_rows=[list(range(n))]))
+
+
 def hf_greedy(ref, prompt: list[int], n: int) -> list[int]:
     """`n` greedy tokens of transformers' model `ref` after `prompt`, without its KV cache
     (a full forward per token: the plainest reference)."""

@@ -14,7 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from helpers import assert_mtp_steps_match_reference, hf_greedy
+from helpers import (
+    assert_greedy_with_drafts_equals,
+    assert_mtp_steps_match_reference,
+    assert_tp2_engine_equals_tp1,
+    hf_greedy,
+    paged_mtp_logits,
+)
 from test_model_families import _check_paged_logits
 from tiny_models import HF_FAMILIES, make_hf_checkpoint
 from tiny_tokenizer import VOCAB_SIZE, make_tokenizer
@@ -138,55 +144,22 @@ def test_dsa_mtp_draft_logits_match_transformers_mtp_model(ckpt, family) -> None
     ids = torch.randint(0, 256, (1, 21), generator=torch.Generator().manual_seed(2))
     n = 19
     logits_ref = assert_mtp_steps_match_reference(ref, mtp_ref, ours, ids, n)
-    runner = ModelRunner(path, num_blocks=16, block_size=8)
-    table = [[1, 2, 3]]
-    runner.execute(ForwardBatch("main", [ids[0, :n].tolist()], [0], table, [n - 1]))
-    paged = runner.execute(ForwardBatch("mtp", [ids[0, 1:n + 1].tolist()], [0], table,
-                                        list(range(n)), hidden_from="main",
-                                        hidden_rows=[list(range(n))]))
+    paged = paged_mtp_logits(path, ids, n, block_size=8)
     assert (paged - logits_ref[0]).abs().max().item() <= 1e-4
 
 
 @pytest.mark.parametrize("family", DSA_FAMILIES)
 def test_dsa_greedy_with_drafts_equals_transformers(ckpt, family) -> None:
-    from mtpserve.workers import LLM, SamplingParams
-
     path = ckpt(family, num_mtp=1, vocab_size=VOCAB_SIZE)
     make_tokenizer(path)
-    ref = _reference(path, family)
-    g = torch.Generator().manual_seed(4)
-    prompts = [torch.randint(3, VOCAB_SIZE, (n,), generator=g).tolist() for n in (9, 21)]
-    want = [hf_greedy(ref, p, 12) for p in prompts]
-    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    for k in range(4):
-        llm = LLM(str(path), num_speculative_tokens=k, num_kv_blocks=64, block_size=4)
-        got = [r.output_token_ids for r in llm.generate(prompts, params)]
-        assert got == want, f"k={k}"
+    assert_greedy_with_drafts_equals(path, _reference(path, family), VOCAB_SIZE, lens=(9, 21))
 
 
 def test_dsa_tp2_engine_with_prefix_caching_equals_tp1(ckpt) -> None:
     """Two gloo ranks (heads split, the indexer and the [latent | key] slot replicated), k = 2
     and prefix caching (a later prompt reuses an earlier one's blocks, indexer keys included)
     == one process without prefix caching."""
-    import torch.multiprocessing as mp
-    from serve_cluster import free_port
-    from test_tensor_parallel import PROMPT, _greedy_tokens, _split_rank
-
-    path = str(ckpt("deepseek_v32", num_mtp=1))
-    prompts = [PROMPT, [9, 8, 7, 6, 5, 4, 3], PROMPT + [1, 2, 3, 4, 5]]
-    want, _ = _greedy_tokens(None, path, prompts, caching=False)
-    ctx = mp.get_context("spawn")
-    out, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_split_rank, args=(r, port, path, prompts, out, True))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    results = dict((role, rest) for role, *rest in (out.get(timeout=240) for _ in procs))
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
-    (_, (got, hits)), (_, worker_failed) = results["driver"], results["worker"]
-    assert got == want and hits == 8 and not worker_failed
+    assert_tp2_engine_equals_tp1(str(ckpt("deepseek_v32", num_mtp=1)))
 
 
 def test_dsa_seeded_sampling_batch_independent_and_resumable(ckpt) -> None:

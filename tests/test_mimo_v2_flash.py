@@ -12,14 +12,18 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from helpers import assert_graphs_match_eager, hf_greedy
+from helpers import (
+    assert_graphs_match_eager,
+    assert_greedy_with_drafts_equals,
+    assert_tp2_engine_equals_tp1,
+    paged_mtp_logits,
+)
 from test_model_families import _check_paged_logits
 from tiny_models import make_mimo_v2_flash_checkpoint, mimo_mtp_blocks
 from tiny_tokenizer import VOCAB_SIZE, make_tokenizer
 
 from mtpserve.workers.model.config import ModelConfig
 from mtpserve.workers.model.loader import load_model
-from mtpserve.workers.model_runner import ForwardBatch, ModelRunner
 
 
 @pytest.fixture(scope="module")
@@ -101,51 +105,19 @@ def test_mimo_mtp_draft_logits_match_the_reference(mimo) -> None:
         want = _reference_mtp(mimo, ref, h_ref, ids[:, 1:n + 1])
         got = ours.compute_mtp_logits(0, ours.forward_mtp(0, ids[:, 1:n + 1], h, pos))
     assert (got - want).abs().max().item() <= 1e-4
-    runner = ModelRunner(mimo, num_blocks=16, block_size=4)
-    table = [list(range(1, 7))]
-    runner.execute(ForwardBatch("main", [ids[0, :n].tolist()], [0], table, [n - 1]))
-    paged = runner.execute(ForwardBatch("mtp", [ids[0, 1:n + 1].tolist()], [0], table,
-                                        list(range(n)), hidden_from="main",
-                                        hidden_rows=[list(range(n))]))
+    paged = paged_mtp_logits(mimo, ids, n, block_size=4)
     assert (paged - want[0]).abs().max().item() <= 1e-4
 
 
 def test_mimo_greedy_with_drafts_equals_transformers(mimo) -> None:
-    from mtpserve.workers import LLM, SamplingParams
-
-    ref = _reference(mimo)
-    g = torch.Generator().manual_seed(4)
-    prompts = [torch.randint(3, VOCAB_SIZE, (n,), generator=g).tolist() for n in (7, 19)]
-    want = [hf_greedy(ref, p, 12) for p in prompts]
-    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    for k in range(4):
-        llm = LLM(str(mimo), num_speculative_tokens=k, num_kv_blocks=64, block_size=4)
-        got = [r.output_token_ids for r in llm.generate(prompts, params)]
-        assert got == want, f"k={k}"
+    assert_greedy_with_drafts_equals(mimo, _reference(mimo), VOCAB_SIZE,
+                                     lens=(7, 19))
 
 
 def test_mimo_tp2_engine_with_prefix_caching_equals_tp1(mimo) -> None:
     """Two gloo ranks: 2 query heads and their sinks per rank, the sliding layers' 2 KV heads
     split, the full layers' one replicated; k = 2 and prefix caching == one process."""
-    import torch.multiprocessing as mp
-    from serve_cluster import free_port
-    from test_tensor_parallel import PROMPT, _greedy_tokens, _split_rank
-
-    path = str(mimo)
-    prompts = [PROMPT, [9, 8, 7, 6, 5, 4, 3], PROMPT + [1, 2, 3, 4, 5]]
-    want, _ = _greedy_tokens(None, path, prompts, caching=False)
-    ctx = mp.get_context("spawn")
-    out, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_split_rank, args=(r, port, path, prompts, out, True))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    results = dict((role, rest) for role, *rest in (out.get(timeout=240) for _ in procs))
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
-    (_, (got, hits)), (_, worker_failed) = results["driver"], results["worker"]
-    assert got == want and hits == 8 and not worker_failed
+    assert_tp2_engine_equals_tp1(str(mimo))
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from helpers import assert_mtp_steps_match_reference, hf_greedy
+from helpers import assert_mtp_steps_match_reference, assert_tp2_engine_equals_tp1, hf_greedy
 from tiny_models import HF_FAMILIES, make_hf_checkpoint
 from tiny_tokenizer import VOCAB_SIZE, make_tokenizer
 
@@ -318,27 +318,8 @@ def test_mla_tp2_engine_greedy_equals_tp1(ckpt) -> None:
     """The engine with k = 2 drafts and prefix caching on an MLA model split over two gloo
     ranks (heads split, the latent cache replicated; activations over shared memory, a
     later prompt extending an earlier one) == one process without prefix caching."""
-    import torch.multiprocessing as mp
-    from serve_cluster import free_port
-    from test_tensor_parallel import PROMPT, _greedy_tokens, _split_rank
-
-    path = str(ckpt("deepseek_v3", "deepseek_v3", num_mtp=1))
-    prompts = [PROMPT, [9, 8, 7, 6, 5, 4, 3], PROMPT + [1, 2, 3, 4, 5]]
-    want, _ = _greedy_tokens(None, path, prompts, caching=False)
-    ctx = mp.get_context("spawn")
-    out, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_split_rank, args=(r, port, path, prompts, out, True))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    results = dict((role, rest) for role, *rest in (out.get(timeout=240) for _ in procs))
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
-    (seen, (got, hits)), (_, worker_failed) = results["driver"], results["worker"]
-    assert got == want
-    assert hits == 8  # the third prompt reused PROMPT's first two latent blocks
-    assert not worker_failed and seen["shm"] > 0
+    seen = assert_tp2_engine_equals_tp1(ckpt("deepseek_v3", "deepseek_v3", num_mtp=1))
+    assert seen["shm"] > 0
 
 
 @pytest.mark.slow

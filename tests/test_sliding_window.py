@@ -13,14 +13,18 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from helpers import assert_graphs_match_eager, assert_mtp_steps_match_reference, hf_greedy
+from helpers import (
+    assert_graphs_match_eager,
+    assert_greedy_with_drafts_equals,
+    assert_mtp_steps_match_reference,
+    paged_mtp_logits,
+)
 from test_model_families import _check_paged_logits
 from tiny_models import make_hf_checkpoint
 from tiny_tokenizer import VOCAB_SIZE, make_tokenizer
 
 from mtpserve.workers.model.config import ModelConfig
 from mtpserve.workers.model.loader import load_model
-from mtpserve.workers.model_runner import ForwardBatch, ModelRunner
 
 WINDOW = 5
 SWA = dict(num_layers=3, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)
@@ -80,27 +84,13 @@ def test_sliding_mtp_draft_logits_match_transformers_mtp_model(swa) -> None:
     ids = torch.randint(0, VOCAB_SIZE, (1, 21), generator=torch.Generator().manual_seed(2))
     n = 19
     logits_ref = assert_mtp_steps_match_reference(ref, mtp_ref, ours, ids, n)
-    runner = ModelRunner(swa, num_blocks=16, block_size=4)
-    table = [list(range(1, 7))]
-    runner.execute(ForwardBatch("main", [ids[0, :n].tolist()], [0], table, [n - 1]))
-    paged = runner.execute(ForwardBatch("mtp", [ids[0, 1:n + 1].tolist()], [0], table,
-                                        list(range(n)), hidden_from="main",
-                                        hidden_rows=[list(range(n))]))
+    paged = paged_mtp_logits(swa, ids, n, block_size=4)
     assert (paged - logits_ref[0]).abs().max().item() <= 1e-4
 
 
 def test_sliding_greedy_with_drafts_equals_transformers(swa) -> None:
-    from mtpserve.workers import LLM, SamplingParams
-
-    ref = _reference(swa)
-    g = torch.Generator().manual_seed(4)
-    prompts = [torch.randint(3, VOCAB_SIZE, (n,), generator=g).tolist() for n in (7, 19)]
-    want = [hf_greedy(ref, p, 12) for p in prompts]
-    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    for k in range(4):
-        llm = LLM(str(swa), num_speculative_tokens=k, num_kv_blocks=64, block_size=4)
-        got = [r.output_token_ids for r in llm.generate(prompts, params)]
-        assert got == want, f"k={k}"
+    assert_greedy_with_drafts_equals(swa, _reference(swa), VOCAB_SIZE,
+                                     lens=(7, 19))
 
 
 @pytest.mark.slow

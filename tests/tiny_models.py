@@ -80,6 +80,11 @@ def make_tiny_checkpoint(
     return path
 
 
+_DEEPSEEK = dict(
+    num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+    qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
+    moe_intermediate_size=32, n_group=2, topk_group=1, first_k_dense_replace=1,
+    n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True)
 # Tiny configs of the families served beyond the dense ones, built with transformers' own
 # classes (so config.json and tensor names are exactly what transformers writes).
 HF_FAMILIES = {
@@ -94,25 +99,14 @@ HF_FAMILIES = {
         n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True, use_qk_norm=True,
         attention_bias=True, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                               "partial_rotary_factor": 0.5})),
-    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
-        num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
-        qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
-        moe_intermediate_size=32, n_group=2, topk_group=1, first_k_dense_replace=1,
-        n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True)),
-    # DSA: an indexer of 16 heads (ties in its top-k improbable) keeping 6 tokens per query,
-    # so prompts of a few dozen tokens exercise the selection.
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(_DEEPSEEK)),
+    # DSA: DeepSeek-V3's tiny shape plus an indexer of 16 heads (ties in its top-k
+    # improbable) keeping 6 tokens per query, so prompts of a few dozen tokens exercise it.
     "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM", dict(
-        num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
-        qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
-        moe_intermediate_size=32, n_group=2, topk_group=1, first_k_dense_replace=1,
-        n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True,
-        index_n_heads=16, index_head_dim=16, index_topk=6)),
+        _DEEPSEEK, index_n_heads=16, index_head_dim=16, index_topk=6)),
     "glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", dict(
-        num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
-        qk_rope_head_dim=8, v_head_dim=24, n_routed_experts=8, num_experts_per_tok=2,
-        moe_intermediate_size=32, n_group=1, topk_group=1, first_k_dense_replace=1,
-        n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True,
-        index_n_heads=16, index_head_dim=24, index_topk=6)),
+        _DEEPSEEK, v_head_dim=24, n_group=1, index_n_heads=16, index_head_dim=24,
+        index_topk=6)),
     "glm4_moe_lite": ("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM", dict(
         num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16,
         qk_rope_head_dim=8, v_head_dim=24, n_routed_experts=8, num_experts_per_tok=2,
