@@ -37,10 +37,10 @@ from mtpserve.workers.model.aoti_runner import load_package
 log = logging.getLogger(__name__)
 
 ENV_DIR = "MTPSERVE_COMPILE_CACHE"
-_MODEL_CODE = ("model/transformer.py", "model/layers.py", "model/mtp.py",
-               "model/attention_metadata.py", "model/decode_graph.py",
-               "model/greedy_round.py", "model/config.py", "model/parallel.py",
-               "kv_cache.py")
+# What a compiled graph's code is made of: every module of workers/model/ (layers, MoE, MLA,
+# DSA, rope, the families' config readers...) and the KV cache; a change to any of them
+# invalidates the cached packages.
+_MODEL_CODE = ("model/*.py", "model/families/*.py", "kv_cache.py")
 
 
 def default_cache_dir() -> Path:
@@ -55,10 +55,10 @@ def default_cache_dir() -> Path:
 def _code_digest() -> bytes:
     h = hashlib.blake2b(digest_size=16)
     root = Path(__file__).resolve().parents[1]  # workers/
-    for rel in _MODEL_CODE:
-        p = root / rel
-        h.update(rel.encode())
-        h.update(p.read_bytes() if p.is_file() else b"-")
+    for pattern in _MODEL_CODE:
+        for p in sorted(root.glob(pattern)):
+            h.update(str(p.relative_to(root)).encode())
+            h.update(p.read_bytes())
     return h.digest()
 
 
