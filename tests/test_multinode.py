@@ -8,6 +8,7 @@ the single-process engine's."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import signal
 import subprocess
 import sys
@@ -122,9 +123,11 @@ def test_prefill_and_decode_on_different_nodes_equal_offline(default_model, tmp_
     prompts = held_out_prompts(2, num_chars=200)
     want = [r.text for r in LLM(str(default_model), num_speculative_tokens=2).generate(
         prompts, SamplingParams(max_tokens=16, temperature=0))]
-    cfg = pinned_config(default_model, 0.5, free_port())
+    # The proxy's port is picked once the nodes run: the cluster's own processes take
+    # random ports while they start, and one picked before them can be taken meanwhile.
     with (ray_nodes({}, [{"mtpserve-prefill": 1}, {"mtpserve-decode": 1}]) as (cluster, _),
-          serve_run(cfg, cluster.address, tmp_path) as base):
+          serve_run(pinned_config(default_model, 0.5, free_port()), cluster.address,
+                    tmp_path) as base):
         got = []
         for p in prompts:
             r = httpx.post(f"{base}/v1/completions", json={"prompt": p, "max_tokens": 16,
@@ -158,11 +161,11 @@ def test_decode_node_removed_mid_stream_streams_migrate(default_model, tmp_path)
         prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))]
     # The proxy and the ingress stay on the head: only a decode node goes away.
     nodes = [{"mtpserve-prefill": 1, "mtpserve-decode": 1}, {"mtpserve-decode": 1}]
-    cfg = pinned_config(default_model, 0.25, free_port(), decode_replicas=2,
-                        ingress={"resources": {"mtpserve-ingress": 1}},
-                        migration={"stall_timeout_s": 20})
+    cfg = functools.partial(pinned_config, default_model, 0.25, decode_replicas=2,
+                            ingress={"resources": {"mtpserve-ingress": 1}},
+                            migration={"stall_timeout_s": 20})
     with (ray_nodes({"mtpserve-ingress": 1}, nodes) as (cluster, added),
-          serve_run(cfg, cluster.address, tmp_path) as base):
+          serve_run(cfg(free_port()), cluster.address, tmp_path) as base):
         started = concurrent.futures.ThreadPoolExecutor(4)
         tokens = [0] * len(prompts)
 
