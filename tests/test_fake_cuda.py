@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from fake_cuda import fake_cuda, zeros
-from tiny_models import make_hf_checkpoint
+from tiny_models import make_hf_checkpoint, make_mimo_v2_flash_checkpoint, make_step_checkpoint
 
 from mtpserve.workers.engine import Engine
 from mtpserve.workers.engine_config import EngineConfig
@@ -30,6 +30,9 @@ LONG = [(7 * i + 3) % 250 + 1 for i in range(40)]  # past MLA's absorbed query l
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0)
 SAMPLED = SamplingParams(max_tokens=6, temperature=1.0, top_p=0.9, seed=7)
 LOGPROBS = SamplingParams(max_tokens=6, temperature=0.8, seed=3, logprobs=2)
+
+
+_NEWER = ("deepseek_v32", "step3p5", "mimo_v2_flash")
 
 
 def accept_some(n: int, reason: str) -> list[int]:
@@ -48,6 +51,9 @@ def ckpts(tmp_path_factory) -> dict[str, Path]:
         "qwen3_moe": make_hf_checkpoint(root / "qwen3_moe", "qwen3_moe", num_mtp=1),
         "deepseek_v3": make_hf_checkpoint(root / "deepseek_v3", "deepseek_v3", num_mtp=1),
         "qwen3_next": make_qwen3_next_checkpoint(root / "qwen3_next"),
+        "deepseek_v32": make_hf_checkpoint(root / "deepseek_v32", "deepseek_v32", num_mtp=1),
+        "step3p5": make_step_checkpoint(root / "step3p5", num_mtp=1),
+        "mimo_v2_flash": make_mimo_v2_flash_checkpoint(root / "mimo_v2_flash", num_mtp=1),
     }
 
 
@@ -61,12 +67,17 @@ def _assert_on_cuda(eng: Engine) -> None:
     assert {p.device.type for p in eng.runner.model.parameters()} == {"cuda"}
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "deepseek_v3", "qwen3_next"])
-@pytest.mark.parametrize("values", ["zeros", "accept_some"])
+@pytest.mark.parametrize(("values", "family"), [
+    pytest.param(v, f, id=f"{v}-{f}",
+                 # The newer families run the accepting variant by default, both in the slow tier.
+                 marks=pytest.mark.slow if v == "zeros" and f in _NEWER else ())
+    for f in ("qwen3", "qwen3_moe", "deepseek_v3", "qwen3_next", *_NEWER)
+    for v in ("zeros", "accept_some")])
 def test_rounds_run_on_cuda_with_one_sync_each(ckpts, family: str, values: str) -> None:
     """Prefill with MTP drafts, then mixed greedy / sampled / logprobs verify rounds and the
-    draft chain, per family (dense GQA, MoE, MLA + MoE, hybrid Gated DeltaNet): everything
-    on the device, one counted host read per step."""
+    draft chain, per family (dense GQA, MoE, MLA + MoE, hybrid Gated DeltaNet, MLA + DSA past
+    its top-k, Step's windows / gates / clamps, MiMo-V2-Flash's sinks and repeated KV heads):
+    everything on the device, one counted host read per step."""
     with fake_cuda(zeros if values == "zeros" else accept_some) as rt:
         eng = cuda_engine(ckpts[family])
         _assert_on_cuda(eng)
