@@ -82,6 +82,16 @@ class AttentionMetadata:
     # needs no context before min_position - window + 1.
     min_position: int | None = None
     _windows: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+    _context_slots: torch.Tensor | None = field(default=None, repr=False)
+
+    def context_slots(self, batch: int, block_size: int) -> torch.Tensor:
+        """[B, L] cache slot of each context position, from the block tables; built once per
+        forward (every DSA layer reads its indexer keys and selected latents through it)."""
+        if self._context_slots is None:
+            t = torch.arange(self.max_context_len, device=self.block_index.device)
+            tables = self.block_index.view(batch, -1)
+            self._context_slots = tables[:, t // block_size] * block_size + t % block_size
+        return self._context_slots
 
     def window_mask(self, size: int) -> torch.Tensor:
         """[B, 1, S, L] bool of a sliding-window layer: causal, and a query at p sees only

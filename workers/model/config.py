@@ -8,14 +8,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from mtpserve.workers.model.families import (
-    FAMILIES,
-    LayerSpec,
-    MLAConfig,
-    MoEConfig,
-    mimo_v2_flash,
-    step3p5,
-)
+from mtpserve.workers.model.families import FAMILIES, NORMALISE, LayerSpec, MLAConfig, MoEConfig
 from mtpserve.workers.model.families.base import (
     MTP_DEPTH_KEYS,
     MTP_SIZE_KEYS,
@@ -233,10 +226,8 @@ class ModelConfig:
             model_type = cfg["model_type"]
         else:
             cfg = _lift_mtp_keys(cfg)
-        if model_type in step3p5.MODEL_TYPES:  # legacy hub key names
-            cfg = step3p5.normalise(cfg)
-        if model_type in mimo_v2_flash.MODEL_TYPES:
-            cfg = mimo_v2_flash.normalise(cfg)
+        if model_type in NORMALISE:
+            cfg = NORMALISE[model_type](cfg)
         if model_type in _NOT_YET:
             raise UnsupportedConfig(f"model_type {model_type!r}: {_NOT_YET[model_type]}")
         family = FAMILIES.get(model_type)
@@ -428,7 +419,8 @@ def _refuse_unknown_math(cfg: dict[str, Any], mla: bool = False, hybrid: bool = 
     if cfg.get("use_sliding_window") and not sliding:
         raise UnsupportedConfig(f"use_sliding_window (sliding_window "
                                 f"{cfg.get('sliding_window')}) is not supported for "
-                                f"{cfg.get('model_type')!r} (served for qwen2 / qwen3)")
+                                f"{cfg.get('model_type')!r} (families with windowed layers: "
+                                "qwen2, qwen3, mimo, step3p5, mimo_v2_flash)")
     allowed = {"full_attention", "linear_attention"} if hybrid else {"full_attention"}
     if sliding:
         allowed.add("sliding_attention")

@@ -60,6 +60,7 @@ from mtpserve.workers.model.parallel import (
     RowParallelLinear,
     _divide,
     _plain_loader,
+    components_loader,
     get_tp,
 )
 
@@ -284,22 +285,6 @@ class GatedRMSNorm(nn.Module):
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         out = (self.weight * x32.to(dt)) * F.silu(gate.float())
         return out.to(dt)
-
-
-def components_loader(sizes: list[int]):
-    """A weight loader for a checkpoint tensor whose dim 0 concatenates components of `sizes`
-    (q | k | v channels, or one component): this rank keeps its 1/tp of each, concatenated."""
-
-    def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
-        tp = get_tp()
-        if loaded.shape[0] != sum(sizes) or loaded.shape[1:] != param.shape[1:]:
-            raise ValueError(f"shape mismatch: expected ({sum(sizes)}, "
-                             f"*{tuple(param.shape[1:])}), got {tuple(loaded.shape)}")
-        parts = [part.narrow(0, tp.rank * (n // tp.size), n // tp.size)
-                 for part, n in zip(torch.split(loaded, sizes), sizes, strict=True)]
-        param.data.copy_(torch.cat(parts))
-
-    return load
 
 
 class GatedDeltaNet(nn.Module):

@@ -12,6 +12,7 @@ from mtpserve.workers.model.parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     _plain_loader,
+    components_loader,
     get_tp,
 )
 from mtpserve.workers.model.rope import RopeConfig, inv_freq_and_scale
@@ -149,9 +150,7 @@ class Attention(nn.Module):
         self.sinks: nn.Parameter | None = None
         if spec.attention_sinks:
             self.sinks = nn.Parameter(torch.zeros(self.num_heads))
-            rank, n = tp.rank, self.num_heads
-            self.sinks.weight_loader = lambda p, t, _s=None: p.data.copy_(  # type: ignore
-                t[rank * n:(rank + 1) * n])
+            self.sinks.weight_loader = components_loader([H])  # type: ignore[attr-defined]
 
     def _qkv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -235,18 +234,17 @@ class Attention(nn.Module):
             # index_select on the block dim is a plain copy of contiguous blocks (several
             # times faster than advanced indexing): [2, B, L, Hk, D]. A windowed layer copies
             # only the blocks from its earliest query's window on.
-            lo = first = 0
+            # The mask keeps what is left of the window inside the first block.
+            skip = 0  # context positions before the first block any query's window reaches
             if self.window is not None and attn.min_position is not None:
                 bs = kv_cache.shape[2]
-                lo = max(0, attn.min_position - self.window + 1)
-                first = lo // bs
-            index = (attn.block_index if not first else
-                     attn.block_index.view(B, -1)[:, first:].reshape(-1))
+                skip = max(0, attn.min_position - self.window + 1) // bs * bs
+            index = (attn.block_index if not skip else
+                     attn.block_index.view(B, -1)[:, skip // kv_cache.shape[2]:].reshape(-1))
             ctx = kv_cache.index_select(1, index).view(2, B, -1, Hk, D)[
-                :, :, lo - first * kv_cache.shape[2]: attn.max_context_len - first
-                * kv_cache.shape[2]].to(q.dtype)
-            if lo:
-                mask = mask[..., lo:]
+                :, :, : attn.max_context_len - skip].to(q.dtype)
+            if skip:
+                mask = mask[..., skip:]
             out = _attend(q.transpose(1, 2), ctx[0].transpose(1, 2), ctx[1].transpose(1, 2),
                           mask, self.scale, self.sinks)
         return self._out(out.transpose(1, 2).reshape(B, S, -1), gate)

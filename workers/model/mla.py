@@ -97,7 +97,7 @@ class MLAttention(nn.Module):
             self.scale *= yarn_get_mscale(rope.factor, rope.mscale_all_dim) ** 2
         self.rotate = apply_rope_interleaved if mla.rope_interleave else apply_rope
         # DSA: this layer's indexer, or (GLM-5 "shared" layers) none: the previous full layer's
-        # selection is reused (`share_selection_from`); `selection` holds the last forward's.
+        # selection is reused (`share_selection_from`).
         self.indexer: Indexer | None = None
         # Kept from the last forward only on layers a shared layer reads (its [B, 1, S, L]
         # mask is big at long contexts: nobody else keeps one past its own layer).
@@ -235,8 +235,7 @@ class MLAttention(nn.Module):
         assert m.dsa is not None
         B, S = q_nope.shape[:2]
         L = attn.max_context_len
-        t = torch.arange(L, device=x.device)
-        slots = attn.block_index.view(B, -1)[:, t // block_size] * block_size + t % block_size
+        slots = attn.context_slots(B, block_size)
         allowed = (attn.mask if attn.mask is not None
                    else torch.ones(B, 1, S, L, dtype=torch.bool, device=x.device))
         keys = None

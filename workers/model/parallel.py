@@ -131,6 +131,22 @@ def _plain_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: object = 
     param.data.copy_(loaded)
 
 
+def components_loader(sizes: list[int]):
+    """A weight loader for a checkpoint tensor whose dim 0 concatenates components of `sizes`
+    (q | k | v channels, or one component): this rank keeps its 1/tp of each, concatenated."""
+
+    def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        tp = get_tp()
+        if loaded.shape[0] != sum(sizes) or loaded.shape[1:] != param.shape[1:]:
+            raise ValueError(f"shape mismatch: expected ({sum(sizes)}, "
+                             f"*{tuple(param.shape[1:])}), got {tuple(loaded.shape)}")
+        parts = [part.narrow(0, tp.rank * (n // tp.size), n // tp.size)
+                 for part, n in zip(torch.split(loaded, sizes), sizes, strict=True)]
+        param.data.copy_(torch.cat(parts))
+
+    return load
+
+
 class ReplicatedLinear(nn.Module):
     """Full weight on every rank (small projections such as the MTP `eh_proj`)."""
 

@@ -29,5 +29,11 @@ FAMILIES: dict[str, Callable[[dict[str, Any]], FamilyFields]] = {
     **{t: step3p5.fields for t in step3p5.MODEL_TYPES},
     **{t: mimo_v2_flash.fields for t in mimo_v2_flash.MODEL_TYPES},
 }
+# Families whose config.json spellings are first brought to the names the rest of the config
+# reader uses (legacy hub keys, transformers' derived defaults), before any key is read.
+NORMALISE: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    **{t: step3p5.normalise for t in step3p5.MODEL_TYPES},
+    **{t: mimo_v2_flash.normalise for t in mimo_v2_flash.MODEL_TYPES},
+}
 
-__all__ = ["FAMILIES", "FamilyFields", "LayerSpec", "MLAConfig", "MoEConfig"]
+__all__ = ["FAMILIES", "NORMALISE", "FamilyFields", "LayerSpec", "MLAConfig", "MoEConfig"]

@@ -219,25 +219,3 @@ def mtp_depth(cfg: dict[str, Any]) -> tuple[int, str | None]:
 
 def num_layers_with_mtp(cfg: dict[str, Any]) -> int:
     return int(cfg["num_hidden_layers"]) + mtp_depth(cfg)[0]
-
-
-def sliding_windows(cfg: dict[str, Any], gated: bool) -> list[int | None]:
-    """Each layer's window (main layers, then MTP layers), from `layer_types` ("sliding_attention")
-    or, where a family derives them (Qwen2 / Qwen3), `max_window_layers`; `mtp_layer_types`
-    for the MTP layers (full when absent). `gated`: the window applies only under
-    `use_sliding_window` (Qwen2 / Qwen3 set `sliding_window` to None without it)."""
-    n = int(cfg["num_hidden_layers"])
-    window = cfg.get("sliding_window")
-    if gated and not cfg.get("use_sliding_window"):
-        window = None
-    types = cfg.get("layer_types")
-    if types is None:
-        first = int(cfg.get("max_window_layers", 0) or 0) if gated else 0
-        types = ["sliding_attention" if window is not None and i >= first
-                 else "full_attention" for i in range(n)]
-    types = list(types)[:n] + list(cfg.get("mtp_layer_types") or [])
-    out: list[int | None] = []
-    for i in range(num_layers_with_mtp(cfg)):
-        sliding = i < len(types) and types[i] == "sliding_attention"
-        out.append(int(window) if sliding and window is not None else None)
-    return out

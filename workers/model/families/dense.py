@@ -5,12 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mtpserve.workers.model.families.base import (
-    FamilyFields,
-    LayerSpec,
-    num_layers_with_mtp,
-    sliding_windows,
-)
+from mtpserve.workers.model.families.base import FamilyFields, LayerSpec, num_layers_with_mtp
 
 _DEFAULTS = {
     "llama": dict(attention_bias=False, qk_norm=False),
@@ -26,9 +21,23 @@ def fields(cfg: dict[str, Any]) -> FamilyFields:
     return FamilyFields(
         attention_bias=bool(cfg.get("attention_bias", d["attention_bias"])),
         qk_norm=d["qk_norm"],
-        # Qwen2 / Qwen3 / MiMo (Qwen2-shaped) window layers only under `use_sliding_window`
-        # (`layer_types`, or from `max_window_layers`); Llama has no window.
-        layers=tuple(LayerSpec(sliding_window=w) for w in sliding_windows(cfg, gated=True))
-        if cfg.get("model_type", "llama") != "llama"
-        else (LayerSpec(),) * num_layers_with_mtp(cfg),
+        layers=tuple(LayerSpec(sliding_window=w) for w in _windows(cfg)),
     )
+
+
+def _windows(cfg: dict[str, Any]) -> list[int | None]:
+    """Each layer's sliding window (main layers, then MTP layers; None: full). Qwen2 / Qwen3
+    / MiMo (Qwen2-shaped) window only under `use_sliding_window` (their configs carry
+    `sliding_window` either way; transformers sets it to None without the flag): the layers
+    `layer_types` names "sliding_attention", or from `max_window_layers` on; the MTP layers
+    per `mtp_layer_types`. Llama has no window."""
+    n = int(cfg["num_hidden_layers"])
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
+    if window is None or cfg.get("model_type", "llama") == "llama":
+        return [None] * num_layers_with_mtp(cfg)
+    types = cfg.get("layer_types") or [
+        "sliding_attention" if i >= int(cfg.get("max_window_layers", 0) or 0)
+        else "full_attention" for i in range(n)]
+    types = list(types)[:n] + list(cfg.get("mtp_layer_types") or [])
+    return [int(window) if i < len(types) and types[i] == "sliding_attention" else None
+            for i in range(num_layers_with_mtp(cfg))]
