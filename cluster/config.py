@@ -114,10 +114,12 @@ class DecodeSettings(RoleSettings):
 
     max_num_seqs: int = Field(32, ge=1, description="Most requests batched in one decode round.")
     stream_interval_ms: float = Field(
-        20.0, ge=0, description="Stream pacing: a stream's first tokens and its end go out "
+        50.0, ge=0, description="Stream pacing: a stream's first tokens and its end go out "
         "at once, other tokens at most once per this many ms, each message carrying every "
         "round since the last (each hop to the client costs CPU per message, not per token; "
-        "like Ray Serve LLM's stream_batching_interval_ms, 50). 0: one message per round.")
+        "Ray Serve LLM's stream_batching_interval_ms is 50 too; 50 against 20 measured "
+        "+7% output tok/s at 1 stream and +11% at 4 under guidellm-like load). 0: one "
+        "message per round.")
 
 
 class IngressAutoscaling(_Strict):

@@ -94,3 +94,30 @@ def test_outputs_unchanged_while_k_moves(default_model) -> None:
     assert 0 in seen_k and len(seen_k) >= 2, f"k never moved: {seen_k}"
     assert got[:6] == plain == fixed[:6]  # greedy: exact for every k
     assert got[6:] == fixed[6:]  # seeded: kept their k, so the same tokens
+
+
+def test_exploring_rounds_try_a_neighbouring_k_except_for_seeded_requests() -> None:
+    ak = AdaptiveK(k_max=2, update_every=1, explore_every=4)
+    for _ in range(50):
+        ak.observe(2, 0)  # nothing lands
+    ak.band_k = [0] * len(BANDS)  # the replica runs k = 0
+    plain, seeded = _req("p", 2), _req("s", 2, seed=3)
+    plain.num_rounds = seeded.num_rounds = 40
+    seen = []
+    for step in range(16):
+        ak.round_index = step
+        seen.append(ak.k_for(plain, 1))
+        assert ak.k_for(seeded, 1) == 2  # its own k, always
+    # Rounds 3, 7, 11, 15 explore; from k = 0 the only neighbour is 1.
+    assert seen == [0, 0, 0, 1] * 4
+    ak.band_k = [2] * len(BANDS)
+    for _ in range(50):
+        ak.observe(2, 2)  # everything lands: k = 2, the request's own cap
+    plain.drafted_per_position = plain.accepted_per_position = [40, 40]
+    seen = []
+    for step in range(16):
+        ak.round_index = step
+        seen.append(ak.k_for(plain, 1))
+    assert seen == [2, 2, 2, 1] * 4  # above 2 is past the request's k: one less instead
+    ak.explore_every = 0
+    assert all(ak.k_for(plain, 1) == 2 for ak.round_index in range(16))

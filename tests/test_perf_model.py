@@ -114,3 +114,26 @@ def test_profile_fit_predicts_unseen_batch_sizes(default_model) -> None:
     ratios = {c: model.round_s(*c) / statistics.median(v) for c, v in cells.items()}
     assert all(1 / 1.6 < r < 1.6 for r in ratios.values()), ratios
     assert not eng.has_unfinished() and eng.block_manager.num_free_blocks == 512
+
+
+def test_best_k_follows_measured_round_times_over_the_fit() -> None:
+    # The profile's fit says a draft costs 5% of a round (greedy, short prompts); sampled
+    # traffic measures 50%. With alpha 0.4 per position the fit picks k = 2, the measured
+    # rounds k = 0 (1.4 tokens for 1.5x the time).
+    m = PerfModel([0.005, 0.0, 0.00025, 0.0])
+    alphas = [0.4, 0.4]
+    assert m.best_k(1, alphas, 2) == 2
+    for _ in range(8):
+        for k in (0, 1, 2):
+            m.observe(1, float(k), 0.005 * (1 + 0.5 * k))
+    assert m.measured_s(1, 1) == pytest.approx(0.0075)
+    assert m.measured_s(4, 1) is None  # another band: nothing measured there
+    assert m.best_k(1, alphas, 2) == 0
+    assert m.best_k(1, [0.9, 0.9], 2) == 2  # drafts that land still pay at that cost
+    # A band with only k = 0 measured: the fit's slope in k at the measured level.
+    for _ in range(8):
+        m.observe(8, 0.0, 0.010)
+    assert m.round_costs(8, 1) == pytest.approx([0.010, 0.010 * m.round_s(8, 1) / m.round_s(8, 0)])
+    # Rounds of mixed k (mean 1.5) belong to no cell.
+    m.observe(16, 1.5, 0.02)
+    assert not any(b == 4 for b, _ in m.cells)

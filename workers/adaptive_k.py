@@ -7,7 +7,13 @@ may be 0 where speculation does not pay (acceptance collapse, large compute-boun
 Without a fitted model T is approximated as 1 + c*k main-forward equivalents and k stays >= 1.
 
 Each request then picks its own k from its own acceptance counts (smoothed towards the
-replica's), capped by the replica's band k. The MTP cache is extended every round whatever k
+replica's), capped by the replica's band k. One engine round in `explore_every` runs
+every request at a neighbouring k of its own (one more or one less, alternating, up to the request's own k): a
+k that traffic never runs would otherwise keep the cost the start-up profile gave it (greedy,
+short random prompts), and that profile is not what sampled traffic costs (measured: the
+model kept k = 2 on sampled prose where k = 0 served 1.2x faster). Exploring costs one round
+in 16 at a k next to the best, and it also measures acceptance at a depth not in use, so k
+can come back after it dropped to 0. The MTP cache is extended every round whatever k
 is, so k can grow back. Exactness: greedy output does not depend on k and sampled output is
 identically distributed for any k; a *seeded* request keeps its k (randomness is keyed by
 position, so its output depends only on its own k and must not depend on the load).
@@ -17,11 +23,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from mtpserve.workers.perf_model import PerfModel, expected_tokens
+from mtpserve.workers.perf_model import BANDS, PerfModel, band_of, expected_tokens
 from mtpserve.workers.request import Request
 
-BANDS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # upper edges of the batch-size bands
 PRIOR_ROUNDS = 4.0  # pseudo-rounds of the replica's acceptance in a request's estimate
+EXPLORE_EVERY = 16  # one round in this many per request runs at a neighbouring k
 
 
 def best_k(alphas: list[float], cost_per_draft: float) -> int:
@@ -32,13 +38,6 @@ def best_k(alphas: list[float], cost_per_draft: float) -> int:
         if rate > best_rate + 1e-9:
             best, best_rate = k, rate
     return best
-
-
-def band_of(batch: int) -> int:
-    for i, edge in enumerate(BANDS):
-        if batch <= edge:
-            return i
-    return len(BANDS) - 1
 
 
 class AdaptiveK:
@@ -53,14 +52,16 @@ class AdaptiveK:
 
     def __init__(self, k_max: int, cost_per_draft: float = 0.35, decay: float = 0.98,
                  update_every: int = 16, enabled: bool = True,
-                 model: PerfModel | None = None) -> None:
+                 model: PerfModel | None = None, explore_every: int = EXPLORE_EVERY) -> None:
         self.k_max = k_max
         self.enabled = enabled
+        self.explore_every = explore_every  # 0: never explore
         self.cost_per_draft = cost_per_draft
         self.decay = decay
         self.update_every = update_every
         self.model = model
         self.forced_k: int | None = None
+        self.round_index = 0  # the engine's step count: exploring rounds are whole rounds
         self.batch = 1  # running batch of the latest round
         self.band_k = [k_max] * len(BANDS)
         # Exponentially decayed counts: accepted[i] / drafted[i] give alpha_i.
@@ -112,9 +113,22 @@ class AdaptiveK:
             return k  # a user-seeded request's k never changes: its output depends on its k
         self.batch = max(batch, 1)
         cap = min(k, self.k)
-        if cap == 0 or req.num_rounds < 4:
+        if req.num_rounds < 4:
             return cap
-        return min(cap, self._request_k(req, cap))
+        chosen = min(cap, self._request_k(req, cap)) if cap else 0
+        return self._explore(chosen, k)
+
+    def _explore(self, k: int, k_req: int) -> int:
+        """`k`, or a neighbour of it on an exploring round (see the module docstring);
+        within [0, k_req]."""
+        n = self.round_index
+        if not self.explore_every or n % self.explore_every != self.explore_every - 1:
+            return k
+        step = 1 if (n // self.explore_every) % 2 else -1
+        for alt in (k + step, k - step):  # the other side when one is out of range
+            if 0 <= alt <= k_req:
+                return alt
+        return k
 
     def _request_k(self, req: Request, cap: int) -> int:
         # The request's own conditional acceptance with the replica's as a prior, so a few

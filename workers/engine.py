@@ -384,6 +384,7 @@ class Engine:
         if not (out.prefill or out.decode):
             return []
         self.num_steps += 1
+        self.adaptive.round_index = self.num_steps  # the drafts made now are for the next round
         batch = [*out.decode, *(c.request for c in out.prefill)]
         marks = [_Mark.of(r) for r in batch]
         try:

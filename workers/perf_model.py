@@ -18,6 +18,13 @@ none is given. With per-position acceptance alpha_i (draft i accepted given draf
 round emits E(k) = 1 + a1 + a1*a2 + ... tokens per request, so predicted
 TPOT(B, k) = T(B, k, B * ctx_per_seq) / E(k).
 
+The fit alone does not choose k: a k that traffic rarely runs is predicted from few rounds
+and the start-up profile (greedy, short random prompts), and sampled traffic costs more per
+draft than that (rejection sampling). So the model also keeps the *measured* mean round time
+per (batch band, k) (`cells`, an average over each cell's own recent rounds), fed by the rounds
+traffic runs and by adaptive k's exploring rounds; `best_k` compares measured cells where it
+has them and corrects the fit to their level where it has not.
+
 Ray-free: the replica feeds it from the engine thread; the autoscaling policy rebuilds it from
 the coefficients the replica reports (`pm_0..pm_4`, `pm_ctx`; a report with only `pm_0..pm_3`,
 from an older replica, means c4 = 0).
@@ -31,6 +38,17 @@ from collections.abc import Callable, Iterable, Sequence
 import numpy as np
 
 NUM_FEATURES = 5
+BANDS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # upper edges of the batch-size bands
+CELL_ALPHA = 0.1  # weight of a round in its (band, k) cell's mean round time
+CELL_MIN_ROUNDS = 4  # rounds before a cell's measured time is trusted
+CELL_K_SLACK = 0.2  # a round counts for cell k when its mean k is within this of k
+
+
+def band_of(batch: float) -> int:
+    for i, edge in enumerate(BANDS):
+        if batch <= edge:
+            return i
+    return len(BANDS) - 1
 CTX = 4  # index of the context coefficient
 CTX_UNIT = 1000.0  # c4 is seconds per thousand context tokens (keeps the normal equations sane)
 
@@ -72,6 +90,8 @@ class PerfModel:
         self._prior_scale = np.ones(NUM_FEATURES)
         # Decayed sums of context tokens and of requests over the observed rounds.
         self._ctx_sum, self._seq_sum = ctx_per_seq, 1.0 if ctx_per_seq else 0.0
+        # (band, k) -> [mean round seconds, rounds seen]: measured, not fitted.
+        self.cells: dict[tuple[int, int], list[float]] = {}
 
     @property
     def ctx_per_seq(self) -> float:
@@ -92,6 +112,28 @@ class PerfModel:
         self._n += 1
         if self._n % 8 == 0 or self._n < 8:
             self._solve()
+        near = round(k)
+        if abs(k - near) <= CELL_K_SLACK:  # rows of mixed k between two cells count for none
+            cell = self.cells.setdefault((band_of(batch), near), [seconds, 0.0])
+            cell[0] += CELL_ALPHA * (seconds - cell[0])
+            cell[1] += 1
+
+    def measured_s(self, batch: float, k: int) -> float | None:
+        """Mean recent round seconds at k in `batch`'s band, once enough rounds ran there."""
+        cell = self.cells.get((band_of(batch), k))
+        return cell[0] if cell is not None and cell[1] >= CELL_MIN_ROUNDS else None
+
+    def round_costs(self, batch: float, k_max: int, ctx_tokens: float | None = None
+                    ) -> list[float]:
+        """Round seconds for k = 0..k_max at `batch`: measured where the band's cells have
+        enough rounds; elsewhere the fit, scaled by the mean measured / fitted ratio of the
+        measured cells (the fit's slope in k, the measurements' level)."""
+        fitted = [self.round_s(batch, k, ctx_tokens) for k in range(k_max + 1)]
+        measured = [self.measured_s(batch, k) for k in range(k_max + 1)]
+        ratios = [m / f for m, f in zip(measured, fitted, strict=True) if m is not None]
+        scale = sum(ratios) / len(ratios) if ratios else 1.0
+        return [m if m is not None else f * scale
+                for m, f in zip(measured, fitted, strict=True)]
 
     def _solve(self) -> None:
         # Ridge towards the prior: (X^T X + R) c = X^T y + R c_prior, R = r diag(scale). With
@@ -145,10 +187,11 @@ class PerfModel:
 
     def best_k(self, batch: float, alphas: Sequence[float], k_max: int,
                ctx_tokens: float | None = None) -> int:
-        """k in [0, k_max] with the most tokens per second per request at this batch."""
+        """k in [0, k_max] with the most tokens per second per request at this batch
+        (measured round times where there are some: `round_costs`)."""
         best, best_rate = 0, 0.0
-        for k in range(k_max + 1):
-            rate = expected_tokens(alphas, k) / self.round_s(batch, k, ctx_tokens)
+        for k, seconds in enumerate(self.round_costs(batch, k_max, ctx_tokens)):
+            rate = expected_tokens(alphas, k) / seconds
             if rate > best_rate * (1 + 1e-3):  # ties go to the smaller k
                 best, best_rate = k, rate
         return best

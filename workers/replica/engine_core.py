@@ -127,6 +127,7 @@ class CoreHost:
         self.replica_id = replica_id  # prefill: named in KVTransferParams for `release`
         engine = Engine(engine_config(cfg, self.role, driver.runner.kv_cache.num_blocks),
                         runner=driver)  # warms up the decode graphs before Serve sees it ready
+        engine.guide.warm()  # token healing / grammars: loaded before ready, not mid-batch
         self.poller = self._make_poller()
         self.poller.engine = engine
         self.engine = AsyncEngine(engine, self.poller, sink=sink, on_tick=on_tick)
