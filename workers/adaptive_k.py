@@ -7,14 +7,14 @@ may be 0 where speculation does not pay (acceptance collapse, large compute-boun
 Without a fitted model T is approximated as 1 + c*k main-forward equivalents and k stays >= 1.
 
 Each request then picks its own k from its own acceptance counts (smoothed towards the
-replica's), capped by the replica's band k. One engine round in `explore_every` runs
-every request at a neighbouring k of its own (one more or one less, alternating, up to the request's own k): a
-k that traffic never runs would otherwise keep the cost the start-up profile gave it (greedy,
-short random prompts), and that profile is not what sampled traffic costs (measured: the
-model kept k = 2 on sampled prose where k = 0 served 1.2x faster). Exploring costs one round
-in 16 at a k next to the best, and it also measures acceptance at a depth not in use, so k
-can come back after it dropped to 0. The MTP cache is extended every round whatever k
-is, so k can grow back. Exactness: greedy output does not depend on k and sampled output is
+replica's), capped by the replica's band k. One engine round in `explore_every` runs every
+request at a neighbouring k of its own (one more or one less, alternating, up to the
+request's own k): the perf model keeps measured round times per (batch band, k), and a k that
+traffic never runs would otherwise keep the cost the start-up profile gave it (greedy, short
+random prompts), which is not what sampled traffic costs. Exploring costs one round in 16 at
+a k next to the best, and it also measures acceptance at a depth not in use, so k can come
+back after it dropped to 0. The MTP cache is extended every round whatever k is, so k can
+grow back. Exactness: greedy output does not depend on k and sampled output is
 identically distributed for any k; a *seeded* request keeps its k (randomness is keyed by
 position, so its output depends only on its own k and must not depend on the load).
 """
