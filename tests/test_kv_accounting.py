@@ -7,7 +7,7 @@ import torch
 from helpers import GREEDY, drain, make_engine, run_to_completion
 
 from mtpserve.workers.block_manager import BlockManager, blocks_for
-from mtpserve.workers.engine import Engine
+from mtpserve.workers.engine import Engine, prefill_width
 from mtpserve.workers.model_runner import ForwardBatch
 from mtpserve.workers.request import Request
 from mtpserve.workers.scheduler import draft_slots
@@ -137,3 +137,21 @@ def test_forward_batch_padding_rows_write_nothing(tiny_qwen3) -> None:
     for layer in layers[:2]:
         for b in range(16):
             assert (layer[:, b].abs().sum() > 0) == (b in used)
+
+
+def test_prefill_rows_pad_little_and_new_prompts_start_with_real_chunks(tiny_qwen3) -> None:
+    """A prefill forward splits long chunks into rows instead of padding a short chunk to the
+    longest (a 1-token tail beside a 127-token chunk); a budget's last few tokens do not start
+    a new prompt with a sliver chunk. Outputs equal those of a 512-token budget."""
+    assert prefill_width([127, 1]) < 127  # 2 x 127 slots otherwise
+    assert prefill_width([128, 128, 128, 128]) == 128  # nothing to save
+    assert prefill_width([500]) == 500
+    ps = prompts(6, seed=4)
+    eng = make_engine(tiny_qwen3, 2, block_size=4, num_kv_blocks=256, mixed_batches=False,
+                      max_num_batched_tokens=sum(len(p) for p in ps[:2]) + 3)
+    reqs = [eng.add_request(str(i), p, GREEDY) for i, p in enumerate(ps)]
+    eng.step()  # the first two prompts; 3 tokens of budget left do not start the third
+    assert [r.num_computed_tokens for r in reqs[:3]] == [len(ps[0]), len(ps[1]), 0]
+    drain(eng, check_blocks=True)
+    want = run(small_engine(tiny_qwen3, 256, 512), ps)
+    assert [r.output_token_ids for r in reqs] == want

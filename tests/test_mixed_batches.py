@@ -1,5 +1,6 @@
 """Mixed batches (EngineConfig.mixed_batches): prefill chunks ride along decode rounds in one
-forward. Outputs stay those of each request run alone (greedy token for token; seeded sampling
+step (one forward, or with compiled decode graphs the round's graph and the chunks' forward).
+Outputs stay those of each request run alone (greedy token for token; seeded sampling
 too, since draws are keyed by position), and running requests emit tokens in the very steps in
 which a newly admitted long prompt makes prefill progress."""
 
@@ -15,8 +16,13 @@ from mtpserve.workers.sampling_params import SamplingParams
 SEEDED = SamplingParams(max_tokens=40, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True)
 
 
-def _engine(path, k: int, mixed: bool) -> Engine:
-    return make_engine(path, k, num_kv_blocks=256, mixed_batches=mixed, mixed_prefill_tokens=48)
+def _engine(path, k: int, mixed: bool, split: bool = False) -> Engine:
+    eng = make_engine(path, k, num_kv_blocks=256, mixed_batches=mixed,
+                      mixed_prefill_tokens=48)
+    # What an engine with compiled decode graphs does: the round and the chunks run as two
+    # forwards of one step (here both eager: the outputs do not depend on where they ran).
+    eng.split_mixed = split
+    return eng
 
 
 def _prompts(n: int) -> list[list[int]]:
@@ -29,12 +35,12 @@ def _alone(path, k: int, prompt: list[int], params: SamplingParams) -> list[int]
     return run_to_completion(_engine(path, k, mixed=False), [prompt], params)[0]
 
 
-def _burst(path, k: int, mixed: bool, params: list[SamplingParams]
+def _burst(path, k: int, mixed: bool, params: list[SamplingParams], split: bool = False
            ) -> tuple[list[list[int]], list[tuple[bool, bool]]]:
     """Two short requests decode; after 3 steps a 230-token prompt arrives. Returns the
     outputs and, per step while the long prompt prefills, (prefill progressed, every running
     request emitted)."""
-    eng = _engine(path, k, mixed)
+    eng = _engine(path, k, mixed, split)
     ps = _prompts(3)
     reqs = [eng.add_request(str(i), ps[i], params[i]) for i in range(2)]
     for _ in range(3):
@@ -53,10 +59,11 @@ def _burst(path, k: int, mixed: bool, params: list[SamplingParams]
     return [r.output_token_ids for r in reqs + [long]], steps
 
 
-@pytest.mark.parametrize("k", [0, 2])
-def test_mixed_greedy_equals_alone_and_decode_never_stalls(default_model, k: int) -> None:
+@pytest.mark.parametrize(("k", "split"), [(0, False), (2, False), (2, True)])
+def test_mixed_greedy_equals_alone_and_decode_never_stalls(default_model, k: int,
+                                                           split: bool) -> None:
     params = [GREEDY] * 3
-    got, steps = _burst(default_model, k, True, params)
+    got, steps = _burst(default_model, k, True, params, split)
     for p, params_i, out in zip(_prompts(3), params, got, strict=True):
         assert out == _alone(default_model, k, p, params_i)
     progressed = [s for s in steps if s[0]]
@@ -68,9 +75,10 @@ def test_mixed_greedy_equals_alone_and_decode_never_stalls(default_model, k: int
     assert any(prog and not every for prog, every in steps_off)
 
 
-def test_mixed_seeded_sampling_equals_alone(default_model) -> None:
+@pytest.mark.parametrize("split", [False, True])
+def test_mixed_seeded_sampling_equals_alone(default_model, split: bool) -> None:
     params = [SEEDED, GREEDY, SEEDED]
-    got, _ = _burst(default_model, 2, True, params)
+    got, _ = _burst(default_model, 2, True, params, split)
     for p, params_i, out in zip(_prompts(3), params, got, strict=True):
         assert out == _alone(default_model, 2, p, params_i)
 

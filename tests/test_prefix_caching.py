@@ -5,6 +5,8 @@ one prompt (n > 1) share one prefill."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from helpers import drain, greedy, make_engine
 
@@ -150,3 +152,27 @@ def test_block_hashes_chain_and_lookahead() -> None:
     assert block_hashes([1, 2, 3, 4, 6], 2, b"s")[1] != h[1]  # lookahead differs
     assert block_hashes([9, 2, 3, 4, 5], 2, b"s")[1] != h[1]  # the chain carries the parent
     assert block_hashes([1, 2, 3, 4, 5], 2, b"t") != h  # the salt names the model
+
+
+def test_k0_requests_cache_main_kv_apart_from_whole_blocks(tiny_qwen3) -> None:
+    """A request at k = 0 writes no MTP entries: its blocks are cached in a chain of their own
+    that k = 0 requests hit and k > 0 requests never see; k = 0 requests also hit blocks a
+    k > 0 request made whole. Outputs equal those without the cache throughout."""
+    k0 = dataclasses.replace(GREEDY, num_speculative_tokens=0)
+    ps = shared_prefix_prompts(2, prefix_len=45, seed=6)
+    want = [run(engine(tiny_qwen3, False), ps[:2], params) for params in (k0, GREEDY)]
+    eng = engine(tiny_qwen3, True)
+    bm = eng.block_manager
+    assert run(eng, ps[:2], k0, one_by_one=True) == want[0]
+    assert bm.cache_hits == 44  # the second k = 0 request found the first one's prefix
+    assert run(eng, ps[:1], GREEDY) == want[1][:1]
+    assert bm.cache_hits == 44  # main KV without MTP entries is not a k > 0 hit
+    assert run(eng, ps[1:2], k0) == want[0][1:]
+    assert bm.cache_hits == 44 + (len(ps[1]) - 1) // 4 * 4  # its own whole prompt
+    assert bm.num_free_blocks == 128
+    bm.check_integrity([])
+    # A k = 0 request finds the blocks a k > 0 request made whole.
+    eng = engine(tiny_qwen3, True)
+    assert run(eng, ps[:1], GREEDY) == want[1][:1]
+    assert run(eng, ps[1:2], k0) == want[0][1:]
+    assert eng.block_manager.cache_hits == 44

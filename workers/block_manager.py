@@ -19,6 +19,7 @@ from collections import deque
 from mtpserve.workers.prefix_cache import (
     BlockHash,
     PrefixIndex,
+    cache_salt,
     extend_block_hashes,
     short_hash,
 )
@@ -40,7 +41,11 @@ class BlockManager:
         self.free_ids: deque[int] = deque(range(num_blocks))
         self.prefix_caching = prefix_caching
         self.salt = salt
-        self.has_mtp = has_mtp  # blocks are whole only with their MTP entries written
+        # A request at k = 0 never writes MTP entries: on a model with MTP layers its blocks
+        # hold main KV only and are named in a chain of their own, which k = 0 requests
+        # look up (besides the whole blocks of the main chain) and k > 0 requests never see.
+        self.has_mtp = has_mtp
+        self.main_only_salt = cache_salt(salt, "main KV only") if has_mtp else salt
         self.cache = PrefixIndex()
         # Token counts of prefix lookups, for vllm:prefix_cache_{queries,hits}_total.
         self.cache_queries = 0
@@ -94,18 +99,29 @@ class BlockManager:
                     self.free_ids.append(b)
 
     # Prefix caching ------------------------------------------------------------------------
-    def hashes(self, req: Request, token_ids: list[int] | None = None) -> list[BlockHash]:
-        """The request's block hashes as far as its tokens are known (kept on the request)."""
-        tokens = req.all_token_ids if token_ids is None else token_ids
-        return extend_block_hashes(req.block_hashes, tokens, self.block_size, self.salt)
+    def main_only(self, req: Request) -> bool:
+        """Its blocks hold no MTP entries (k = 0 on a model with MTP layers)."""
+        return self.has_mtp and req.num_speculative_tokens == 0
+
+    def hashes(self, req: Request) -> list[BlockHash]:
+        """The request's block hashes as far as its tokens are known (kept on the request),
+        in its chain (`main_only`)."""
+        salt = self.main_only_salt if self.main_only(req) else self.salt
+        return extend_block_hashes(req.block_hashes, req.all_token_ids, self.block_size, salt)
 
     def cached_prefix(self, req: Request, max_tokens: int) -> list[int]:
         """Cached blocks holding the request's first tokens, at most `max_tokens` of them
-        (the caller keeps at least the last prompt token to compute). No references taken."""
+        (the caller keeps at least the last prompt token to compute). No references taken.
+        A main-only request takes the longer of its own chain's hit and the main chain's
+        (whole blocks hold its main KV too)."""
         if not self.prefix_caching:
             return []
-        hashes = self.hashes(req)[: max_tokens // self.block_size]
-        return self.cache.longest_prefix(hashes)
+        n = max_tokens // self.block_size
+        hit = self.cache.longest_prefix(self.hashes(req)[:n])
+        if self.main_only(req) and len(hit) < n:
+            whole = extend_block_hashes([], req.all_token_ids, self.block_size, self.salt)
+            hit = max(hit, self.cache.longest_prefix(whole[:n]), key=len)
+        return hit
 
     def reuse(self, req: Request, blocks: list[int]) -> None:
         """Start `req`'s (empty) block table with the cached `blocks`, taking a reference."""
@@ -122,10 +138,10 @@ class BlockManager:
         self.cache_hits += hit
 
     def register(self, req: Request, num_valid: int) -> None:
-        """Name the request's full blocks whose main and MTP KV are final: positions below
-        `num_valid` (its computed tokens; their MTP entries are exact too)."""
-        if not self.prefix_caching or req.num_speculative_tokens == 0 and self.has_mtp:
-            return  # k = 0 never writes MTP entries: its blocks are not whole
+        """Name the request's full blocks whose KV is final: positions below `num_valid` (its
+        computed tokens; their MTP entries are exact too, unless it is main-only)."""
+        if not self.prefix_caching:
+            return
         full = min(num_valid // self.block_size, len(req.block_ids))
         if full <= req.num_registered_blocks:
             return

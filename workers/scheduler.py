@@ -21,6 +21,9 @@ from dataclasses import dataclass
 from mtpserve.workers.block_manager import BlockManager, blocks_for
 from mtpserve.workers.request import Request, RequestStatus
 
+# A new prompt starts only with a chunk of at least this many tokens (or its whole rest).
+MIN_NEW_CHUNK = 32
+
 
 def decode_slots(req: Request) -> int:
     """KV slots one speculative round may touch: verify writes positions n..n+k, drafting
@@ -198,6 +201,12 @@ class Scheduler:
                 # computing this prompt's next blocks: wait for them instead of repeating them.
                 deferred.append(self.waiting.popleft())
                 continue
+            if chunks and budget < min(MIN_NEW_CHUNK,
+                                       req.prefill_target - len(hit) * self.bm.block_size):
+                # A budget's last few tokens would start this prompt with a sliver chunk
+                # (a 1-token row next to a 127-token one pads the forward, and the prompt
+                # then spans one more step): it starts next step.
+                break
             # Admit only when the whole prompt plus one round fits, so a prefill never stalls
             # half way; decode growth beyond that is handled by preemption.
             slots = req.prefill_target + 2 * req.num_speculative_tokens + 1
@@ -222,8 +231,8 @@ class Scheduler:
 
     def _pending_hashes(self, req: Request) -> list[bytes]:
         """Hashes of the blocks a prefilling request will name when its chunks are done."""
-        if not self.bm.prefix_caching or (req.num_speculative_tokens == 0 and self.bm.has_mtp):
-            return []  # nothing to wait for: it names no blocks (see BlockManager.register)
+        if not self.bm.prefix_caching:
+            return []
         n = (req.prefill_target - 1) // self.bm.block_size
         return self.bm.hashes(req)[req.num_registered_blocks : n]
 
