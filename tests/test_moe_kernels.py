@@ -118,6 +118,32 @@ def test_grouped_under_torch_compile() -> None:
     assert (eager[0] - _reference(ex, x, w, idx)).abs().max().item() <= 1e-5
 
 
+def test_compiled_cpu_package_reads_experts_in_place_then_groups(tmp_path) -> None:
+    """One dynamic-shape AOTInductor package (what a CPU decode graph is) holds both paths:
+    small batches read each pair's expert in place (`_indirect`), batches past
+    `_INDIRECT_PAIRS_PER_EXPERT` pairs per expert take the grouped product; both match the
+    per-pair reference at every batch size."""
+    from torch.export import Dim
+
+    from mtpserve.workers.model import moe
+    from mtpserve.workers.model.compile_cache import AOTGraphCache
+
+    ex = _experts(64, 32, 4, 2, seed=7)
+    T = Dim("T", min=1, max=1024)
+    example = (torch.randn(3, 64), *_route(3, 2, 4, seed=8))
+    with torch.no_grad():
+        fn = AOTGraphCache(tmp_path, "moe").get(
+            "experts", ex, example, dynamic_shapes=({0: T}, {0: T}, {0: T}))
+        for t in (1, 3, moe._INDIRECT_PAIRS_PER_EXPERT * 4 // 2, 40):  # 40 * 2 > 8 * 4: grouped
+            x = torch.randn(t, 64, generator=torch.Generator().manual_seed(t))
+            w, idx = _route(t, 2, 4, seed=t)
+            got = fn(x, w, idx)
+            got = got[0] if isinstance(got, (list, tuple)) else got
+            ref = _reference(ex, x, w, idx)
+            assert (got - ref).abs().max().item() <= 1e-5, t
+            assert (ex._indirect(x, w, idx) - ref).abs().max().item() <= 1e-5
+
+
 @pytest.mark.parametrize("dtype,kept_fp8", [(torch.bfloat16, False), (torch.float32, False),
                                             (torch.bfloat16, True)])
 def test_grouped_path_makes_no_host_read(dtype, kept_fp8) -> None:

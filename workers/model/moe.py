@@ -9,6 +9,14 @@ Routers (each the exact op sequence of its transformers reference, so expert cho
 
 Experts run batched, never one token at a time, with static shapes and no host read (so the
 compiled decode graphs cover MoE layers and CUDA graphs can capture them):
+- indirect (compiled CPU graphs, unquantized experts, while the pairs number at most
+  `_INDIRECT_PAIRS_PER_EXPERT` per expert; a `torch.cond` on the batch, so one dynamic-shape
+  package holds both paths): every (token, slot) pair's products as broadcast products and
+  sums over its expert's weights, which inductor fuses into reductions that read the chosen
+  experts' weights in place. AOTInductor package, CPU, 2 threads, fp32, us per MoE layer with
+  a shared expert, grouped / indirect: H=256 I=768 E=2 K=1, T=1: 331/185, T=3: 566/244, T=10:
+  737/419, T=32: 955/1114; H=256 I=128 E=64 K=8, T=1: 634/165, T=10: 4466/603, T=32:
+  5963/2296 (on CPU the grouped product is a loop over groups behind a Python custom op).
 - grouped (every batch above `_GATHER_PAIRS` (token, slot) pairs): pairs sorted by expert,
   the group offsets (cumulative counts) computed on the device with `searchsorted`, and two
   grouped matmuls over the stacked weights as they are (`group_mm`: `F.grouped_mm`, the CUDA
@@ -65,6 +73,7 @@ if TYPE_CHECKING:
     from mtpserve.workers.model.config import ModelConfig
 
 _GATHER_PAIRS = 1  # the measured crossover (module docstring)
+_INDIRECT_PAIRS_PER_EXPERT = 8
 
 # The seam for a grouped FP8 kernel on CUDA (FlashInfer's fused MoE, torch._scaled_grouped_mm
 # with 128x128 weight blocks): (experts, rows [M, hidden] grouped by expert, offs [E] int32)
@@ -274,6 +283,11 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """x [T, hidden], weights/idx [T, K] -> this rank's partial sum [T, hidden]."""
         T, K = idx.shape
+        if x.device.type == "cpu" and not self.fp8 and torch.compiler.is_compiling():
+            # Reading each pair's expert in place beats the grouped product until the pairs
+            # re-read the experts many times over (measured crossover: module docstring).
+            return torch.cond(T * K <= _INDIRECT_PAIRS_PER_EXPERT * self.num_experts,
+                              self._indirect, self._grouped, (x, weights, idx))
         # T and K are static in a compiled bucket, so this choice is too; a dynamic-shape
         # package is traced with T * K > 1 and runs the grouped path at every T.
         if T * K <= _GATHER_PAIRS:
@@ -299,6 +313,19 @@ class Experts(nn.Module):
         xk = x.unsqueeze(1).expand(T, K, x.shape[-1]).reshape(T * K, -1, 1)
         h = self._swiglu(torch.bmm(w13, xk).squeeze(-1))  # [T*K, I]
         out = torch.bmm(w2, h.unsqueeze(-1)).view(T, K, -1)
+        return (out * weights.unsqueeze(-1)).sum(dim=1)
+
+    def _indirect(self, x: torch.Tensor, weights: torch.Tensor,
+                  idx: torch.Tensor) -> torch.Tensor:
+        """Compiled CPU graphs: each pair's products written as broadcast products and sums
+        over its expert's weights, which inductor's C++ code generator turns into reductions
+        with indirect loads: every pair reads its expert's weights in place (no copy, no
+        sort, no grouped kernel). Eagerly this would materialise [T*K, 2I, H]: graphs only."""
+        T, K = idx.shape
+        flat = idx.reshape(-1)
+        xk = x.unsqueeze(1).expand(T, K, x.shape[-1]).reshape(T * K, 1, -1)
+        h = self._swiglu((self.w13[flat] * xk).sum(-1))  # [T*K, 2I] -> [T*K, I]
+        out = (self.w2[flat] * h.unsqueeze(1)).sum(-1).view(T, K, -1)
         return (out * weights.unsqueeze(-1)).sum(dim=1)
 
     def _grouped(self, x: torch.Tensor, weights: torch.Tensor,
