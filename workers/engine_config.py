@@ -39,6 +39,8 @@ class EngineConfig:
     # forward instead of taking turns with them (running requests keep emitting every step).
     # Measured (benchmarks/prefill_burst.py): running requests' TPOT during a 2x1024-token
     # burst 30.9 -> 14.2 ms, steady TPOT unchanged; the burst's own TTFT 271 -> 678 ms.
+    # With compiled decode graphs the step runs the round in its graph and the chunks in
+    # their own forward (`Engine._step`).
     mixed_batches: bool = True
     mixed_prefill_tokens: int = 128
     # Automatic prefix caching (workers/prefix_cache.py): full blocks of main + MTP KV that a
