@@ -369,7 +369,8 @@ def peer(name: str) -> list[str]:
     out = [f"tok/s (tokens per round), {d['dtype']}, {d['threads']} threads, "
            f"{d['num_prompts']} held-out prompts cycled to each batch, {d['max_tokens']} "
            "greedy tokens each, end to end per `generate` call (prefill included), best of "
-           "2 after a warm call.", "", *table(d)]
+           "2 after a warm call with the same prompts (both engines' prefix caches hold "
+           "them).", "", *table(d)]
     if d.get("served"):
         out += ["", "Served (`--served`): guidellm, concurrent streams, synthetic 128-token "
                 "prompts, 64 output tokens, 24 requests per run over `/v1/completions`, "
