@@ -132,6 +132,9 @@ def test_compiled_cpu_package_reads_experts_in_place_then_groups(tmp_path) -> No
     T = Dim("T", min=1, max=1024)
     example = (torch.randn(3, 64), *_route(3, 2, 4, seed=8))
     with torch.no_grad():
+        ep = torch.export.export(ex, example, dynamic_shapes=({0: T}, {0: T}, {0: T}),
+                                 strict=False)
+        assert any(n.target is torch.ops.higher_order.cond for n in ep.graph.nodes)
         fn = AOTGraphCache(tmp_path, "moe").get(
             "experts", ex, example, dynamic_shapes=({0: T}, {0: T}, {0: T}))
         for t in (1, 3, moe._INDIRECT_PAIRS_PER_EXPERT * 4 // 2, 40):  # 40 * 2 > 8 * 4: grouped

@@ -288,8 +288,8 @@ class Experts(nn.Module):
             # re-read the experts many times over (measured crossover: module docstring).
             return torch.cond(T * K <= _INDIRECT_PAIRS_PER_EXPERT * self.num_experts,
                               self._indirect, self._grouped, (x, weights, idx))
-        # T and K are static in a compiled bucket, so this choice is too; a dynamic-shape
-        # package is traced with T * K > 1 and runs the grouped path at every T.
+        # Elsewhere T and K are static in a compiled bucket, so this choice is too; a
+        # dynamic-shape package is traced with T * K > 1 and runs the grouped path at every T.
         if T * K <= _GATHER_PAIRS:
             return self._gathered(x, weights, idx)
         return self._grouped(x, weights, idx)
