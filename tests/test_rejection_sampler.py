@@ -14,6 +14,7 @@ from mtpserve.workers.spec_decode.keyed_random import (
     SLOT_FINAL,
     fold_seed,
     keyed_uniforms,
+    uniform_table,
 )
 from mtpserve.workers.spec_decode.rejection_sampler import RejectionSampler
 from mtpserve.workers.spec_decode.sampling import processed_probs, sample_with_uniforms
@@ -103,6 +104,22 @@ def test_keyed_uniforms_are_splitmix_bit_for_bit() -> None:
         h = _splitmix_ref(h ^ pos)
         h = _splitmix_ref(h ^ slot)
         assert u == ((h >> 11) + 0.5) / (1 << 53), (seed, pos, slot)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 40])  # Python-int draws, then numpy past 16
+def test_host_uniform_tables_match_the_device_hash(rows: int) -> None:
+    """The engine draws its uniforms on the host (`uniform_table`): the same bits as
+    `keyed_uniforms` at (seed, position + d, slot + step * d), extreme seeds included."""
+    g = torch.Generator().manual_seed(rows)
+    seeds = [fold_seed(s) for s in (2**63 - 1, -(2**63), -1, 0)][:rows]
+    seeds += torch.randint(-(2**62), 2**62, (rows - len(seeds),), generator=g).tolist()
+    positions = torch.randint(0, 2**40, (rows,), generator=g).tolist()
+    for width, slot, step in [(1, SLOT_FINAL, 0), (3, SLOT_ACCEPT + 1, 1), (4, SLOT_FINAL, 0)]:
+        got = uniform_table(seeds, positions, width, slot, step)
+        depth = torch.arange(width).unsqueeze(0)
+        want = keyed_uniforms(torch.tensor(seeds).unsqueeze(1),
+                              torch.tensor(positions).unsqueeze(1) + depth, slot + step * depth)
+        assert got.dtype == torch.float64 and torch.equal(got, want), (width, slot)
 
 
 def test_keyed_uniforms_look_independent() -> None:

@@ -285,13 +285,15 @@ class RoundOutcomes:
         banned = [self.limits.banned(r, p) for r, p in zip(reqs, pos, strict=True)]
         logits = (self.guide.mask_rows(logits, reqs, banned) if self.guide is not None
                   else suppress_tokens(logits, banned))
-        tokens = logits.argmax(dim=-1)
         rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
-        if rows:
-            (idx,) = stage_lists([rows], logits.device)
-            p = processed_probs(logits if len(rows) == len(reqs) else logits[idx],
-                                [reqs[i].params for i in rows])
-            u = uniforms_for([reqs[i].seed for i in rows], [pos[i] for i in rows], SLOT_FINAL,
-                             logits.device)
-            tokens[idx] = sample_with_uniforms(p, u)
+        if not rows:
+            return logits.argmax(dim=-1)
+        u = uniforms_for([reqs[i].seed for i in rows], [pos[i] for i in rows], SLOT_FINAL,
+                         logits.device)
+        if len(rows) == len(reqs):
+            return sample_with_uniforms(processed_probs(logits, [r.params for r in reqs]), u)
+        tokens = logits.argmax(dim=-1)
+        (idx,) = stage_lists([rows], logits.device)
+        tokens[idx] = sample_with_uniforms(
+            processed_probs(logits[idx], [reqs[i].params for i in rows]), u)
         return tokens

@@ -8,12 +8,20 @@ pair is used at most once per request: a position is decided finally once (`SLOT
 round that starts at n drafts and tests position n + i only at depth i, with n strictly
 increasing between rounds. So every draw is fresh, which rejection sampling needs to stay exact.
 
-The hash is splitmix64 applied as a chain over the key words, in int64 torch ops (wrapping
-multiplication; logical shifts emulated with a mask), vectorised over rows.
+The hash is splitmix64 applied as a chain over the key words. Every key word is known on the
+host before a step runs (seeds, positions, slots; a verify round's final position depends on
+its accepted count, so all k + 1 candidates are drawn), so the engine computes its uniforms on
+the host in numpy uint64 (`host_uniforms`) and stages them with one copy: ~15 numpy ops per
+call where the torch version (`keyed_uniforms`, the same bits, kept as the reference and for
+keys that live on a device) runs ~45 tiny device ops, each a kernel launch on a GPU and
+~2 us of dispatch on a CPU.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import numpy as np
 import torch
 
 # Draw slots. Depth i (1-based) of a draft adds i, so slots never collide for k <= 64.
@@ -65,11 +73,64 @@ def keyed_uniforms(
     return (_shr(h, 11).to(torch.float64) + 0.5) * (1.0 / (1 << 53))
 
 
+_GOLDEN_U = np.uint64(0x9E3779B97F4A7C15)
+_M1_U = np.uint64(0xBF58476D1CE4E5B9)
+_M2_U = np.uint64(0x94D049BB133111EB)
+_S30, _S27, _S31, _S11 = (np.uint64(s) for s in (30, 27, 31, 11))
+_MASK = (1 << 64) - 1
+# Below this many draws Python ints beat numpy (~1.3 us a draw against ~25 us a call).
+_PY_MAX_DRAWS = 16
+
+
+def _mix_host(z: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser over uint64 arrays (numpy wraps uint64 arithmetic)."""
+    z = z + _GOLDEN_U
+    z = (z ^ (z >> _S30)) * _M1_U
+    z = (z ^ (z >> _S27)) * _M2_U
+    return z ^ (z >> _S31)
+
+
+def _mix_int(z: int) -> int:
+    """splitmix64's finaliser on a Python int (uint64)."""
+    z = (z + 0x9E3779B97F4A7C15) & _MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return z ^ (z >> 31)
+
+
+def host_uniforms(seeds: Sequence[int] | np.ndarray, positions: Sequence[int] | np.ndarray,
+                  slots: Sequence[int] | np.ndarray | int) -> np.ndarray:
+    """`keyed_uniforms` on the host, bit for bit: float64 uniforms, one per broadcast element
+    of (seed, position, slot). Seeds are int64 keys (`fold_seed`), positions and slots >= 0."""
+    h = _mix_host(np.asarray(seeds, dtype=np.int64).view(np.uint64).reshape(np.shape(seeds)))
+    h = _mix_host(h ^ np.asarray(positions, dtype=np.uint64))
+    h = _mix_host(h ^ np.asarray(slots, dtype=np.uint64))
+    return ((h >> _S11).astype(np.float64) + 0.5) * (1.0 / (1 << 53))
+
+
+def uniform_table(seeds: Sequence[int], positions: Sequence[int], width: int, slot: int,
+                  slot_step: int = 0) -> torch.Tensor:
+    """[N, width] float64 on the host: row i, column d is the uniform at (seeds[i],
+    positions[i] + d, slot + slot_step * d), the same bits as `keyed_uniforms`."""
+    if len(seeds) * width <= _PY_MAX_DRAWS:
+        out = []
+        for seed, pos in zip(seeds, positions, strict=True):
+            h0 = _mix_int(seed & _MASK)
+            for d in range(width):
+                h = _mix_int(_mix_int(h0 ^ (pos + d)) ^ (slot + slot_step * d))
+                out.append(((h >> 11) + 0.5) * (1.0 / (1 << 53)))
+        return torch.tensor(out, dtype=torch.float64).view(len(seeds), width)
+    depth = np.arange(width, dtype=np.int64)[None, :]
+    return torch.from_numpy(host_uniforms(
+        np.asarray(seeds, dtype=np.int64)[:, None],
+        np.asarray(positions, dtype=np.int64)[:, None] + depth, slot + slot_step * depth))
+
+
 def uniforms_for(
     seeds: list[int], positions: list[int], slot: int, device: torch.device | str = "cpu"
 ) -> torch.Tensor:
-    """[N] uniforms for row i at (seeds[i], positions[i], slot)."""
-    from mtpserve.workers.model.attention_metadata import stage_lists
+    """[N] uniforms for row i at (seeds[i], positions[i], slot), on `device` (one staged
+    copy)."""
+    from mtpserve.workers.model.attention_metadata import stage
 
-    s, p = stage_lists([seeds, positions], device)
-    return keyed_uniforms(s, p, slot)
+    return stage([uniform_table(seeds, positions, 1, slot).view(-1)], device)[0]

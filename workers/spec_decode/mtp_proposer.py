@@ -35,7 +35,7 @@ from mtpserve.workers.model.attention_metadata import stage_lists
 from mtpserve.workers.model_runner import ForwardBatch
 from mtpserve.workers.request import Request
 from mtpserve.workers.spec_decode import device_drafts
-from mtpserve.workers.spec_decode.keyed_random import SLOT_DRAFT, keyed_uniforms
+from mtpserve.workers.spec_decode.keyed_random import SLOT_DRAFT, uniforms_for
 from mtpserve.workers.spec_decode.sampling import (
     processed_probs,
     sample_with_uniforms,
@@ -198,18 +198,20 @@ class MTPProposer:
         if self.guide is not None:  # structured outputs: q masked like the target's p
             logits = self.guide.mask_drafts(reqs, logits, depth)
         greedy = [r.params.greedy for r in reqs]
-        tokens = logits.argmax(dim=-1)
+        tokens = logits.argmax(dim=-1) if any(greedy) else None
         q_rows: list[torch.Tensor | None] = [None] * len(reqs)
         if not all(greedy):
             rows = [i for i, g in enumerate(greedy) if not g]
-            seeds, p, slots, idx = stage_lists(
-                [[reqs[i].seed for i in rows], [pos[i] for i in rows],
-                 [SLOT_DRAFT + depth] * len(rows), rows], logits.device)
-            # Rows picked by a staged index: a Python list index is a synchronous copy.
-            sel = logits if len(rows) == len(reqs) else logits[idx]
-            q = processed_probs(sel, [reqs[i].params for i in rows])  # [n, V]
-            sampled = sample_with_uniforms(q, keyed_uniforms(seeds, p, slots))
-            tokens[idx] = sampled
+            u = uniforms_for([reqs[i].seed for i in rows], [pos[i] for i in rows],
+                             SLOT_DRAFT + depth, logits.device)
+            if len(rows) == len(reqs):
+                q = processed_probs(logits, [r.params for r in reqs])  # [n, V]
+                tokens = sample_with_uniforms(q, u)
+            else:
+                # Rows picked by a staged index: a Python list index is a synchronous copy.
+                (idx,) = stage_lists([rows], logits.device)
+                q = processed_probs(logits[idx], [reqs[i].params for i in rows])
+                tokens[idx] = sample_with_uniforms(q, u)
             for j, i in enumerate(rows):
                 q_rows[i] = q[j]
         if self.guide is not None:

@@ -18,13 +18,13 @@ from dataclasses import dataclass
 import torch
 
 from mtpserve.workers.host_sync import to_host
-from mtpserve.workers.model.attention_metadata import stage_lists
+from mtpserve.workers.model.attention_metadata import stage, stage_lists
 from mtpserve.workers.sampling_params import SamplingParams
 from mtpserve.workers.spec_decode.keyed_random import (
     MAX_DEPTH,
     SLOT_ACCEPT,
     SLOT_FINAL,
-    keyed_uniforms,
+    uniform_table,
 )
 from mtpserve.workers.spec_decode.sampling import processed_probs, sample_with_uniforms
 
@@ -75,25 +75,38 @@ class RejectionSampler:
         assert K <= MAX_DEPTH, "k above the keyed-RNG slot range"
         g_rows = [b for b in range(R) if params[b].greedy]
         s_rows = [b for b in range(R) if not params[b].greedy]
-        k_rows, seed, pos0, g_idx, s_idx = stage_lists(
-            [counts, [seeds[b] for b in s_rows], [positions[b] for b in s_rows], g_rows,
-             s_rows], dev)
-        # Past a row's own k nothing is accepted (its drafts there are padding).
-        valid = torch.arange(K, device=dev).unsqueeze(0) < k_rows.unsqueeze(1)  # [R, K]
         if not s_rows:  # the usual all-greedy batch: no scatter
-            return self._greedy(target_logits, drafts, valid)
+            (k_rows,) = stage_lists([counts], dev)
+            return self._greedy(target_logits, drafts, self._valid(k_rows, K))
+        # The sampled rows' uniforms, drawn on the host: the acceptance test of draft d + 1
+        # ([S, K], at position pos0 + d) and the final token's draw for every count a of
+        # accepted drafts ([S, K + 1], at pos0 + a; the round picks its column on the device
+        # once it knows a). They and the per-row counts (small ints, exact in float64) reach
+        # the device in one staged copy.
+        seeds_s, pos_s = [seeds[b] for b in s_rows], [positions[b] for b in s_rows]
+        k_rows, u_acc, u_final = stage(
+            [torch.tensor(counts, dtype=torch.float64),
+             uniform_table(seeds_s, pos_s, K, SLOT_ACCEPT + 1, 1),
+             uniform_table(seeds_s, pos_s, K + 1, SLOT_FINAL)], dev)
+        valid = self._valid(k_rows, K)
         if not g_rows:
             return self._sampled(target_logits, drafts, valid, k_rows, counts, draft_probs,
-                                 params, seed, pos0)
+                                 params, u_acc, u_final)
+        g_idx, s_idx = stage_lists([g_rows, s_rows], dev)
         acc = torch.empty(R, dtype=torch.long, device=dev)
         extra = torch.empty(R, dtype=torch.long, device=dev)
         a, t = self._greedy(target_logits[g_idx], drafts[g_idx], valid[g_idx])
         acc[g_idx], extra[g_idx] = a, t
         a, t = self._sampled(target_logits[s_idx], drafts[s_idx], valid[s_idx], k_rows[s_idx],
                              [counts[b] for b in s_rows], [draft_probs[b] for b in s_rows],
-                             [params[b] for b in s_rows], seed, pos0)
+                             [params[b] for b in s_rows], u_acc, u_final)
         acc[s_idx], extra[s_idx] = a, t
         return acc, extra
+
+    @staticmethod
+    def _valid(k_rows: torch.Tensor, K: int) -> torch.Tensor:
+        """[R, K]: draft slot i holds a row's own draft (past its k nothing is accepted)."""
+        return torch.arange(K, device=k_rows.device).unsqueeze(0) < k_rows.unsqueeze(1)
 
     @staticmethod
     def _draft_q(draft_probs: list[torch.Tensor | None], counts: list[int], K: int, V: int,
@@ -120,32 +133,28 @@ class RejectionSampler:
         acc = ((drafts == target[:, :K]) & valid).long().cumprod(dim=1).sum(dim=1)  # [G]
         return acc, target.gather(1, acc.unsqueeze(1)).squeeze(1)
 
-    def _sampled(self, logits, drafts, valid, k_rows, counts, draft_probs, params, seed, pos0
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sampled(self, logits, drafts, valid, k_rows, counts, draft_probs, params, u_acc,
+                 u_final) -> tuple[torch.Tensor, torch.Tensor]:
         S, K1, V = logits.shape
         K, dev = K1 - 1, logits.device
         p = processed_probs(logits.reshape(-1, V),
                             [pp for pp in params for _ in range(K1)]).view(S, K1, V)
-        acc = torch.zeros(S, dtype=torch.long, device=dev)
-        if K > 0:
-            q = self._draft_q(draft_probs, counts, K, V, p.dtype, dev)  # [S, K, V]
-            depth = torch.arange(K, device=dev).unsqueeze(0)  # [1, K], draft i = depth + 1
-            u = keyed_uniforms(seed.unsqueeze(1), pos0.unsqueeze(1) + depth,
-                               SLOT_ACCEPT + 1 + depth)  # [S, K]
-            safe = drafts.clamp(min=0).unsqueeze(-1)
-            p_d = p[:, :K].gather(2, safe).squeeze(-1).double()
-            q_d = q.gather(2, safe).squeeze(-1).double()
-            ok = (u * q_d < p_d) & valid  # u < p/q, no division by 0
-            acc = ok.long().cumprod(dim=1).sum(dim=1)
-            # Recovered (first rejection) or bonus (all kept) distribution at row acc.
-            p_at = p.gather(1, acc.view(-1, 1, 1).expand(-1, 1, V)).squeeze(1)  # [S, V]
-            # q of the rejected draft; bonus rows (acc == k_b, so every acc == K) use p below.
-            q_pos = acc.clamp(max=K - 1).view(-1, 1, 1).expand(-1, 1, V)
-            resid = (p_at - q.gather(1, q_pos).squeeze(1)).clamp_(min=0)  # [S, V]
-            # A residual of all zeros (p == q) arises with probability 0 of a rejection:
-            # fall back to p then.
-            use_p = (acc == k_rows) | (resid.sum(dim=-1) <= 0)
-            dist = torch.where(use_p.unsqueeze(1), p_at, resid)
-        else:
-            dist = p[:, 0]
-        return acc, sample_with_uniforms(dist, keyed_uniforms(seed, pos0 + acc, SLOT_FINAL))
+        rows = torch.arange(S, device=dev)
+        if K == 0:
+            return torch.zeros(S, dtype=torch.long, device=dev), sample_with_uniforms(
+                p[:, 0], u_final[:, 0])
+        q = self._draft_q(draft_probs, counts, K, V, p.dtype, dev)  # [S, K, V]
+        safe = drafts.clamp(min=0).unsqueeze(-1)
+        p_d = p[:, :K].gather(2, safe).squeeze(-1).double()
+        q_d = q.gather(2, safe).squeeze(-1).double()
+        ok = (u_acc * q_d < p_d) & valid  # u < p/q, no division by 0
+        acc = ok.long().cumprod(dim=1).sum(dim=1)
+        # Recovered (first rejection) or bonus (all kept) distribution at row acc.
+        p_at = p[rows, acc]  # [S, V]
+        # q of the rejected draft; bonus rows (acc == k_b, so every acc == K) use p below.
+        resid = (p_at - q[rows, acc.clamp(max=K - 1)]).clamp_(min=0)  # [S, V]
+        # A residual of all zeros (p == q) arises with probability 0 of a rejection: fall
+        # back to p then.
+        use_p = (acc == k_rows) | (resid.sum(dim=-1) <= 0)
+        dist = torch.where(use_p.unsqueeze(1), p_at, resid)
+        return acc, sample_with_uniforms(dist, u_final[rows, acc])

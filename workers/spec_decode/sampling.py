@@ -17,9 +17,10 @@ def processed_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
     """softmax(filter(logits / T)) per row. logits [N, V] float32 -> probs [N, V]. Per-row
     settings reach the device in staged non-blocking copies (a pageable copy would sync)."""
     dev = logits.device
-    (temps,) = stage([torch.tensor([max(p.temperature, 1e-5) for p in params],
-                                   dtype=logits.dtype)], dev)
-    logits = logits / temps.unsqueeze(1)
+    temps = [max(p.temperature, 1e-5) for p in params]
+    if any(t != 1.0 for t in temps):  # x / 1.0 == x: the usual T = 1 batch skips a pass
+        (t_dev,) = stage([torch.tensor(temps, dtype=logits.dtype)], dev)
+        logits = logits / t_dev.unsqueeze(1)
     top_ks = [p.top_k if p.top_k > 0 else 0 for p in params]
     top_ps = [p.top_p for p in params]
     if any(top_ks) or any(tp < 1.0 for tp in top_ps):
