@@ -10,11 +10,11 @@ increasing between rounds. So every draw is fresh, which rejection sampling need
 
 The hash is splitmix64 applied as a chain over the key words. Every key word is known on the
 host before a step runs (seeds, positions, slots; a verify round's final position depends on
-its accepted count, so all k + 1 candidates are drawn), so the engine computes its uniforms on
-the host in numpy uint64 (`host_uniforms`) and stages them with one copy: ~15 numpy ops per
-call where the torch version (`keyed_uniforms`, the same bits, kept as the reference and for
-keys that live on a device) runs ~45 tiny device ops, each a kernel launch on a GPU and
-~2 us of dispatch on a CPU.
+its accepted count, so all k + 1 candidates are drawn), so the engine draws its uniforms on
+the host (`uniform_table`: Python ints for a few draws, numpy uint64 past that) and stages
+them with one copy. The torch version (`keyed_uniforms`, the same bits, kept as the
+reference) runs ~45 tiny device ops per call, each a kernel launch on a GPU and ~2 us of
+dispatch on a CPU.
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def _mix_int(z: int) -> int:
     return z ^ (z >> 31)
 
 
-def host_uniforms(seeds: Sequence[int] | np.ndarray, positions: Sequence[int] | np.ndarray,
+def _host_uniforms(seeds: Sequence[int] | np.ndarray, positions: Sequence[int] | np.ndarray,
                   slots: Sequence[int] | np.ndarray | int) -> np.ndarray:
     """`keyed_uniforms` on the host, bit for bit: float64 uniforms, one per broadcast element
     of (seed, position, slot). Seeds are int64 keys (`fold_seed`), positions and slots >= 0."""
@@ -121,7 +121,7 @@ def uniform_table(seeds: Sequence[int], positions: Sequence[int], width: int, sl
                 out.append(((h >> 11) + 0.5) * (1.0 / (1 << 53)))
         return torch.tensor(out, dtype=torch.float64).view(len(seeds), width)
     depth = np.arange(width, dtype=np.int64)[None, :]
-    return torch.from_numpy(host_uniforms(
+    return torch.from_numpy(_host_uniforms(
         np.asarray(seeds, dtype=np.int64)[:, None],
         np.asarray(positions, dtype=np.int64)[:, None] + depth, slot + slot_step * depth))
 

@@ -139,10 +139,10 @@ class RejectionSampler:
         K, dev = K1 - 1, logits.device
         p = processed_probs(logits.reshape(-1, V),
                             [pp for pp in params for _ in range(K1)]).view(S, K1, V)
-        rows = torch.arange(S, device=dev)
         if K == 0:
             return torch.zeros(S, dtype=torch.long, device=dev), sample_with_uniforms(
                 p[:, 0], u_final[:, 0])
+        rows = torch.arange(S, device=dev)
         q = self._draft_q(draft_probs, counts, K, V, p.dtype, dev)  # [S, K, V]
         safe = drafts.clamp(min=0).unsqueeze(-1)
         p_d = p[:, :K].gather(2, safe).squeeze(-1).double()
