@@ -44,6 +44,20 @@ def test_gather_then_scatter_moves_blocks_and_heads(dtype):
         assert not layer[:, [1, 2, 4]].any(), "scatter touched blocks it does not own"
 
 
+def test_gather_from_cache_views_that_leave_out_a_scratch_block():
+    # The engine's layers are views of one buffer with a trailing scratch block per half
+    # (non-contiguous over K/V); the gather must read them as they are, into `out`.
+    g = torch.Generator().manual_seed(1)
+    buffer = torch.randn(3, 2, 7, 4, 4, 8, generator=g)  # [L, 2, num_blocks + 1, bs, H, D]
+    layers = list(buffer[:, :, :6].unbind(0))
+    assert not layers[0].is_contiguous()
+    out = torch.full((3, 2, 3, 4, 3, 8), float("nan"))
+    got = gather_blocks(layers, [5, 0, 2], slice(1, 4), out=out)
+    assert got is out
+    for layer, part in zip(layers, got, strict=True):
+        assert torch.equal(part, layer[:, [5, 0, 2], :, 1:4])
+
+
 def test_scatter_rejects_mismatched_payload():
     dst = [torch.zeros(2, 5, 4, 2, 8) for _ in range(3)]
     with pytest.raises(ValueError, match="blocks"):
