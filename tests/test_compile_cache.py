@@ -157,3 +157,27 @@ def test_a_bucket_the_start_left_is_compiled_in_the_background_and_adopted(
     assert again.runner.graphs.compile_stats()["loaded"] == compiled_decode.cold_stats["compiled"]
     p = again.stats()["compile"]  # a start that found everything cached
     assert (p["total"], p["done"], p["state"], p["compiled"]) == (total, total, "done", 0)
+
+
+def test_a_package_is_named_for_the_thread_count_its_kernels_are_built_for(tmp_path) -> None:
+    """Inductor builds CPU kernels for the current thread count (1: no OpenMP regions), so a
+    package serves only engines at that count: the count is part of its name, and a
+    background compile child (itself on one thread) builds for its replica's count."""
+    from torch._inductor import config as inductor_config
+
+    from mtpserve.workers.model.compile_cache import AOTGraphCache, codegen_threads
+
+    cache = AOTGraphCache(tmp_path, "fingerprint")
+    args = (torch.zeros(2, 3),)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cache.path_for("main0-dynamic", args)
+        torch.set_num_threads(2)
+        two = cache.path_for("main0-dynamic", args)
+        assert one != two and codegen_threads() == 2
+        torch.set_num_threads(1)  # the child's own count, its replica's kernels
+        with inductor_config.patch({"cpp.threads": 2}):
+            assert codegen_threads() == 2 and cache.path_for("main0-dynamic", args) == two
+    finally:
+        torch.set_num_threads(before)

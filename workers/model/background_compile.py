@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from mtpserve.workers.child_process import child_env
+from mtpserve.workers.model.compile_cache import codegen_threads
 from mtpserve.workers.model.decode_graph import DecodeGraphs, GraphKey
 
 logger = logging.getLogger(__name__)
@@ -53,7 +54,8 @@ class BackgroundCompile:
         fd, self._spec = tempfile.mkstemp(prefix="mtpserve-compile-", suffix=".json")
         with os.fdopen(fd, "w") as f:
             json.dump({"runner": runner_args, "warmup": warmup_args,
-                       "fingerprint": graphs.aot.fingerprint}, f)
+                       "fingerprint": graphs.aot.fingerprint,
+                       "codegen_threads": codegen_threads()}, f)
         self.proc: subprocess.Popen | None = subprocess.Popen(
             [sys.executable, "-m", "mtpserve.workers.model.background_compile", self._spec,
              str(os.getpid())], env=child_env())
@@ -145,6 +147,10 @@ def main(argv: list[str]) -> int:
     spec = json.loads(Path(spec_path).read_text())
     Path(spec_path).unlink(missing_ok=True)  # a one-shot handoff: nothing left in /tmp
     torch.set_num_threads(1)
+    # Kernels for the replica's thread count (the packages it looks for), built by one thread.
+    from torch._inductor import config as inductor_config
+
+    inductor_config.cpp.threads = spec["codegen_threads"]
     args = dict(spec["runner"])
     for k in ("dtype", "mtp_dtype"):
         if args.get(k) is not None:

@@ -88,6 +88,17 @@ def _describe(args: tuple) -> str:
     return ",".join(out)
 
 
+def codegen_threads() -> int:
+    """The thread count inductor's C++ code generator builds CPU kernels for
+    (`config.cpp.threads`, else torch's current count). Kernels built for one thread have no
+    OpenMP regions, so a package runs well only at the count it was built for (on this 2-core
+    box a 2-thread engine on 1-thread kernels decoded 10 rows 1.4x slower): part of every
+    package's name."""
+    from torch._inductor.utils import parallel_num_threads
+
+    return parallel_num_threads()
+
+
 class AOTGraphCache:
     """Compiles a module for one set of example arguments into an AOTInductor package under
     `root`, or loads the package an earlier process left there. Counts both, so a test (and
@@ -104,8 +115,8 @@ class AOTGraphCache:
         self.load_s = 0.0
 
     def path_for(self, name: str, args: tuple) -> Path:
-        h = hashlib.blake2b(f"{self.fingerprint}|{name}|{_describe(args)}".encode(),
-                            digest_size=12).hexdigest()
+        h = hashlib.blake2b(f"{self.fingerprint}|{name}|{_describe(args)}|"
+                            f"threads={codegen_threads()}".encode(), digest_size=12).hexdigest()
         return self.root / f"{name}-{h}.pt2"
 
     def get(self, name: str, module: torch.nn.Module, args: tuple,
