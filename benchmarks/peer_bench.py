@@ -210,6 +210,43 @@ def served_vllm(args, model_dir: str, k: int, cache: Path, out: Path) -> list[di
         log.close()
 
 
+def offline_stream(report: Path, threads: int) -> dict:
+    """Our offline engine on the requests of a guidellm report (its prompts, `max_tokens`,
+    `ignore_eos`, sampling defaults), one after another at batch 1, with the default config's
+    speculation (k <= 2, adaptive) and `threads` threads: what one served stream is measured
+    against. tok/s: output tokens over the summed `generate` times (no client gaps)."""
+    import torch
+    import yaml
+
+    from mtpserve.workers.llm import LLM
+    from mtpserve.workers.paths import config_path
+    from mtpserve.workers.sampling_params import SamplingParams
+
+    reqs = [json.loads(r["request_args"])["body"] for r in
+            json.loads(report.read_text())["benchmarks"][0]["requests"]["successful"]]
+    spec = yaml.safe_load(config_path("local-cpu.yaml").read_text())[
+        "applications"][0]["args"]["speculation"]
+    torch.set_num_threads(threads)
+    llm = LLM(None, compile="on", num_speculative_tokens=spec["num_speculative_tokens"],
+              adaptive_k=spec["adaptive"])
+
+    def params(body: dict) -> SamplingParams:
+        kw = {k: body[k] for k in ("max_tokens", "ignore_eos", "temperature", "top_p")
+              if body.get(k) is not None}
+        return SamplingParams(**kw)
+
+    llm.generate([reqs[0]["prompt"]], params(reqs[0]))  # compiles / loads its graphs
+    seconds, tokens, rounds = 0.0, 0, 0
+    for body in reqs:
+        t = time.perf_counter()
+        (out,) = llm.generate([body["prompt"]], params(body))
+        seconds += time.perf_counter() - t
+        tokens += len(out.output_token_ids)
+        rounds += out.num_rounds
+    return {"requests": len(reqs), "tokens_per_s": tokens / seconds, "threads": threads,
+            "tokens_per_round": (tokens - len(reqs)) / rounds if rounds else 1.0}
+
+
 def served_table(d: dict) -> list[str]:
     """Markdown: output tok/s and ITL p50 per server, cache state and stream count."""
     streams = sorted({r["streams"] for s in d["served"] for r in s["rows"]})
@@ -222,6 +259,14 @@ def served_table(d: dict) -> list[str]:
                  if n in by else "-" for n in streams]
         lines.append(f"| {s['server']} | {s['cache']} | {s['rows'][0]['up_s']:.0f} | "
                      + " | ".join(cells) + " |")
+    o = d.get("served_offline")
+    if o:
+        ours = [s for s in d["served"] if s["server"] == "mtpserve up"]
+        ratios = ", ".join(f"{s['cache']} {r['output_tok_s']['mean'] / o['tokens_per_s']:.2f}x"
+                           for s in ours for r in s["rows"] if r["streams"] == 1)
+        lines += ["", f"One served stream / the offline engine on the same {o['requests']} "
+                  f"requests ({o['tokens_per_s']:.0f} tok/s, {o['threads']} threads, "
+                  f"{o['tokens_per_round']:.2f} tokens per round): {ratios}"]
     return lines
 
 
@@ -347,6 +392,10 @@ def main() -> None:
                 print(f"{name}, {state} compile cache:", flush=True)
                 rows = run(cache, tmp / "served" / f"{len(result['served'])}-{state}")
                 result["served"].append({"server": name, "cache": state, "rows": rows})
+    first_c1 = tmp / "served" / "0-empty" / "c1.json"
+    if served and "mtpserve" in served and first_c1.is_file():
+        # The empty start's single stream (guidellm's synthetic prompts are the same each run).
+        result["served_offline"] = offline_stream(first_c1, args.threads)
     if result["offline"]:
         print("\n".join(table(result)))
     if served:
