@@ -96,15 +96,23 @@ def test_process_cores_serve_disaggregated_exactly_as_offline(servers, tiny_qwen
         got = await asyncio.gather(*(run_disaggregated(p, d, r) for r in greedy_reqs + seeded_reqs))
         # A first token that ends the request holds nothing (released in the core).
         one = await p.prefill(greq("one", ps[0], 1))
+        # The first token leaves the core's step with its KV already held (no command after
+        # it), the pull params in the chunk, across the process channel.
+        async for direct in p.core.generate(greq("direct", ps[1], 4), abort_on_exit=False):
+            break
+        held = (direct, await p.release("direct"))
         await d.check_health()
         await p.check_health()
-        return (got, one, await d.core.call("stats"), await p.core.call("stats"),
+        return (got, one, held, await d.core.call("stats"), await p.core.call("stats"),
                 await d.record_autoscaling_stats(), await d.record_routing_stats(),
                 await p.release("never-held"))
 
-    got, one, ds, pst, auto, routing, released = asyncio.run(main())
+    got, one, held, ds, pst, auto, routing, released = asyncio.run(main())
     assert got == want
     assert one[1] is None and len(one[0].token_ids) == 1
+    direct, direct_released = held
+    assert direct.kv_transfer is not None and direct.kv_transfer.request_id == "direct"
+    assert direct.kv_transfer.first_token_id == direct.token_ids[0] and direct_released
     assert ds["kv_puller"]["pulls"] == 4 + 2 and ds["kv_puller"]["failures"] == 0
     assert ds["num_waiting_for_kv"] == 0 and ds["used_blocks"] == 0
     assert pst["kv_sender"]["acked"] == 6

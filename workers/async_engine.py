@@ -73,6 +73,8 @@ class AsyncEngine:
         # Called on the engine thread after each step with (engine, outputs, seconds): metrics
         # and autoscaling signals (workers/replica/metrics.py EngineRecorder).
         self.step_observers: list[Callable[[Engine, list[RequestOutput], float], None]] = []
+        # Engine thread: completes a step's chunk before it is published (prefill: the hold).
+        self.annotate: Callable[[str, TokenChunk], None] | None = None
         self._actions: queue.Queue[Callable[[], None]] = queue.Queue()
         # None: the request streams to `sink`.
         self._listeners: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue] | None] = {}
@@ -223,7 +225,13 @@ class AsyncEngine:
             self._observe(outputs, time.perf_counter() - t_step)
             stalled = not outputs and self.engine.scheduler.idle
             for out in outputs:
-                self._publish(out.request_id, stamp(to_chunk(out), "engine", out.request_id))
+                chunk = stamp(to_chunk(out), "engine", out.request_id)
+                if self.annotate is not None and out.request_id in self._listeners:
+                    try:
+                        self.annotate(out.request_id, chunk)
+                    except Exception:  # the chunk goes as it is; its consumer copes
+                        logger.exception("chunk annotation failed")
+                self._publish(out.request_id, chunk)
             self._tick()
 
     def _tick(self) -> None:

@@ -106,6 +106,9 @@ class TokenChunk:
     # blocks, pulling, prefilling). A stream that goes silent instead is stalled.
     heartbeat: bool = False
     stamps: dict[str, float] | None = None  # hop -> wall time (workers/hop_trace.py, opt-in)
+    # Prefill, the first chunk: the KV held for decode, handed to the senders on the engine
+    # thread as the step emitted the token (`PrefillCore.hold_first`).
+    kv_transfer: KVTransferParams | None = None
 
 
 def merge_chunks(chunks: list[TokenChunk]) -> TokenChunk:
@@ -122,4 +125,5 @@ def merge_chunks(chunks: list[TokenChunk]) -> TokenChunk:
     return dataclasses.replace(
         last, token_ids=[t for c in chunks for t in c.token_ids], logprobs=logprobs,
         num_cached_tokens=max(c.num_cached_tokens for c in chunks),
-        stamps=next((c.stamps for c in chunks if c.stamps), None))
+        stamps=next((c.stamps for c in chunks if c.stamps), None),
+        kv_transfer=next((c.kv_transfer for c in chunks if c.kv_transfer), None))

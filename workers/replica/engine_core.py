@@ -131,6 +131,7 @@ class CoreHost:
         self.poller = self._make_poller()
         self.poller.engine = engine
         self.engine = AsyncEngine(engine, self.poller, sink=sink, on_tick=on_tick)
+        self.engine.annotate = self._annotate
         driver.core.on_event = self.engine.wake  # transfer threads wake the engine
         # Metrics and windowed autoscaling signals; profiles a decode engine once here.
         self.recorder = attach_replica_metrics(self, self.role)
@@ -139,6 +140,8 @@ class CoreHost:
 
     def _make_poller(self) -> Poller:
         raise NotImplementedError
+
+    _annotate: Callable[[str, TokenChunk], None] | None = None  # AsyncEngine.annotate
 
     @property
     def failed(self) -> bool:
@@ -260,6 +263,16 @@ class PrefillCore(CoreHost):
             num_computed_tokens=r.num_computed_tokens, first_token_id=first_token,
             num_drafts=len(r.draft_token_ids), prefill_replica=self.replica_id,
         )
+
+    def _annotate(self, rid: str, chunk: TokenChunk) -> None:
+        """Engine thread, as the step emits a request's first token: hold its KV now and send
+        the pull params with that chunk. A `hold` command from the shell would reach this
+        thread only after the current step, queued behind the next prompts' prefill."""
+        engine = self.engine.engine
+        if (chunk.finished or not chunk.token_ids or rid not in engine.prefilled
+                or rid in self.driver.core.holds):
+            return
+        chunk.kv_transfer = self.hold(engine, rid, chunk.token_ids[0])
 
     def release(self, engine: Engine, rid: str) -> bool:
         return self.poller.release(rid)

@@ -69,7 +69,10 @@ class PrefillServer(EngineReplica):
             self.latency_ms.update((time.perf_counter() - t0) * 1000)
             if first.finished:
                 return first, None
-            return first, await self.core.call("hold", rid, first.token_ids[0])
+            # Held on the engine thread with the token (PrefillCore._annotate); the command
+            # is the fallback should that have failed.
+            params, first.kv_transfer = first.kv_transfer, None
+            return first, params or await self.core.call("hold", rid, first.token_ids[0])
         except BaseException:
             # Cancelled (client gone) or failed: free the blocks now (a no-op if the request
             # is already gone); a hold that was already handed to the senders is released.
