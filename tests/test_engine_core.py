@@ -98,8 +98,8 @@ def test_process_cores_serve_disaggregated_exactly_as_offline(servers, tiny_qwen
         one = await p.prefill(greq("one", ps[0], 1))
         # The first token leaves the core's step with its KV already held (no command after
         # it), the pull params in the chunk, across the process channel.
-        async for direct in p.core.generate(greq("direct", ps[1], 4), abort_on_exit=False):
-            break
+        stream = p.core.generate(greq("direct", ps[1], 4), abort_on_exit=False)
+        direct = await anext(aiter(stream))
         held = (direct, await p.release("direct"))
         await d.check_health()
         await p.check_health()
