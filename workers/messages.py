@@ -107,7 +107,7 @@ class TokenChunk:
     heartbeat: bool = False
     stamps: dict[str, float] | None = None  # hop -> wall time (workers/hop_trace.py, opt-in)
     # Prefill, the first chunk: the KV held for decode, handed to the senders on the engine
-    # thread as the step emitted the token (`PrefillCore.hold_first`).
+    # thread as the step emitted the token (`PrefillCore._annotate`).
     kv_transfer: KVTransferParams | None = None
 
 

@@ -92,7 +92,7 @@ def codegen_threads() -> int:
     """The thread count inductor's C++ code generator builds CPU kernels for
     (`config.cpp.threads`, else torch's current count). Kernels built for one thread have no
     OpenMP regions, so a package runs well only at the count it was built for (on this 2-core
-    box a 2-thread engine on 1-thread kernels decoded 10 rows 1.4x slower): part of every
+    box a 2-thread engine on 1-thread kernels decoded 32 rows 1.6x slower): part of every
     package's name."""
     from torch._inductor.utils import parallel_num_threads
 
