@@ -23,6 +23,15 @@ ENV MTPSERVE_TORCH_INDEX=cpu
 FROM base-${VARIANT}
 ARG TORCH_VERSION=2.13.0
 
+# tcmalloc: CPU replicas preload it (workers/allocator.py; ~20% faster CPU decode steps).
+# Ubuntu 24.04 renamed the package (t64).
+USER root
+RUN apt-get update \
+    && (apt-get install -y --no-install-recommends libtcmalloc-minimal4 \
+        || apt-get install -y --no-install-recommends libtcmalloc-minimal4t64) \
+    && rm -rf /var/lib/apt/lists/*
+USER 1000
+
 WORKDIR /home/ray/mtpserve
 
 # torch first, from the index of the CUDA build (or the CPU build), then a constraint keeps the

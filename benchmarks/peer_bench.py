@@ -342,6 +342,9 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=8779)
     ap.add_argument("--guidellm", default=shutil.which("guidellm") or "guidellm")
     args = ap.parse_args()
+    from mtpserve.workers.allocator import preloaded, reexec_with_preload
+
+    reexec_with_preload()  # both engines on the same malloc (vLLM asks for tcmalloc too)
 
     import torch
 
@@ -356,7 +359,7 @@ def main() -> None:
     dense = str(default_model_path())
     result: dict = {"batch_sizes": args.batch_sizes, "max_tokens": args.max_tokens,
                     "num_prompts": args.num_prompts, "threads": args.threads,
-                    "dtype": "float32", "offline": []}
+                    "dtype": "float32", "malloc": preloaded() or "glibc", "offline": []}
 
     def record(engine: str, layout: str, k: int, rows: list[dict]) -> None:
         result["offline"].append({"engine": engine, "layout": layout, "k": k, "rows": rows})

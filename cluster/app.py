@@ -14,6 +14,7 @@ from ray.serve.config import RequestRouterConfig
 
 from mtpserve.cluster.config import ClusterConfig
 from mtpserve.cluster.serve_options import autoscaling_config, max_ongoing
+from mtpserve.workers.allocator import runtime_env_vars
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +40,10 @@ def deployment_options(cfg: ClusterConfig, role: str) -> dict:
             # TP worker actors inherit this. Quiet c10d's idle-wait warnings of the KV store.
             "runtime_env": {"env_vars": {
                 "TORCH_CPP_LOG_LEVEL": "ERROR",
-                "OMP_NUM_THREADS": str(max(1, int(side.cpus_per_rank)))}},
+                "OMP_NUM_THREADS": str(max(1, int(side.cpus_per_rank))),
+                # CPU engines on tcmalloc when the machine has it (workers/allocator.py);
+                # their engine-core and compile children inherit it.
+                **(runtime_env_vars() if cfg.device == "cpu" else {})}},
         },
         # Serve's admission matches the engine's: decode runs max_num_seqs at once plus a small
         # queue in the engine; beyond that requests wait in the caller's router, at most

@@ -53,8 +53,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Commands whose engines run in this process: they restart under tcmalloc when the machine
+# has it (workers/allocator.py); `up` gives its replicas the library through their runtime_env.
+IN_PROCESS_ENGINES = {("generate", None), ("bench", "engine"), ("eval-mtp", None)}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if argv is None and (args.command, getattr(args, "bench_command", None)) in IN_PROCESS_ENGINES:
+        from mtpserve.workers.allocator import reexec_with_preload
+
+        reexec_with_preload()
     if args.command == "train":
         return _run_train(args)
     return int(args.func(args) or 0)

@@ -83,6 +83,30 @@ def test_openai_structured_output_and_tool_examples(up, example: str) -> None:
     OPENAI_EXAMPLES[example](client)
 
 
+def test_up_runs_its_engines_at_daemon_priority_on_the_faster_malloc(up) -> None:
+    """The replicas and their engine processes run at nice 0 (Ray's default for workers is 15,
+    below its own daemons) and, where the machine has tcmalloc or jemalloc, on it."""
+    from mtpserve.workers.allocator import malloc_library
+
+    lib = malloc_library()
+    engines = []
+    for pid in _session_members(up.proc.pid):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            maps = Path(f"/proc/{pid}/maps").read_text()
+        except OSError:
+            continue
+        if "engine_core_proc" in cmd or "ServeReplica:mtpserve:PrefillServer" in cmd \
+                or "ServeReplica:mtpserve:DecodeServer" in cmd:
+            engines.append((cmd, int(fields[16]), maps))  # field 19 of /proc/PID/stat: nice
+    assert len(engines) >= 2, [c for c, _, _ in engines]
+    for cmd, nice, maps in engines:
+        assert nice == 0, cmd
+        if lib is not None:
+            assert os.path.basename(lib).split(".so")[0] in maps, cmd
+
+
 def test_up_serves_and_stops_cleanly(up) -> None:  # stops `up`: keep it the module's last user
     proc, url = up.proc, up.url
     r = httpx.post(f"{url}/v1/completions",

@@ -8,6 +8,7 @@ each must produce the single-process engine's greedy output. The 1 -> 2 app also
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import httpx
@@ -223,6 +224,20 @@ def test_admin_stats_name_each_replicas_node(resharded_app) -> None:
         assert len(admin[role]["node_id"]) > 8 and admin[role]["node_address"].count(".") == 3
         assert user[role]["node_id"] == admin[role]["node_id"]  # one node here
         assert "node_address" not in user[role]
+
+
+def test_cpu_replicas_run_on_the_faster_malloc(resharded_app) -> None:
+    """Prefill and decode engines (decode here in its TP group's rank-0 process) run on
+    tcmalloc / jemalloc when the machine has one (their runtime_env preloads it)."""
+    from mtpserve.workers.allocator import malloc_library
+
+    lib = malloc_library()
+    s = stats(resharded_app, {"Authorization": "Bearer admin-sekret"})
+    for role in ("prefill", "decode"):
+        if lib is None:
+            assert s[role]["malloc"] == "glibc"
+        else:
+            assert os.path.basename(lib).split(".so")[0] in s[role]["malloc"], s[role]
 
 
 def test_two_ingress_replicas_serve_concurrent_streams(resharded_app, prompts, offline) -> None:

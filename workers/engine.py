@@ -24,6 +24,7 @@ from collections.abc import Callable
 import torch
 
 from mtpserve.workers.adaptive_k import AdaptiveK
+from mtpserve.workers.allocator import preloaded
 from mtpserve.workers.block_manager import BlockManager, blocks_for
 from mtpserve.workers.engine_config import (
     DTYPES,
@@ -582,6 +583,8 @@ class Engine:
                 len(self.drafted_per_position))] if n_mtp else [],
             # Decode graphs: buckets covered / done / compiling, ETA (None: eager).
             "compile": self.runner.compile_progress(),
+            # This process's malloc: tcmalloc's or jemalloc's path, or glibc (allocator.py).
+            "malloc": preloaded() or "glibc",
         }
 
 

@@ -12,6 +12,7 @@ import math
 import time
 from dataclasses import asdict, dataclass, field
 
+from mtpserve.workers.allocator import hint_once
 from mtpserve.workers.detokenizer import IncrementalDetokenizer
 from mtpserve.workers.engine import Engine, EngineConfig
 from mtpserve.workers.engine_config import compile_mode
@@ -71,6 +72,8 @@ class LLM:
     def __init__(self, model: str | None = None, **engine_kwargs) -> None:
         path = str(model or default_model_path())
         self.engine = Engine(EngineConfig(model=path, **engine_kwargs))
+        if self.engine.config.device.startswith("cpu"):
+            hint_once()  # a process's malloc is fixed at its start (workers/allocator.py)
         self.tokenizer = load_tokenizer(path)
         self.token_healing = model_default(path)
         self._healing_table: HealingTable | None = None

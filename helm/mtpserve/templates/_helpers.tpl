@@ -229,6 +229,10 @@ serve.args through the builder (cluster/app.py); _validate.tpl refuses overrides
   valueFrom:
     fieldRef:
       fieldPath: status.podIP
+{{- /* Engines at the priority of Ray's own daemons, not nice 15 below them
+(cluster/cli_serve.py WORKER_NICENESS). */}}
+- name: RAY_worker_niceness
+  value: "0"
 {{- with .Values.network.socketIfname }}
 - name: GLOO_SOCKET_IFNAME  # KV channels and TP groups over gloo
   value: {{ . | quote }}
