@@ -229,10 +229,14 @@ serve.args through the builder (cluster/app.py); _validate.tpl refuses overrides
   valueFrom:
     fieldRef:
       fieldPath: status.podIP
-{{- /* Engines at the priority of Ray's own daemons, not nice 15 below them
-(cluster/cli_serve.py WORKER_NICENESS). */}}
+{{- /* As `mtpserve up` (cluster/cli_serve.py RAY_ENV): engines at the priority of Ray's
+own daemons, not nice 15 below them; a 0.5 s Serve control loop; replica metrics each 1 s. */}}
 - name: RAY_worker_niceness
   value: "0"
+- name: RAY_SERVE_CONTROL_LOOP_INTERVAL_S
+  value: "0.5"
+- name: RAY_SERVE_METRICS_EXPORT_INTERVAL_MS
+  value: "1000"
 {{- with .Values.network.socketIfname }}
 - name: GLOO_SOCKET_IFNAME  # KV channels and TP groups over gloo
   value: {{ . | quote }}
