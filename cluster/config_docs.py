@@ -48,6 +48,9 @@ ENV_VARS: dict[str, str] = {
     "(opt-in, TP = 1).",
     "MTPSERVE_SHM_COLLECTIVES": "`0` makes CPU TP groups all-reduce over gloo instead of "
     "shared memory (for comparison).",
+    "MTPSERVE_MALLOC": "`auto` | `system` | a library's path: the malloc CPU replicas (and "
+    "the offline commands) preload; auto: tcmalloc, else jemalloc, when the machine has one "
+    "(Debian: `libtcmalloc-minimal4`), else glibc's.",
     "MTPSERVE_KV_HOST": "Address KV senders listen on when `kv_transfer.host` is not set.",
     "MTPSERVE_KV_POLL_COMPLETION": "`1` makes gloo KV pairs poll their ops against the "
     "deadline as NCCL pairs do (tests run the NCCL control flow on CPU).",

@@ -5,15 +5,15 @@ oneDNN scratch and primitive descriptors). glibc's malloc spends about a tenth o
 its own bookkeeping (`_int_malloc`, `_int_free`, `malloc_consolidate` in `perf`), which
 tcmalloc's per-thread caches avoid. Measured on the 2-core box, default model, compiled, one
 thread, batch 1, three runs interleaved: k=0 192-196 tok/s with glibc, 222-258 with tcmalloc,
-220-241 with jemalloc; k=2 260 vs 320 (`benchmarks/README.md`). vLLM's CPU backend asks for the
-same preload.
+220-241 with jemalloc; k=2 (one pair) 260 vs 320. vLLM's CPU backend asks for the same preload.
 
 A malloc can only replace glibc's from the start of a process, so this works through
 LD_PRELOAD in the environment of processes not yet started: Serve replicas (their
-runtime_env), the engine-core and compile children (`child_env`), and benchmarks that re-exec
-themselves. `MTPSERVE_MALLOC`: `auto` (default: the first library found), `system` (glibc),
-or a library's path. Nothing is installed: Debian's `libtcmalloc-minimal4` (or
-`libjemalloc2`) provides the library; without one every process keeps glibc's malloc.
+runtime_env; their engine-core and compile children inherit it), and commands and benchmarks
+that restart themselves under it. `MTPSERVE_MALLOC`: `auto` (default: the first library
+found), `system` (glibc), or a library's path. Nothing is installed: Debian's
+`libtcmalloc-minimal4` (or `libjemalloc2`) provides the library; without one every process
+keeps glibc's malloc.
 """
 
 from __future__ import annotations
@@ -41,8 +41,7 @@ def _find_library(name: str) -> str | None:
         hits = sorted(glob.glob(f"{d}/lib{name}.so*"))
         if hits:
             return hits[0]
-    found = ctypes.util.find_library(name)  # a soname; ld.so resolves it like a path
-    return found
+    return ctypes.util.find_library(name)  # a soname; ld.so resolves it like a path
 
 
 def malloc_library(setting: str | None = None) -> str | None:
