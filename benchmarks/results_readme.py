@@ -370,7 +370,8 @@ def peer(name: str) -> list[str]:
            f"{d['num_prompts']} held-out prompts cycled to each batch, {d['max_tokens']} "
            "greedy tokens each, end to end per `generate` call (prefill included), best of "
            "2 after a warm call with the same prompts (both engines' prefix caches hold "
-           "them).", "", *table(d)]
+           "them)." + (f" Every process of both engines on {Path(d['malloc']).name}."
+                       if d.get("malloc", "glibc") != "glibc" else ""), "", *table(d)]
     if d.get("served"):
         out += ["", "Served (`--served`): guidellm, concurrent streams, synthetic 128-token "
                 "prompts, 64 output tokens, 24 requests per run over `/v1/completions`, "
