@@ -63,7 +63,11 @@ def main(argv: list[str] | None = None) -> int:
     if argv is None and (args.command, getattr(args, "bench_command", None)) in IN_PROCESS_ENGINES:
         from mtpserve.workers.allocator import reexec_with_preload
 
-        reexec_with_preload()
+        try:
+            reexec_with_preload()
+        except ValueError as e:  # a bad MTPSERVE_MALLOC
+            print(f"mtpserve: {e}", file=sys.stderr)
+            return 2
     if args.command == "train":
         return _run_train(args)
     return int(args.func(args) or 0)

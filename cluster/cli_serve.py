@@ -134,6 +134,13 @@ def _up(args: argparse.Namespace) -> int:
     except RuntimeError as e:
         print(f"mtpserve: {e}", file=sys.stderr)
         return 2
+    from mtpserve.workers.allocator import malloc_library
+
+    try:  # a bad MTPSERVE_MALLOC, before any replica is built with it
+        malloc_library()
+    except ValueError as e:
+        print(f"mtpserve: {e}", file=sys.stderr)
+        return 2
     from mtpserve.cluster.app import memory_refusal
 
     refusal = memory_refusal(cfg)  # CUDA: the layout's memory plan, before Ray starts

@@ -61,3 +61,12 @@ def test_reexec_restarts_the_same_command_under_the_library() -> None:
     out = subprocess.run([sys.executable, "-c", code], env=_bare_env() | {allocator.ENV: "system"},
                          capture_output=True, text=True, check=True).stdout.strip()
     assert out.startswith("None"), out
+
+
+@pytest.mark.parametrize("command", [["generate", "--prompt", "x", "--max-tokens", "2"], ["up"]])
+def test_a_bad_setting_is_a_clear_cli_error(tmp_path, command: list[str]) -> None:
+    env = _bare_env() | {allocator.ENV: str(tmp_path / "libnothing.so")}
+    out = subprocess.run([sys.executable, "-m", "mtpserve.cluster.cli", *command], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert "MTPSERVE_MALLOC" in out.stderr and "Traceback" not in out.stderr
