@@ -44,6 +44,8 @@ ENV_VARS: dict[str, str] = {
     "`off`: memory only).",
     "MTPSERVE_AOTI_RELEASE_GIL": "`0` loads compiled graphs with the stock AOTInductor loader, "
     "which holds the GIL during a call (default: a small extension releases it).",
+    "MTPSERVE_DRAFT_DTYPE": "`model` | a dtype: what `speculation.draft_dtype: auto` "
+    "resolves to in every replica and offline engine (the test suite pins `model`).",
     "MTPSERVE_GREEDY_ROUNDS": "`1` runs a whole greedy k = 1 round as one compiled graph "
     "(opt-in, TP = 1).",
     "MTPSERVE_SHM_COLLECTIVES": "`0` makes CPU TP groups all-reduce over gloo instead of "

@@ -19,6 +19,10 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # engines, so it runs them eager and tests compiled graphs where it says so (ModelRunner(
 # decode_graphs=True), compile="on" with this variable removed).
 os.environ.setdefault("MTPSERVE_COMPILE", "off")
+# `draft_dtype: auto` is bf16 drafts on a CPU with native bf16 and the model's dtype elsewhere:
+# the suite compares seeded draws and drafts against float32 references, so it pins the
+# model's dtype on every machine; tests/test_draft_dtype.py covers the bf16 drafts.
+os.environ.setdefault("MTPSERVE_DRAFT_DTYPE", "model")
 # Compiled graphs go to a cache private to this run (not the user's ~/.cache): tests that
 # compile the same bucket of the same model load it the second time.
 _COMPILE_CACHE = tempfile.mkdtemp(prefix="mtpserve-test-compile-")

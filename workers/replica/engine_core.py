@@ -65,7 +65,8 @@ def rank_spec(cfg, role: str) -> RankSpec:
         kv_send_buffer_budget_mib=kv.send_buffer_budget_mib,
         kv_store_port_range=kv.store_port_range,
         num_threads=max(1, int(side.cpus_per_rank)),
-        draft_vocab_size=cfg.speculation.draft_vocab_size, compile=cfg.engine.compile,
+        draft_vocab_size=cfg.speculation.draft_vocab_size,
+        draft_dtype=cfg.speculation.draft_dtype, compile=cfg.engine.compile,
         compile_cache_dir=cfg.engine.compile_cache_dir,
         attention_backend=cfg.engine.attention_backend,
         # Of the rank's share of its GPU: two ranks at 0.5 GPU each split one device.
@@ -90,6 +91,8 @@ def engine_config(cfg, role: str, num_kv_blocks: int) -> EngineConfig:
         model=cfg.model, dtype=cfg.dtype, device=cfg.device,
         num_speculative_tokens=cfg.speculation.num_speculative_tokens,
         adaptive_k=cfg.speculation.adaptive and role == "decode",
+        draft_vocab_size=cfg.speculation.draft_vocab_size,
+        draft_dtype=cfg.speculation.draft_dtype,
         block_size=cfg.block_size, num_kv_blocks=num_kv_blocks,
         max_num_seqs=getattr(side, "max_num_seqs", 64),
         max_num_batched_tokens=getattr(side, "max_num_batched_tokens", 512),

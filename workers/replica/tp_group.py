@@ -95,6 +95,7 @@ class RankSpec:
     data_timeout_s: float = 600.0  # one model collective on the data group
     num_threads: int | None = None
     draft_vocab_size: int | None = None
+    draft_dtype: str = "auto"  # EngineConfig.draft_dtype
     compile: str = "auto"  # EngineConfig.compile
     compile_cache_dir: str | None = None  # EngineConfig.compile_cache_dir
     attention_backend: str = "auto"  # EngineConfig.attention_backend
@@ -132,7 +133,11 @@ class RankCore:
         """`store`: a client of the group's rendezvous store (tp_workers.Rendezvous, which
         closes it once the group is formed); else `rendezvous_store(spec.init_method)`."""
         from mtpserve.workers.engine import DTYPES
-        from mtpserve.workers.engine_config import resolve_attention_backend, resolve_dtype
+        from mtpserve.workers.engine_config import (
+            resolve_attention_backend,
+            resolve_draft_dtype,
+            resolve_dtype,
+        )
 
         self.spec, self.rank = spec, rank
         self.failed = False  # a command raised on this rank: the replica must be replaced
@@ -179,11 +184,13 @@ class RankCore:
         # so it skips the warm-up a graph runner needs.
         graphs = spec.role == "decode" and compile_enabled(spec.compile, spec.device,
                                                            spec.tp_size)
+        dtype = resolve_dtype(spec.dtype, spec.device)
         self.runner = ModelRunner(spec.model, spec.num_kv_blocks, spec.block_size,
-                                  DTYPES[resolve_dtype(spec.dtype, spec.device)],
-                                  spec.device, decode_graphs=graphs,
+                                  DTYPES[dtype], spec.device, decode_graphs=graphs,
                                   compile_cache_dir=spec.compile_cache_dir,
                                   draft_vocab_size=spec.draft_vocab_size,
+                                  mtp_dtype=DTYPES[resolve_draft_dtype(
+                                      spec.draft_dtype, dtype, spec.device)],
                                   attention_backend=resolve_attention_backend(
                                       spec.attention_backend, spec.device),
                                   kv_cache_memory_fraction=spec.kv_cache_memory_fraction,
