@@ -156,6 +156,21 @@ def _measure(args, port: int, model: str, out: Path, up_s: float, t_health: floa
     return rows
 
 
+def wait_port_free(port: int, timeout_s: float = 120.0) -> None:
+    """Wait until nothing answers on 127.0.0.1:`port`: a server stopped a moment ago (Ray's
+    proxy outlives `mtpserve up` by seconds) would otherwise answer the next one's /health."""
+    import socket
+
+    deadline = time.perf_counter() + timeout_s
+    while True:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) != 0:
+                return
+        if time.perf_counter() > deadline:
+            raise TimeoutError(f"port {port} still in use after {timeout_s:.0f} s")
+        time.sleep(0.5)
+
+
 def served_ours(args, cache: Path, out: Path) -> list[dict]:
     """`mtpserve up` on the default config (background compile on, as a user's first start)
     with its compile cache in `cache`."""
@@ -167,6 +182,7 @@ def served_ours(args, cache: Path, out: Path) -> list[dict]:
                                      "compile_cache_dir": str(cache)}}, args.port)
     model = cfg["applications"][0]["args"].get("served_model_name", "tiny-code-mtp")
     out.mkdir(parents=True, exist_ok=True)
+    wait_port_free(args.port)
     with running_server(cfg, 900) as up_s:
         return _measure(args, args.port, model, out, up_s, time.perf_counter())
 
@@ -188,6 +204,7 @@ def served_vllm(args, model_dir: str, k: int, cache: Path, out: Path) -> list[di
         cmd += ["--speculative-config", json.dumps({"method": "mtp",
                                                     "num_speculative_tokens": k})]
     out.mkdir(parents=True, exist_ok=True)
+    wait_port_free(args.port)
     log = open(out / "server.log", "w")
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,

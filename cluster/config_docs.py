@@ -44,6 +44,9 @@ ENV_VARS: dict[str, str] = {
     "`off`: memory only).",
     "MTPSERVE_AOTI_RELEASE_GIL": "`0` loads compiled graphs with the stock AOTInductor loader, "
     "which holds the GIL during a call (default: a small extension releases it).",
+    "MTPSERVE_BF16_WEIGHTS": "`0` keeps float32 weights for every linear (default: a "
+    "float32 model's linears whose weights bf16 holds exactly, as a bf16 checkpoint's do, "
+    "stream them as bf16 through an AVX-512 kernel; workers/model/bf16_weights.py).",
     "MTPSERVE_DRAFT_DTYPE": "`model` | a dtype: what `speculation.draft_dtype: auto` "
     "resolves to in every replica and offline engine (the test suite pins `model`).",
     "MTPSERVE_GREEDY_ROUNDS": "`1` runs a whole greedy k = 1 round as one compiled graph "

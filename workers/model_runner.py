@@ -29,7 +29,7 @@ from mtpserve.workers.engine_config import (
 )
 from mtpserve.workers.host_sync import to_host
 from mtpserve.workers.kv_cache import KVCache
-from mtpserve.workers.model import compile_progress
+from mtpserve.workers.model import bf16_weights, compile_progress
 from mtpserve.workers.model.attention_metadata import AttentionMetadata, stage, stage_lists
 from mtpserve.workers.model.background_compile import BackgroundCompile
 from mtpserve.workers.model.compile_cache import default_cache_dir
@@ -248,6 +248,10 @@ class ModelRunner:
                 always=self.config.eos_token_ids))
         if mtp_dtype is not None and mtp_dtype != dtype:
             self.model.lower_mtp_precision(mtp_dtype)
+        # Weights a bf16 checkpoint holds, streamed at half the bytes (bf16_weights.py).
+        self.bf16_weight_linears = (bf16_weights.pack_linears(self.model)
+                                    if self.device.type == "cpu" and dtype == torch.float32
+                                    else 0)
         self.block_size = block_size
         # Hidden states of the last forward of each kind: (flat [rows, hidden], S, Sp), rows
         # laid out b * Sp + s (Sp = the graph bucket's query length, S the batch's).

@@ -244,7 +244,10 @@ class DecodeGraphs:
             fp = model_fingerprint(model, self.block_size, tuple(kv_cache.buffers[0].shape),
                                    len(kv_cache.buffers), "freeze-onednn",
                                    getattr(model, "attention_backend", None),
-                                   (get_tp().rank, get_tp().size))
+                                   (get_tp().rank, get_tp().size),
+                                   # graphs of bf16-weight linears call their kernel
+                                   sum(getattr(m, "packed_bf16", None) is not None
+                                       for m in model.modules()))
             self.aot = AOTGraphCache(root, fp, lambda: _cpu_compile_settings(True, False))
         # One ahead-of-time package per (kind, module) with dynamic batch, query length and
         # table width instead of one per static bucket: 2 packages cover the default config

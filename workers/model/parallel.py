@@ -22,6 +22,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from mtpserve.workers.model import bf16_weights
+
 if TYPE_CHECKING:
     from mtpserve.workers.model.shm_collectives import ShmCollectives
 
@@ -157,9 +159,10 @@ class ReplicatedLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         if self.bias is not None:
             self.bias.weight_loader = _plain_loader
+        self.register_buffer("packed_bf16", None, persistent=False)  # bf16_weights.pack_linears
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return bf16_weights.linear(x, self.weight, self.bias, self.packed_bf16)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -186,6 +189,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out)) if bias else None
         if self.bias is not None:
             self.bias.weight_loader = self.weight_loader
+        self.register_buffer("packed_bf16", None, persistent=False)  # bf16_weights.pack_linears
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None
@@ -212,7 +216,7 @@ class ColumnParallelLinear(nn.Module):
         return (self.tp_rank // self.replicas[part]) * self.local_sizes[part]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return bf16_weights.linear(x, self.weight, self.bias, self.packed_bf16)
 
 
 class RowParallelLinear(nn.Module):
@@ -232,6 +236,7 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         if self.bias is not None:
             self.bias.weight_loader = _plain_loader
+        self.register_buffer("packed_bf16", None, persistent=False)  # bf16_weights.pack_linears
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None):
         if loaded.shape[0] != param.shape[0] or loaded.shape[1] != self.local_in * get_tp().size:
@@ -242,7 +247,7 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(loaded.narrow(1, self.tp_rank * self.local_in, self.local_in))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = bf16_weights.linear(x, self.weight, None, self.packed_bf16)
         if not self.reduce:
             return y
         y = _all_reduce(y)
@@ -282,8 +287,12 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Vocab-parallel output projection; logits are gathered so every rank sees all of them."""
 
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        super().__init__(vocab_size, hidden_size)
+        self.register_buffer("packed_bf16", None, persistent=False)  # bf16_weights.pack_linears
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return _all_gather_last(F.linear(hidden, self.weight))
+        return _all_gather_last(bf16_weights.linear(hidden, self.weight, None, self.packed_bf16))
 
 
 # Logit of a token outside a draft vocabulary: exp() of it is 0 next to any real logit, so

@@ -1,0 +1,79 @@
+"""Float32 linears over weights stored as bf16 (workers/model/bf16_weights.py): the same
+product as float32 up to summation order, a row's result independent of its batch, used only
+for weights bf16 holds exactly, and the default (bf16) model decodes the same tokens with
+them as without."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import GREEDY, drain, make_engine
+
+from mtpserve.workers.model import bf16_weights
+from mtpserve.workers.model_runner import ModelRunner
+
+pytestmark = pytest.mark.skipif(not bf16_weights.available(),
+                                reason="no AVX-512 or no C++ compiler: float32 weights")
+
+
+def _weight(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, k, generator=g).to(torch.bfloat16).float()
+
+
+@pytest.mark.parametrize("n,k", [(100, 48), (64, 64), (200, 7), (1, 32)])
+def test_product_matches_float32_and_rows_do_not_depend_on_the_batch(n, k) -> None:
+    w = _weight(n, k)
+    packed = bf16_weights.pack(w)
+    bias = torch.randn(n)
+    x = torch.randn(2, 9, k)  # 18 rows: full 6-row tiles and a tail
+    y = bf16_weights.linear(x, w, bias, packed)
+    ref = (x.double() @ w.double().t() + bias.double()).float()
+    assert y.shape == (2, 9, n)
+    assert torch.allclose(y, ref, rtol=1e-5, atol=1e-5)
+    many = torch.randn(bf16_weights.MAX_ROWS + 5, k)  # the float32 GEMM's side
+    assert torch.allclose(bf16_weights.linear(many, w, None, packed),
+                          (many.double() @ w.double().t()).float(), rtol=1e-5, atol=1e-5)
+    flat = x.reshape(-1, k)
+    for m in (1, 2, 3, 5, 6, 7):  # every tile height, alone or in a bigger batch
+        part = bf16_weights.linear(flat[:m], w, bias, packed)
+        assert torch.equal(part, y.reshape(-1, n)[:m])
+    assert bf16_weights.linear(flat[:0], w, None, packed).shape == (0, n)
+
+
+def test_only_exact_float32_weights_are_packed(tiny_qwen3, default_model) -> None:
+    assert bf16_weights.exact_in_bf16(_weight(8, 8))
+    assert not bf16_weights.exact_in_bf16(torch.randn(8, 8))
+    assert not bf16_weights.exact_in_bf16(_weight(8, 8).to(torch.bfloat16))
+    # A random float32 checkpoint keeps its float32 weights.
+    assert ModelRunner(tiny_qwen3, num_blocks=8, block_size=4).bf16_weight_linears == 0
+    runner = ModelRunner(default_model, num_blocks=8, block_size=4)
+    cfg = runner.config
+    if cfg.vocab_size != 4096:
+        pytest.skip("the embedded bf16 model is not there")
+    # 4 linears per layer (qkv, o, gate_up, down), the LM head, the MTP module's 5 + its head
+    packed = [n for n, b in runner.model.named_buffers() if n.endswith("packed_bf16")]
+    assert runner.bf16_weight_linears == len(packed) >= 4 * cfg.num_hidden_layers + 1
+    # bf16 drafts (draft_dtype) keep their own bf16 GEMM: their linears are not packed.
+    lowered = ModelRunner(default_model, num_blocks=8, block_size=4, mtp_dtype=torch.bfloat16)
+    assert not any(n.startswith("mtp.") for n, _ in lowered.model.named_buffers()
+                   if n.endswith("packed_bf16"))
+
+
+def test_default_model_decodes_the_same_tokens(default_model, monkeypatch) -> None:
+    """Against float32 weights (the switch off): the logits agree to float32 rounding and
+    greedy decoding, plain and speculative, gives the same tokens."""
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 4000, (9 + 11 * i,), generator=g).tolist() for i in range(3)]
+    outs = {}
+    for name, on in (("bf16w", True), ("float32", False)):
+        if not on:
+            monkeypatch.setattr(bf16_weights, "available", lambda: False)
+        for k in (0, 2):
+            eng = make_engine(default_model, k, num_kv_blocks=128, compile="off")
+            assert (eng.runner.bf16_weight_linears > 0) == (on and eng.runner.config.vocab_size
+                                                            == 4096)
+            reqs = [eng.add_request(str(i), p, GREEDY) for i, p in enumerate(prompts)]
+            drain(eng)
+            outs[name, k] = [r.output_token_ids for r in reqs]
+    assert outs["bf16w", 0] == outs["bf16w", 2] == outs["float32", 0] == outs["float32", 2]
