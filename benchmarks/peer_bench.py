@@ -369,6 +369,9 @@ def main() -> None:
     from mtpserve.workers.paths import default_model_path
 
     torch.set_num_threads(args.threads)
+    from mtpserve.workers.engine_config import resolve_draft_dtype
+    from mtpserve.workers.model import bf16_weights
+
     prompts = _prompt_ids(args.num_prompts)
     tmp = Path(tempfile.mkdtemp(prefix="peer-bench-"))
     twin = str(write_glm4_moe(tmp / "glm4_moe"))
@@ -376,7 +379,10 @@ def main() -> None:
     dense = str(default_model_path())
     result: dict = {"batch_sizes": args.batch_sizes, "max_tokens": args.max_tokens,
                     "num_prompts": args.num_prompts, "threads": args.threads,
-                    "dtype": "float32", "malloc": preloaded() or "glibc", "offline": []}
+                    "dtype": "float32", "malloc": preloaded() or "glibc", "offline": [],
+                    # our weight storage and draft dtype on this machine (both automatic)
+                    "bf16_weights": bf16_weights.available(),
+                    "draft_dtype": resolve_draft_dtype("auto", "float32", "cpu")}
 
     def record(engine: str, layout: str, k: int, rows: list[dict]) -> None:
         result["offline"].append({"engine": engine, "layout": layout, "k": k, "rows": rows})

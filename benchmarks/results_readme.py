@@ -371,7 +371,11 @@ def peer(name: str) -> list[str]:
            "greedy tokens each, end to end per `generate` call (prefill included), best of "
            "2 after a warm call with the same prompts (both engines' prefix caches hold "
            "them)." + (f" Every process of both engines on {Path(d['malloc']).name}."
-                       if d.get("malloc", "glibc") != "glibc" else ""), "", *table(d)]
+                       if d.get("malloc", "glibc") != "glibc" else "")
+           + (" Both compute in float32 on the checkpoint's bf16 weights; ours stream them as "
+              "bf16 at small batch (`workers/model/bf16_weights.py`) and draft with the MTP "
+              "module in bf16 (`speculation.draft_dtype: auto`)."
+              if d.get("bf16_weights") else ""), "", *table(d)]
     if d.get("served"):
         out += ["", "Served (`--served`): guidellm, concurrent streams, synthetic 128-token "
                 "prompts, 64 output tokens, 24 requests per run over `/v1/completions`, "
