@@ -366,12 +366,11 @@ def main() -> None:
     import torch
 
     from mtpserve.benchmarks.moe_twin import write_glm4_moe, write_without_mtp
+    from mtpserve.workers.engine_config import resolve_draft_dtype
+    from mtpserve.workers.model import bf16_weights
     from mtpserve.workers.paths import default_model_path
 
     torch.set_num_threads(args.threads)
-    from mtpserve.workers.engine_config import resolve_draft_dtype
-    from mtpserve.workers.model import bf16_weights
-
     prompts = _prompt_ids(args.num_prompts)
     tmp = Path(tempfile.mkdtemp(prefix="peer-bench-"))
     twin = str(write_glm4_moe(tmp / "glm4_moe"))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import GREEDY, drain, make_engine
+from helpers import make_engine, run_to_completion
 
 from mtpserve.workers.model import bf16_weights
 from mtpserve.workers.model_runner import ModelRunner
@@ -61,8 +61,8 @@ def test_only_exact_float32_weights_are_packed(tiny_qwen3, default_model) -> Non
 
 
 def test_default_model_decodes_the_same_tokens(default_model, monkeypatch) -> None:
-    """Against float32 weights (the switch off): the logits agree to float32 rounding and
-    greedy decoding, plain and speculative, gives the same tokens."""
+    """Against float32 weights (the switch off): greedy decoding, plain and speculative,
+    gives the same tokens (the product itself is checked against float64 above)."""
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, 4000, (9 + 11 * i,), generator=g).tolist() for i in range(3)]
     outs = {}
@@ -73,7 +73,5 @@ def test_default_model_decodes_the_same_tokens(default_model, monkeypatch) -> No
             eng = make_engine(default_model, k, num_kv_blocks=128, compile="off")
             assert (eng.runner.bf16_weight_linears > 0) == (on and eng.runner.config.vocab_size
                                                             == 4096)
-            reqs = [eng.add_request(str(i), p, GREEDY) for i, p in enumerate(prompts)]
-            drain(eng)
-            outs[name, k] = [r.output_token_ids for r in reqs]
+            outs[name, k] = run_to_completion(eng, prompts)
     assert outs["bf16w", 0] == outs["bf16w", 2] == outs["float32", 0] == outs["float32", 2]

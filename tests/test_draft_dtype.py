@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import GREEDY, drain, make_engine
+from helpers import make_engine, run_to_completion
 from test_sampling_distribution import NUM_POS, assert_matches, exact_marginals, sample_many
 
 from mtpserve.workers.engine_config import cpu_has_native_bf16, resolve_draft_dtype
@@ -56,11 +56,9 @@ def test_greedy_output_is_unchanged(default_model) -> None:
             model = eng.runner.model
             assert {p.dtype for p in model.mtp.parameters()} == {torch.bfloat16}
             assert {p.dtype for p in model.model.parameters()} == {torch.float32}
-        reqs = [eng.add_request(str(i), p, GREEDY) for i, p in enumerate(prompts)]
-        drain(eng)
-        outs[name] = [r.output_token_ids for r in reqs]
+        outs[name] = run_to_completion(eng, prompts)
         if k:
-            assert sum(r.num_accepted for r in reqs) > 0
+            assert eng.totals["accepted"] > 0
     assert outs["bf16"] == outs["plain"]
 
 

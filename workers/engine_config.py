@@ -141,10 +141,10 @@ def resolve_draft_dtype(draft_dtype: str, dtype: str, device: str) -> str:
 
     "model": `dtype`. "auto": bfloat16 where the model runs in float32 on a CPU with native
     bf16, else `dtype`: a draft step reads the MTP layer and its LM head, bound by their bytes
-    at small batch; in bf16 the default model's draft step cost about half and its drafts
-    were accepted exactly as often (0.94 / 0.86 at depth 1 / 2), which raised 1-thread
-    decode 8-10% at k = 2 (batch 1 and 10) and speculative efficiency at k = 1, batch 1 from
-    0.62 to 0.70 (`mtpserve bench engine --variants graphs,graphs-mtp-bf16`). Outputs never
+    at small batch; in bf16 the default model's drafts were accepted exactly as often
+    (0.94 / 0.86 at depth 1 / 2), and 1-thread decode (float32 weights then) rose 8-10% at
+    k = 2 (batch 1 and 10) and speculative efficiency at k = 1, batch 1 from 0.62 to 0.70
+    (`mtpserve bench engine --variants graphs,graphs-mtp-bf16`). Outputs never
     change: the main model verifies every draft in `dtype`, and rejection sampling uses the
     q the draft was drawn from. Any other value is kept. `MTPSERVE_DRAFT_DTYPE` (model | a
     dtype) replaces what "auto" means, so a test suite can run every engine with the model's
