@@ -75,3 +75,48 @@ def test_default_model_decodes_the_same_tokens(default_model, monkeypatch) -> No
                                                             == 4096)
             outs[name, k] = run_to_completion(eng, prompts)
     assert outs["bf16w", 0] == outs["bf16w", 2] == outs["float32", 0] == outs["float32", 2]
+
+
+def test_experts_product_matches_float32_per_row() -> None:
+    """Routed experts: each row through its own expert, equal to float64 up to summation
+    order, and to the dense kernel on that expert bit for bit (batch-invariant); more rows
+    than MAX_ROWS take the float32 GEMMs; a bad expert id is an error, not a wild read."""
+    E, n, k = 5, 130, 40
+    w = torch.stack([_weight(n, k, seed=e) for e in range(E)])
+    packed = bf16_weights.pack_experts(w)
+    g = torch.Generator().manual_seed(3)
+    for m in (1, 4, 13, bf16_weights.MAX_ROWS + 7):
+        x = torch.randn(m, k, generator=g)
+        idx = torch.randint(0, E, (m,), generator=g)
+        y = bf16_weights.experts_linear(x, idx, w, packed)
+        ref = torch.einsum("mk,mnk->mn", x.double(), w[idx].double()).float()
+        assert torch.allclose(y, ref, rtol=1e-5, atol=1e-5)
+        if m <= bf16_weights.MAX_ROWS:
+            for r in range(m):
+                alone = bf16_weights.linear(x[r:r + 1], w[idx[r]], None, packed[idx[r]])
+                assert torch.equal(alone[0], y[r])
+    with pytest.raises(RuntimeError, match="out of range"):
+        bf16_weights.experts_linear(torch.randn(2, k), torch.tensor([0, E]), w, packed)
+
+
+def test_moe_layer_with_packed_experts_matches_float32() -> None:
+    """The MoE layer's packed path (top-2 of 4 experts, weighted slots) against its float32
+    paths on the same weights."""
+    from mtpserve.workers.model.families.base import MoEConfig
+    from mtpserve.workers.model.moe import Experts
+
+    cfg = MoEConfig(num_experts=4, top_k=2, intermediate_size=96, scoring="softmax",
+                    norm_topk_prob=True)
+    experts = Experts(64, cfg)
+    with torch.no_grad():
+        experts.w13.copy_(torch.randn_like(experts.w13).to(torch.bfloat16).float())
+        experts.w2.copy_(torch.randn_like(experts.w2).to(torch.bfloat16).float())
+    assert bf16_weights.pack_linears(experts) == 1 and experts.w13_packed is not None
+    g = torch.Generator().manual_seed(5)
+    for t in (1, 3, 11):
+        x = torch.randn(t, 64, generator=g)
+        idx = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(t)])
+        weights = torch.softmax(torch.randn(t, 2, generator=g), -1)
+        got = experts(x, weights, idx)
+        assert torch.allclose(got, experts._grouped(x, weights, idx), rtol=1e-4, atol=1e-4)
+        assert torch.allclose(got, experts._gathered(x, weights, idx), rtol=1e-4, atol=1e-4)

@@ -43,6 +43,8 @@ _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <cstring>
+#include <vector>
 
 namespace {
 constexpr int64_t NBW = 64;
@@ -76,6 +78,23 @@ inline void tile(const float* x, int64_t ldx, const uint16_t* w, int64_t K, floa
     }
 }
 
+// M rows (row stride K) through one packed block, 6 at a time, then the rest.
+inline void rows(const float* xp, int64_t M, int64_t K, const uint16_t* w, float* yb,
+                 int64_t n, int64_t nvalid) {
+  int64_t m = 0;
+  for (; M - m >= 6; m += 6) tile<6>(xp + m * K, K, w, K, yb + m * n, n, nvalid);
+  const float* xr = xp + m * K;
+  float* yr = yb + m * n;
+  switch (M - m) {
+    case 5: tile<5>(xr, K, w, K, yr, n, nvalid); break;
+    case 4: tile<4>(xr, K, w, K, yr, n, nvalid); break;
+    case 3: tile<3>(xr, K, w, K, yr, n, nvalid); break;
+    case 2: tile<2>(xr, K, w, K, yr, n, nvalid); break;
+    case 1: tile<1>(xr, K, w, K, yr, n, nvalid); break;
+    default: break;
+  }
+}
+
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& packed,
                   int64_t max_rows) {
   TORCH_CHECK(x.scalar_type() == at::kFloat, "bf16-weight linear: float32 input expected");
@@ -101,29 +120,82 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
       const uint16_t* w = wp + b * K * NBW;
       const int64_t nvalid = std::min<int64_t>(NBW, n - b * NBW);
       float* yb = yp + b * NBW;
-      int64_t m = 0;
-      for (; M - m >= 6; m += 6) tile<6>(xp + m * K, K, w, K, yb + m * n, n, nvalid);
-      const float* xr = xp + m * K;
-      float* yr = yb + m * n;
-      switch (M - m) {
-        case 5: tile<5>(xr, K, w, K, yr, n, nvalid); break;
-        case 4: tile<4>(xr, K, w, K, yr, n, nvalid); break;
-        case 3: tile<3>(xr, K, w, K, yr, n, nvalid); break;
-        case 2: tile<2>(xr, K, w, K, yr, n, nvalid); break;
-        case 1: tile<1>(xr, K, w, K, yr, n, nvalid); break;
-        default: break;
+      rows(xp, M, K, w, yb, n, nvalid);
+    }
+  });
+  return y;
+}
+
+// Routed experts: row m of x through expert idx[m] (weight [E, N, K], packed
+// [E, N / 64, K, 64]). Rows are grouped by expert (a counting sort: stable, so a row's
+// result is the same FMA chain whatever else is in the batch); more than max_rows rows take
+// one float32 GEMM per used expert.
+at::Tensor experts_linear(const at::Tensor& x, const at::Tensor& idx, const at::Tensor& weight,
+                          const at::Tensor& packed, int64_t max_rows) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2,
+              "bf16-weight experts: float32 [rows, K] input expected");
+  const int64_t M = x.size(0), K = x.size(1), E = weight.size(0), n = weight.size(1);
+  TORCH_CHECK(idx.numel() == M, "bf16-weight experts: one expert id per row");
+  auto ids = idx.to(at::kLong).contiguous();
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  std::vector<int64_t> start(E + 1, 0), order(M);
+  for (int64_t m = 0; m < M; ++m) {
+    TORCH_CHECK(ip[m] >= 0 && ip[m] < E, "bf16-weight experts: expert id out of range");
+    ++start[ip[m] + 1];
+  }
+  for (int64_t e = 0; e < E; ++e) start[e + 1] += start[e];
+  {
+    std::vector<int64_t> cursor(start.begin(), start.end() - 1);
+    for (int64_t m = 0; m < M; ++m) order[cursor[ip[m]]++] = m;
+  }
+  auto y = at::empty({M, n}, x.options());
+  if (M == 0 || n == 0) return y;
+  if (M > max_rows) {
+    auto ord = at::from_blob(order.data(), {M}, at::kLong).clone();
+    auto xs = x.index_select(0, ord);
+    std::vector<at::Tensor> outs;
+    for (int64_t e = 0; e < E; ++e)
+      if (start[e + 1] > start[e])
+        outs.push_back(at::linear(xs.narrow(0, start[e], start[e + 1] - start[e]), weight[e]));
+    return y.index_copy_(0, ord, at::cat(outs));
+  }
+  TORCH_CHECK(packed.scalar_type() == at::kShort && packed.dim() == 4 &&
+              packed.size(0) == E && packed.size(2) == K && packed.size(3) == NBW &&
+              n <= packed.size(1) * NBW && packed.is_contiguous(),
+              "bf16-weight experts: bad pack");
+  const int64_t NB = packed.size(1);
+  auto xc = x.contiguous();
+  const float* xp = xc.data_ptr<float>();
+  std::vector<float> xs(M * K), ys(M * n);
+  for (int64_t i = 0; i < M; ++i)
+    std::memcpy(xs.data() + i * K, xp + order[i] * K, K * sizeof(float));
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<int16_t>());
+  at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t nvalid = std::min<int64_t>(NBW, n - b * NBW);
+      for (int64_t e = 0; e < E; ++e) {
+        const int64_t s = start[e], c = start[e + 1] - s;
+        if (c == 0) continue;
+        rows(xs.data() + s * K, c, K, wp + (e * NB + b) * K * NBW,
+             ys.data() + s * n + b * NBW, n, nvalid);
       }
     }
   });
+  float* yp = y.data_ptr<float>();
+  for (int64_t i = 0; i < M; ++i)
+    std::memcpy(yp + order[i] * n, ys.data() + i * n, n * sizeof(float));
   return y;
 }
 }  // namespace
 
 TORCH_LIBRARY(mtpserve_bf16w, m) {
   m.def("linear(Tensor x, Tensor weight, Tensor packed, int max_rows) -> Tensor");
+  m.def("experts_linear(Tensor x, Tensor idx, Tensor weight, Tensor packed, int max_rows) "
+        "-> Tensor");
 }
 TORCH_LIBRARY_IMPL(mtpserve_bf16w, CPU, m) {
   m.impl("linear", &linear);
+  m.impl("experts_linear", &experts_linear);
 }
 """
 
@@ -166,6 +238,11 @@ def _register_fake() -> None:
           max_rows: int) -> torch.Tensor:
         return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
+    @torch.library.register_fake("mtpserve_bf16w::experts_linear")
+    def _(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor,
+          max_rows: int) -> torch.Tensor:
+        return x.new_empty((x.shape[0], weight.shape[1]))
+
 
 def exact_in_bf16(weight: torch.Tensor) -> bool:
     """Whether every value of a float32 weight is a bf16 value (a bf16 checkpoint's are)."""
@@ -192,14 +269,45 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return y if bias is None else y + bias
 
 
+def experts_linear(x: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor,
+                   packed: torch.Tensor) -> torch.Tensor:
+    """Routed experts' products: x [M, K] row m through expert idx[m] of weight [E, N, K]
+    (packed [E, N / 64, K, 64]): the dense kernel's chains per row, grouped by expert in C++
+    (no per-expert host loop, no weight copies); more rows than `MAX_ROWS` take one float32
+    GEMM per used expert."""
+    return torch.ops.mtpserve_bf16w.experts_linear(x, idx, weight, packed, MAX_ROWS)
+
+
+def pack_experts(weight: torch.Tensor) -> torch.Tensor:
+    """[E, N, K] float32 -> [E, ceil(N / 64), K, 64] int16, each expert as `pack` lays it."""
+    return torch.stack([pack(w) for w in weight])
+
+
+def packed_count(model: torch.nn.Module) -> int:
+    """How many of `model`'s linears and expert stacks carry a packed bf16 copy (compiled
+    graphs of those call the kernel, so the count is part of their fingerprint)."""
+    return sum(getattr(m, "packed_bf16", None) is not None
+               or getattr(m, "w13_packed", None) is not None for m in model.modules())
+
+
 def pack_linears(model: torch.nn.Module) -> int:
     """Give every float32 linear of `model` whose weight bf16 holds exactly its packed copy
-    (`packed_bf16`, a non-persistent buffer); returns how many. Call after the weights are
+    (`packed_bf16`, a non-persistent buffer), and every float32 expert stack its own
+    (`w13_packed` / `w2_packed`); returns how many. Call after the weights are
     final (loaded, sharded) and before compiling."""
     if not available():
         return 0
     n = 0
     for mod in model.modules():
+        if hasattr(mod, "w13_packed"):  # moe.Experts (float32, not fp8)
+            if (mod.w13.dtype == torch.float32 and mod.w13.device.type == "cpu"
+                    and exact_in_bf16(mod.w13) and exact_in_bf16(mod.w2)):
+                mod.register_buffer("w13_packed", pack_experts(mod.w13.detach()),
+                                    persistent=False)
+                mod.register_buffer("w2_packed", pack_experts(mod.w2.detach()),
+                                    persistent=False)
+                n += 1
+            continue
         w = getattr(mod, "weight", None)
         if (hasattr(mod, "packed_bf16") and isinstance(w, torch.Tensor) and w.dim() == 2
                 and w.device.type == "cpu" and exact_in_bf16(w)):

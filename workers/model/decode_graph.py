@@ -35,6 +35,7 @@ from unittest import mock
 import torch
 
 from mtpserve.workers.kv_cache import KVCache
+from mtpserve.workers.model import bf16_weights
 from mtpserve.workers.model.attention_metadata import graph_metadata, stage_lists
 from mtpserve.workers.model.compile_cache import (
     AOTGraphCache,
@@ -246,8 +247,7 @@ class DecodeGraphs:
                                    getattr(model, "attention_backend", None),
                                    (get_tp().rank, get_tp().size),
                                    # graphs of bf16-weight linears call their kernel
-                                   sum(getattr(m, "packed_bf16", None) is not None
-                                       for m in model.modules()))
+                                   bf16_weights.packed_count(model))
             self.aot = AOTGraphCache(root, fp, lambda: _cpu_compile_settings(True, False))
         # One ahead-of-time package per (kind, module) with dynamic batch, query length and
         # table width instead of one per static bucket: 2 packages cover the default config

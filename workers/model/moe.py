@@ -31,6 +31,11 @@ compiled decode graphs cover MoE layers and CUDA graphs can capture them):
   E=16: 1: 144/225, 2: 434/242; H=1024 I=256 E=64: 1: 654/530, 2: 3063/640; H=2048 I=256 E=64:
   1: 1338/632, 4: 13099/2506. Grouped wins from 2 pairs at every size but toy ones.
 
+- packed (float32 experts a bf16 checkpoint holds, on CPU with AVX-512, eager and compiled):
+  `bf16_weights.experts_linear`, the bf16-weight linear kernel over each pair's own expert,
+  rows grouped by expert in C++ (half the bytes of the float32 weights, read in place; above
+  `MAX_ROWS` pairs one float32 GEMM per used expert). Ahead of every other path when set.
+
 FP8 experts (`fp8.keep_experts_fp8`: an FP8 128x128-block checkpoint whose per-rank expert
 slice lies on the 128 grid, decided when `Experts` is built, so a meta-device build agrees):
 w13 / w2 hold the checkpoint's float8_e4m3fn values and `*_scale_inv` their block scales,
@@ -58,6 +63,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mtpserve.workers.model import bf16_weights
 from mtpserve.workers.model.families.base import MoEConfig
 from mtpserve.workers.model.fp8 import FP8, GROUP, keep_experts_fp8
 from mtpserve.workers.model.layers import MLP, swiglu
@@ -233,6 +239,9 @@ class Experts(nn.Module):
             n, 2 * i // GROUP, hidden // GROUP, dtype=torch.float32) if self.fp8 else None)
         self.register_buffer("w2_scale_inv", torch.ones(
             n, hidden // GROUP, i // GROUP, dtype=torch.float32) if self.fp8 else None)
+        # bf16 bits of float32 experts a bf16 checkpoint holds (bf16_weights.pack_linears).
+        self.register_buffer("w13_packed", None, persistent=False)
+        self.register_buffer("w2_packed", None, persistent=False)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard: tuple[int, int | None]) -> None:
@@ -283,6 +292,8 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """x [T, hidden], weights/idx [T, K] -> this rank's partial sum [T, hidden]."""
         T, K = idx.shape
+        if self.w13_packed is not None and x.dtype == torch.float32:
+            return self._packed(x, weights, idx)
         if x.device.type == "cpu" and not self.fp8 and torch.compiler.is_compiling():
             # Reading each pair's expert in place beats the grouped product until the pairs
             # re-read the experts many times over (measured crossover: module docstring).
@@ -313,6 +324,17 @@ class Experts(nn.Module):
         xk = x.unsqueeze(1).expand(T, K, x.shape[-1]).reshape(T * K, -1, 1)
         h = self._swiglu(torch.bmm(w13, xk).squeeze(-1))  # [T*K, I]
         out = torch.bmm(w2, h.unsqueeze(-1)).view(T, K, -1)
+        return (out * weights.unsqueeze(-1)).sum(dim=1)
+
+    def _packed(self, x: torch.Tensor, weights: torch.Tensor,
+                idx: torch.Tensor) -> torch.Tensor:
+        """Float32 experts streamed from their bf16 copy (bf16_weights.experts_linear): each
+        pair's rows through its expert in one C++ call per projection, eager or compiled."""
+        T, K = idx.shape
+        flat = idx.reshape(-1)
+        xk = x.unsqueeze(1).expand(T, K, x.shape[-1]).reshape(T * K, -1)
+        h = self._swiglu(bf16_weights.experts_linear(xk, flat, self.w13, self.w13_packed))
+        out = bf16_weights.experts_linear(h, flat, self.w2, self.w2_packed).view(T, K, -1)
         return (out * weights.unsqueeze(-1)).sum(dim=1)
 
     def _indirect(self, x: torch.Tensor, weights: torch.Tensor,
