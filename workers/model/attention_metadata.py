@@ -10,24 +10,34 @@ import torch
 
 from mtpserve.workers.model.flex_paged_attention import FlexPagedMask
 
+_ALIGN = 64  # bytes: each staged tensor starts aligned (compiled kernels may assume it)
+
+
+def _to_device(buf: torch.Tensor, device: torch.device, pinned: bool = False) -> torch.Tensor:
+    """A packed host buffer -> the device without blocking the host: pinned then copied with
+    `non_blocking=True` on CUDA (a pageable copy is synchronous, which keeps the host from
+    running ahead of the GPU); off CUDA the buffer itself (the copy would be a no-op)."""
+    if device.type == "cpu":
+        return buf
+    if device.type == "cuda" and not pinned:
+        buf = torch.empty(buf.shape, dtype=buf.dtype, pin_memory=True).copy_(buf)
+    return buf.to(device, non_blocking=True)
+
 
 def stage(host: Sequence[torch.Tensor], device: torch.device | str) -> list[torch.Tensor]:
     """Host tensors of one dtype -> the device in one copy that never blocks the host.
 
-    They are packed into one buffer (pinned on CUDA) and copied with `non_blocking=True`: a
-    pageable `torch.tensor(..., device="cuda")` or `.to("cuda")` is a synchronous copy (CUDA
-    sync debug mode reports each one), which keeps the host from running ahead of the GPU.
+    They are packed into one buffer (pinned on CUDA) and copied with `non_blocking=True`.
     The buffer is fresh per call; torch's caching host allocator does not hand a pinned block
     out again before the copies recorded on it have run, so the host may build the next
-    step's inputs at once. Off CUDA the same packing runs and the copy is a no-op (the views
-    share the packed buffer), so CPU runs exercise this path with the same values."""
+    step's inputs at once. Off CUDA the same packing runs and the views share the packed
+    buffer, so CPU runs exercise this path with the same values."""
     device = torch.device(device)
     if not host:
         return []
     dtype = host[0].dtype
     assert all(t.dtype == dtype for t in host), "stage: one dtype per call"
-    # Each tensor starts 64-byte aligned: compiled kernels may assume aligned inputs.
-    align = max(1, 64 // host[0].element_size())
+    align = max(1, _ALIGN // host[0].element_size())
     sizes = [t.numel() for t in host]
     offsets, n = [], 0
     for size in sizes:
@@ -36,18 +46,26 @@ def stage(host: Sequence[torch.Tensor], device: torch.device | str) -> list[torc
     buf = torch.empty(n, dtype=dtype, pin_memory=device.type == "cuda")
     for off, t in zip(offsets, host, strict=True):
         buf[off: off + t.numel()].copy_(t.reshape(-1))
-    dev = buf.to(device, non_blocking=True)
+    dev = _to_device(buf, device, pinned=True)
     return [dev[off: off + t.numel()].view(t.shape)
             for off, t in zip(offsets, host, strict=True)]
 
 
 def stage_lists(rows: Sequence[Sequence[int]], device: torch.device | str
                 ) -> list[torch.Tensor]:
-    """Python int lists -> 1-D long tensors on the device, built in one host tensor and moved
-    by one non-blocking copy (`stage`)."""
-    sizes = [len(r) for r in rows]
-    flat = torch.tensor([x for r in rows for x in r], dtype=torch.long)
-    return stage(list(flat.split(sizes)), device)
+    """Python int lists -> 1-D long tensors on the device: one padded Python list, one host
+    tensor, one non-blocking copy (as `stage`). Every forward stages its inputs this way,
+    so it is built for few torch calls (~16 us for 5 short lists against ~80 us through
+    `stage`, measured here)."""
+    align = _ALIGN // 8
+    flat: list[int] = []
+    offsets = []
+    for r in rows:
+        offsets.append(len(flat))
+        flat.extend(r)
+        flat.extend((0,) * (-len(flat) % align))
+    dev = _to_device(torch.tensor(flat, dtype=torch.long), torch.device(device))
+    return [dev[off: off + len(r)] for off, r in zip(offsets, rows, strict=True)]
 
 
 # Attention backends over the paged cache: "gather" copies each row's context into a dense
