@@ -49,20 +49,25 @@ _SOURCE = r"""
 namespace {
 constexpr int64_t NBW = 64;
 
-// MT rows x 64 columns of y = x @ W^T, W's block packed [K][64] as bf16 bits. Each output
-// is one FMA chain over k = 0..K-1, the same for every MT.
+// MT rows x 64 columns of y = x @ W^T, W's block packed [K][64] as bf16 bits, interleaved
+// (`pack`): 32-bit word i of half h (32 columns) holds column 32h + i in its low 16 bits and
+// column 32h + 16 + i in its high ones, so one shift (low) or one mask (high) widens 16
+// weights to float32: half the conversion work of widening 16-bit lanes, which bounds the
+// one-row product. Each output is one FMA chain over k = 0..K-1, the same for every MT.
 template <int MT>
 inline void tile(const float* x, int64_t ldx, const uint16_t* w, int64_t K, float* y,
                  int64_t ldy, int64_t nvalid) {
+  const __m512i hi = _mm512_set1_epi32(int32_t(0xFFFF0000u));
   __m512 acc[MT][4];
   for (int m = 0; m < MT; ++m)
     for (int r = 0; r < 4; ++r) acc[m][r] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
     const uint16_t* wk = w + k * NBW;
     __m512 wv[4];
-    for (int r = 0; r < 4; ++r) {
-      __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wk + r * 16));
-      wv[r] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    for (int h = 0; h < 2; ++h) {
+      __m512i v = _mm512_loadu_si512(reinterpret_cast<const void*>(wk + h * 32));
+      wv[2 * h] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+      wv[2 * h + 1] = _mm512_castsi512_ps(_mm512_and_si512(v, hi));
     }
     for (int m = 0; m < MT; ++m) {
       __m512 xb = _mm512_set1_ps(x[m * ldx + k]);
@@ -78,22 +83,38 @@ inline void tile(const float* x, int64_t ldx, const uint16_t* w, int64_t K, floa
     }
 }
 
-// M rows (row stride K) through one packed block, 6 at a time, then the rest.
-inline void rows(const float* xp, int64_t M, int64_t K, const uint16_t* w, float* yb,
-                 int64_t n, int64_t nvalid) {
-  int64_t m = 0;
-  for (; M - m >= 6; m += 6) tile<6>(xp + m * K, K, w, K, yb + m * n, n, nvalid);
-  const float* xr = xp + m * K;
-  float* yr = yb + m * n;
-  switch (M - m) {
-    case 5: tile<5>(xr, K, w, K, yr, n, nvalid); break;
-    case 4: tile<4>(xr, K, w, K, yr, n, nvalid); break;
-    case 3: tile<3>(xr, K, w, K, yr, n, nvalid); break;
-    case 2: tile<2>(xr, K, w, K, yr, n, nvalid); break;
-    case 1: tile<1>(xr, K, w, K, yr, n, nvalid); break;
-    default: break;
+// Blocks [b0, b1) of one packed weight (block b at w + b * K * 64) for M rows (row stride
+// K; y row stride n): 6 rows at a time, then the rest.
+inline void span(const float* xp, int64_t M, int64_t K, const uint16_t* w, int64_t b0,
+                 int64_t b1, float* y, int64_t n) {
+  for (int64_t b = b0; b < b1; ++b) {
+    const uint16_t* wb = w + b * K * NBW;
+    const int64_t nvalid = std::min<int64_t>(NBW, n - b * NBW);
+    float* yb = y + b * NBW;
+    int64_t m = 0;
+    for (; M - m >= 6; m += 6) tile<6>(xp + m * K, K, wb, K, yb + m * n, n, nvalid);
+    const float* xr = xp + m * K;
+    float* yr = yb + m * n;
+    switch (M - m) {
+      case 5: tile<5>(xr, K, wb, K, yr, n, nvalid); break;
+      case 4: tile<4>(xr, K, wb, K, yr, n, nvalid); break;
+      case 3: tile<3>(xr, K, wb, K, yr, n, nvalid); break;
+      case 2: tile<2>(xr, K, wb, K, yr, n, nvalid); break;
+      case 1: tile<1>(xr, K, wb, K, yr, n, nvalid); break;
+      default: break;
+    }
   }
 }
+
+// Blocks per thread: a parallel region costs a fork / join (microseconds on a small VM), so
+// a weight is split across threads only in chunks of at least this many weight elements.
+int64_t g_min_parallel = int64_t(1) << 17;
+
+inline int64_t grain(int64_t K) {
+  return std::max<int64_t>(2, (g_min_parallel / (K * NBW) + 1) & ~int64_t(1));
+}
+
+void set_min_parallel(int64_t elems) { g_min_parallel = elems; }
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& packed,
                   int64_t max_rows) {
@@ -115,13 +136,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
   const float* xp = x2.data_ptr<float>();
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<int16_t>());
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const uint16_t* w = wp + b * K * NBW;
-      const int64_t nvalid = std::min<int64_t>(NBW, n - b * NBW);
-      float* yb = yp + b * NBW;
-      rows(xp, M, K, w, yb, n, nvalid);
-    }
+  at::parallel_for(0, NB, grain(K), [&](int64_t b0, int64_t b1) {
+    span(xp, M, K, wp, b0, b1, yp, n);
   });
   return y;
 }
@@ -170,15 +186,11 @@ at::Tensor experts_linear(const at::Tensor& x, const at::Tensor& idx, const at::
   for (int64_t i = 0; i < M; ++i)
     std::memcpy(xs.data() + i * K, xp + order[i] * K, K * sizeof(float));
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<int16_t>());
-  at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t nvalid = std::min<int64_t>(NBW, n - b * NBW);
-      for (int64_t e = 0; e < E; ++e) {
-        const int64_t s = start[e], c = start[e + 1] - s;
-        if (c == 0) continue;
-        rows(xs.data() + s * K, c, K, wp + (e * NB + b) * K * NBW,
-             ys.data() + s * n + b * NBW, n, nvalid);
-      }
+  at::parallel_for(0, NB, grain(K), [&](int64_t b0, int64_t b1) {
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t s = start[e], c = start[e + 1] - s;
+      if (c > 0) span(xs.data() + s * K, c, K, wp + e * NB * K * NBW, b0, b1,
+                      ys.data() + s * n, n);
     }
   });
   float* yp = y.data_ptr<float>();
@@ -190,6 +202,7 @@ at::Tensor experts_linear(const at::Tensor& x, const at::Tensor& idx, const at::
 
 TORCH_LIBRARY(mtpserve_bf16w, m) {
   m.def("linear(Tensor x, Tensor weight, Tensor packed, int max_rows) -> Tensor");
+  m.def("set_min_parallel(int elems) -> ()", &set_min_parallel);
   m.def("experts_linear(Tensor x, Tensor idx, Tensor weight, Tensor packed, int max_rows) "
         "-> Tensor");
 }
@@ -251,12 +264,16 @@ def exact_in_bf16(weight: torch.Tensor) -> bool:
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] float32 -> [ceil(N / 64), K, 64] int16 (bf16 bits), zero columns past N."""
+    """[N, K] float32 -> [ceil(N / 64), K, 64] int16 (bf16 bits), zero columns past N; within
+    a block's row the columns are interleaved by halves of 32 (c0, c16, c1, c17, ..., c32,
+    c48, ...): the kernel widens a 32-bit word's low and high bf16 with one op each."""
     n, k = weight.shape
     blocks = -(-n // BLOCK)
     w = weight.new_zeros(blocks * BLOCK, k, dtype=torch.bfloat16)
     w[:n] = weight.to(torch.bfloat16)
-    return w.view(blocks, BLOCK, k).transpose(1, 2).contiguous().view(torch.int16)
+    w = w.view(blocks, BLOCK, k).transpose(1, 2)  # [NB, K, 64]
+    w = w.reshape(blocks, k, 2, 2, 16).transpose(3, 4)  # (half, low/high, i) -> (half, i, l/h)
+    return w.contiguous().view(torch.int16).view(blocks, k, BLOCK)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -76,6 +76,8 @@ class RejectionSampler:
         g_rows = [b for b in range(R) if params[b].greedy]
         s_rows = [b for b in range(R) if not params[b].greedy]
         if not s_rows:  # the usual all-greedy batch: no scatter
+            if all(c == K for c in counts):  # every row drafted K: no mask to stage
+                return self._greedy(target_logits, drafts, None)
             (k_rows,) = stage_lists([counts], dev)
             return self._greedy(target_logits, drafts, self._valid(k_rows, K))
         # The sampled rows' uniforms, drawn on the host: the acceptance test of draft d + 1
@@ -127,10 +129,12 @@ class RejectionSampler:
         return q
 
     @staticmethod
-    def _greedy(logits, drafts, valid) -> tuple[torch.Tensor, torch.Tensor]:
+    def _greedy(logits, drafts, valid: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """valid None: every draft slot holds a draft."""
         K = logits.shape[1] - 1
         target = logits.argmax(dim=-1)  # [G, K+1]
-        acc = ((drafts == target[:, :K]) & valid).long().cumprod(dim=1).sum(dim=1)  # [G]
+        match = drafts == target[:, :K]
+        acc = (match if valid is None else match & valid).long().cumprod(dim=1).sum(dim=1)
         return acc, target.gather(1, acc.unsqueeze(1)).squeeze(1)
 
     def _sampled(self, logits, drafts, valid, k_rows, counts, draft_probs, params, u_acc,
