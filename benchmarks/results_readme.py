@@ -374,7 +374,8 @@ def peer(name: str) -> list[str]:
                        if d.get("malloc", "glibc") != "glibc" else "")
            + (" Both compute in float32 on the checkpoint's bf16 weights; ours stream them as "
               "bf16 at small batch (`workers/model/bf16_weights.py`) and draft with the MTP "
-              "module in bf16 (`speculation.draft_dtype: auto`)."
+              f"module in {d.get('draft_dtype', 'bfloat16')} "
+              "(`speculation.draft_dtype: auto`)."
               if d.get("bf16_weights") else ""), "", *table(d)]
     if d.get("served"):
         out += ["", "Served (`--served`): guidellm, concurrent streams, synthetic 128-token "

@@ -249,8 +249,9 @@ class SpeculationSettings(_Strict):
     draft_dtype: Literal["auto", "model", "float32", "bfloat16", "float16"] = Field(
         "auto", description="dtype of the MTP module(s) and their LM head: auto = bfloat16 "
         "where the model runs in float32 on a CPU with native bf16 (AVX512-BF16 / AMX; a cheaper "
-        "draft step, the same acceptance on the default model), else the model's; model = "
-        "the model's dtype. Outputs never change (the main model verifies every draft)."
+        "draft step, the same acceptance on the default model), except a bf16 checkpoint whose "
+        "float32 linears the bf16-weight kernel streams (they stay float32), else the model's; "
+        "model = the model's dtype. Outputs never change (the main model verifies every draft)."
     )
 
 

@@ -2,7 +2,7 @@
 change at most, outputs never. Greedy output equals plain decoding, sampled output keeps the
 target distribution at every position (q is what the bf16 head gives, and that q is what
 rejection sampling uses), and `auto` picks bf16 only for a float32 model on a CPU with native
-bf16."""
+bf16 whose linears do not already stream bf16 bytes (the bf16-weight kernel)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,11 @@ from helpers import make_engine, run_to_completion
 from test_sampling_distribution import NUM_POS, assert_matches, exact_marginals, sample_many
 
 from mtpserve.workers.engine_config import cpu_has_native_bf16, resolve_draft_dtype
+from mtpserve.workers.model import bf16_weights
 from mtpserve.workers.sampling_params import SamplingParams
 
 
-def test_resolution(monkeypatch) -> None:
+def test_resolution(monkeypatch, tiny_qwen3, tmp_path) -> None:
     monkeypatch.delenv("MTPSERVE_DRAFT_DTYPE", raising=False)  # conftest pins it
     assert resolve_draft_dtype("model", "float32", "cpu") == "float32"
     assert resolve_draft_dtype("float16", "float32", "cpu") == "float16"
@@ -23,8 +24,15 @@ def test_resolution(monkeypatch) -> None:
     assert resolve_draft_dtype("auto", "float32", "cuda") == "float32"  # GPUs: not measured
     assert resolve_draft_dtype("auto", "bfloat16", "cpu") == "bfloat16"
     native = cpu_has_native_bf16()
-    assert resolve_draft_dtype("auto", "float32", "cpu") == ("bfloat16" if native
-                                                              else "float32")
+    assert resolve_draft_dtype("auto", "float32", "cpu", tiny_qwen3) == ("bfloat16" if native
+                                                                          else "float32")
+    # A bf16 checkpoint served in float32 keeps float32 drafts where the bf16-weight kernel
+    # streams its linears (the same bytes as bf16 drafts, float32 arithmetic).
+    bf16_ckpt = tmp_path / "bf16"
+    bf16_ckpt.mkdir()
+    (bf16_ckpt / "config.json").write_text('{"torch_dtype": "bfloat16"}')
+    assert resolve_draft_dtype("auto", "float32", "cpu", bf16_ckpt) == (
+        "float32" if bf16_weights.available() or not native else "bfloat16")
     with pytest.raises(ValueError, match="draft dtype 'fp8'"):
         resolve_draft_dtype("fp8", "float32", "cpu")
     monkeypatch.setenv("MTPSERVE_DRAFT_DTYPE", "float16")  # replaces auto only

@@ -64,7 +64,8 @@ class Engine:
         self.runner = runner or ModelRunner(
             config.model, config.num_kv_blocks, config.block_size,
             DTYPES[dtype], config.device, draft_vocab_size=config.draft_vocab_size,
-            mtp_dtype=DTYPES[resolve_draft_dtype(config.draft_dtype, dtype, config.device)],
+            mtp_dtype=DTYPES[resolve_draft_dtype(config.draft_dtype, dtype, config.device,
+                                                  config.model)],
             decode_graphs=compile_enabled(config.compile, config.device),
             compile_cache_dir=config.compile_cache_dir,
             attention_backend=resolve_attention_backend(config.attention_backend,

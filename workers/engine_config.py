@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -136,15 +138,20 @@ def cpu_has_native_bf16() -> bool:
         return False
 
 
-def resolve_draft_dtype(draft_dtype: str, dtype: str, device: str) -> str:
+def resolve_draft_dtype(draft_dtype: str, dtype: str, device: str,
+                        model: str | Path | None = None) -> str:
     """The MTP module(s)' dtype for a model running in `dtype` (resolved) on `device`.
 
     "model": `dtype`. "auto": bfloat16 where the model runs in float32 on a CPU with native
-    bf16, else `dtype`: a draft step reads the MTP layer and its LM head, bound by their bytes
-    at small batch; in bf16 the default model's drafts were accepted exactly as often
-    (0.94 / 0.86 at depth 1 / 2), and 1-thread decode (float32 weights then) rose 8-10% at
-    k = 2 (batch 1 and 10) and speculative efficiency at k = 1, batch 1 from 0.62 to 0.70
-    (`mtpserve bench engine --variants graphs,graphs-mtp-bf16`). Outputs never
+    bf16, else `dtype` -- except that a bf16 checkpoint (`model`'s config says so) served in
+    float32 where the bf16-weight kernel runs (workers/model/bf16_weights.py) keeps `dtype`:
+    its float32 MTP linears stream the same bf16 bytes through that kernel. A draft step
+    reads the MTP layer and its LM head, bound by their bytes at small batch. Measured on
+    the default model, one process, interleaved, 10 held-out prompts: bf16 drafts over
+    float32 weights (before the kernel) lifted k = 1 batch-1 speculative efficiency from 0.62
+    to 0.70; with the kernel, float32 drafts over it beat bf16 drafts at batch 1 (k = 1: 580
+    -> 658 tok/s at 1 thread, 584 -> 610 at 2; k = 3: 711 -> 771 at 2) and lost 5% at batch
+    10, k = 2 (2049 -> 1944: its MTP rows pass the kernel's row limit). Outputs never
     change: the main model verifies every draft in `dtype`, and rejection sampling uses the
     q the draft was drawn from. Any other value is kept. `MTPSERVE_DRAFT_DTYPE` (model | a
     dtype) replaces what "auto" means, so a test suite can run every engine with the model's
@@ -155,11 +162,28 @@ def resolve_draft_dtype(draft_dtype: str, dtype: str, device: str) -> str:
         return dtype
     if draft_dtype == "auto":
         cpu = torch.device(device).type == "cpu"
-        return "bfloat16" if cpu and dtype == "float32" and cpu_has_native_bf16() else dtype
+        if not (cpu and dtype == "float32" and cpu_has_native_bf16()):
+            return dtype
+        return dtype if _streams_bf16_weights(model) else "bfloat16"
     if draft_dtype not in DTYPES:
         raise ValueError(f"draft dtype {draft_dtype!r}: expected auto | model | "
                          f"{' | '.join(DTYPES)}")
     return draft_dtype
+
+
+def _streams_bf16_weights(model: str | Path | None) -> bool:
+    """Whether `model` (None: the embedded one) is a bf16 checkpoint whose float32 linears
+    the bf16-weight kernel serves on this CPU."""
+    from mtpserve.workers.model import bf16_weights
+    from mtpserve.workers.paths import default_model_path
+
+    cfg = Path(model or default_model_path()) / "config.json"
+    try:
+        saved = json.loads(cfg.read_text())
+    except (OSError, ValueError):
+        return False
+    return (saved.get("torch_dtype") or saved.get("dtype")) == "bfloat16" and (
+        bf16_weights.available())
 
 
 def resolve_attention_backend(backend: str, device: str) -> str:

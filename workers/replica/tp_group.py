@@ -190,7 +190,7 @@ class RankCore:
                                   compile_cache_dir=spec.compile_cache_dir,
                                   draft_vocab_size=spec.draft_vocab_size,
                                   mtp_dtype=DTYPES[resolve_draft_dtype(
-                                      spec.draft_dtype, dtype, spec.device)],
+                                      spec.draft_dtype, dtype, spec.device, spec.model)],
                                   attention_backend=resolve_attention_backend(
                                       spec.attention_backend, spec.device),
                                   kv_cache_memory_fraction=spec.kv_cache_memory_fraction,
