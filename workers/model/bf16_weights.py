@@ -23,14 +23,12 @@ the model runs in float32 on a CPU with AVX-512 and the weight round-trips throu
 from __future__ import annotations
 
 import functools
-import logging
 import os
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-log = logging.getLogger(__name__)
+from mtpserve.workers.model import cpp_ops
 
 ENV = "MTPSERVE_BF16_WEIGHTS"
 BLOCK = 64  # output columns per packed block (4 AVX-512 vectors)
@@ -213,33 +211,13 @@ TORCH_LIBRARY_IMPL(mtpserve_bf16w, CPU, m) {
 """
 
 
-def _build_root() -> Path:
-    from mtpserve.workers.model.compile_cache import default_cache_dir
-
-    return default_cache_dir() / "extensions"
-
-
 @functools.cache
 def available() -> bool:
     """Whether the kernel runs here: a CPU with AVX-512, the switch on, the operator built
     (once per machine; a failed build is logged once and the float32 weights are used)."""
-    if os.environ.get(ENV, "1") == "0":
+    if os.environ.get(ENV, "1") == "0" or not cpp_ops.has_avx512():
         return False
-    isa = torch.backends.cpu.get_cpu_capability()
-    if not isa.startswith("AVX512") and isa != "AMX":
-        return False
-    from torch.utils.cpp_extension import load_inline
-
-    tag = torch.__version__.replace("+", "_").replace(".", "_")
-    build = _build_root() / f"bf16w-{tag}"
-    try:
-        build.mkdir(parents=True, exist_ok=True)
-        load_inline(f"mtpserve_bf16w_{tag}", cpp_sources=[_SOURCE], is_python_module=False,
-                    extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mfma"],
-                    build_directory=str(build))
-    except Exception as e:  # no compiler, read-only cache, header drift: float32 weights
-        log.warning("bf16-weight linears unavailable: building the kernel in %s failed (%s)",
-                    build, str(e).splitlines()[0] if str(e) else e)
+    if not cpp_ops.build("bf16w", _SOURCE, "bf16-weight linears"):
         return False
     _register_fake()
     return True

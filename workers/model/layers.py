@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mtpserve.workers.model import cpu_paged_attention
 from mtpserve.workers.model.attention_metadata import AttentionMetadata
 from mtpserve.workers.model.config import ModelConfig, kv_head_split
 from mtpserve.workers.model.parallel import (
@@ -228,8 +229,12 @@ class Attention(nn.Module):
                 return self._out(out.transpose(1, 2).reshape(B, S, -1), gate)
             mask = attn.mask if self.window is None else attn.window_mask(self.window)
             if attn.token_index is not None:  # compiled CPU graph: no context copy
-                out = inline_paged_attention(q, flat, attn.token_index, mask, self.scale,
-                                             self.sinks)
+                if attn.positions is not None and cpu_paged_attention.usable(q, flat):
+                    out = cpu_paged_attention.paged(q, flat, attn.token_index, attn.positions,
+                                                    self.scale, self.window, self.sinks)
+                else:
+                    out = inline_paged_attention(q, flat, attn.token_index, mask, self.scale,
+                                                 self.sinks)
                 return self._out(out, gate)
             # index_select on the block dim is a plain copy of contiguous blocks (several
             # times faster than advanced indexing): [2, B, L, Hk, D]. A windowed layer copies
