@@ -47,10 +47,14 @@ ENV_VARS: dict[str, str] = {
     "MTPSERVE_BF16_WEIGHTS": "`0` keeps float32 weights for every linear (default: a "
     "float32 model's linears whose weights bf16 holds exactly, as a bf16 checkpoint's do, "
     "stream them as bf16 through an AVX-512 kernel; workers/model/bf16_weights.py).",
+    "MTPSERVE_CPU_ATTENTION": "`0` keeps inductor's code for the compiled CPU graphs' "
+    "paged attention (default: a C++ AVX-512 operator for float32 queries and cache; "
+    "workers/model/cpu_paged_attention.py).",
     "MTPSERVE_DRAFT_DTYPE": "`model` | a dtype: what `speculation.draft_dtype: auto` "
     "resolves to in every replica and offline engine (the test suite pins `model`).",
     "MTPSERVE_GREEDY_ROUNDS": "`1` runs a whole greedy k = 1 round as one compiled graph "
-    "(opt-in, TP = 1).",
+    "(TP = 1) in every engine, `0` in none; unset: in CPU engines at a fixed k = 1 that are "
+    "not disaggregated replicas.",
     "MTPSERVE_SHM_COLLECTIVES": "`0` makes CPU TP groups all-reduce over gloo instead of "
     "shared memory (for comparison).",
     "MTPSERVE_MALLOC": "`auto` | `system` | a library's path: the malloc CPU replicas (and "

@@ -31,6 +31,7 @@ from mtpserve.workers.engine_config import (
     EngineConfig,
     EngineError,
     compile_enabled,
+    fused_greedy_rounds,
     resolve_attention_backend,
     resolve_draft_dtype,
     resolve_dtype,
@@ -74,6 +75,7 @@ class Engine:
             kv_cache_memory_fraction=config.kv_cache_memory_fraction,
             profile_tokens=config.max_num_batched_tokens,
             num_speculative_tokens=config.num_speculative_tokens,
+            greedy_rounds=fused_greedy_rounds(config),
         )
         if config.num_kv_blocks is None:  # CUDA: the runner sized the pool from memory
             self.config = config = dataclasses.replace(
