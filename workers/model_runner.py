@@ -29,7 +29,7 @@ from mtpserve.workers.engine_config import (
 )
 from mtpserve.workers.host_sync import to_host
 from mtpserve.workers.kv_cache import KVCache
-from mtpserve.workers.model import bf16_weights, compile_progress
+from mtpserve.workers.model import bf16_weights, compile_progress, cpu_paged_attention
 from mtpserve.workers.model.attention_metadata import AttentionMetadata, stage, stage_lists
 from mtpserve.workers.model.background_compile import BackgroundCompile
 from mtpserve.workers.model.compile_cache import default_cache_dir
@@ -252,6 +252,8 @@ class ModelRunner:
         self.bf16_weight_linears = (bf16_weights.pack_linears(self.model)
                                     if self.device.type == "cpu" and dtype == torch.float32
                                     else 0)
+        if self.device.type == "cpu":  # cached graphs that call it load only once it is there
+            cpu_paged_attention.available()
         self.block_size = block_size
         # Hidden states of the last forward of each kind: (flat [rows, hidden], S, Sp), rows
         # laid out b * Sp + s (Sp = the graph bucket's query length, S the batch's).
