@@ -120,3 +120,30 @@ def test_moe_layer_with_packed_experts_matches_float32() -> None:
         got = experts(x, weights, idx)
         assert torch.allclose(got, experts._grouped(x, weights, idx), rtol=1e-4, atol=1e-4)
         assert torch.allclose(got, experts._gathered(x, weights, idx), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("scoring,correction_bias", [("sigmoid", True), ("softmax", False)])
+def test_router_reads_its_packed_weight_and_routes_as_float32(scoring, correction_bias) -> None:
+    """A router whose float32 weight bf16 holds exactly is packed and gives the float32
+    router's expert choice and (to summation order) its weights; one that bf16 does not hold
+    keeps F.linear."""
+    from mtpserve.workers.model.families.base import MoEConfig
+    from mtpserve.workers.model.moe import Router
+
+    cfg = MoEConfig(num_experts=6, top_k=2, intermediate_size=32, scoring=scoring,
+                    norm_topk_prob=True, correction_bias=correction_bias)
+    router = Router(64, cfg)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(6, 64, generator=g).to(torch.bfloat16).float())
+    reference = Router(64, cfg)
+    reference.load_state_dict(router.state_dict())
+    assert bf16_weights.pack_linears(router) == 1 and router.packed_bf16 is not None
+    x = torch.randn(9, 64, generator=g)
+    (w, idx), (w_ref, idx_ref) = router(x), reference(x)
+    assert torch.equal(idx.sort(-1).values, idx_ref.sort(-1).values)
+    assert torch.allclose(w.gather(1, idx.argsort(-1)), w_ref.gather(1, idx_ref.argsort(-1)),
+                          rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        reference.weight.add_(1e-3)  # off the bf16 grid
+    assert bf16_weights.pack_linears(reference) == 0 and reference.packed_bf16 is None

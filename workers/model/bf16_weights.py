@@ -106,13 +106,11 @@ inline void span(const float* xp, int64_t M, int64_t K, const uint16_t* w, int64
 
 // Blocks per thread: a parallel region costs a fork / join (microseconds on a small VM), so
 // a weight is split across threads only in chunks of at least this many weight elements.
-int64_t g_min_parallel = int64_t(1) << 17;
+constexpr int64_t kMinParallel = int64_t(1) << 17;
 
 inline int64_t grain(int64_t K) {
-  return std::max<int64_t>(2, (g_min_parallel / (K * NBW) + 1) & ~int64_t(1));
+  return std::max<int64_t>(2, (kMinParallel / (K * NBW) + 1) & ~int64_t(1));
 }
-
-void set_min_parallel(int64_t elems) { g_min_parallel = elems; }
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& packed,
                   int64_t max_rows) {
@@ -200,7 +198,6 @@ at::Tensor experts_linear(const at::Tensor& x, const at::Tensor& idx, const at::
 
 TORCH_LIBRARY(mtpserve_bf16w, m) {
   m.def("linear(Tensor x, Tensor weight, Tensor packed, int max_rows) -> Tensor");
-  m.def("set_min_parallel(int elems) -> ()", &set_min_parallel);
   m.def("experts_linear(Tensor x, Tensor idx, Tensor weight, Tensor packed, int max_rows) "
         "-> Tensor");
 }

@@ -35,7 +35,7 @@ from unittest import mock
 import torch
 
 from mtpserve.workers.kv_cache import KVCache
-from mtpserve.workers.model import bf16_weights
+from mtpserve.workers.model import bf16_weights, cpu_paged_attention
 from mtpserve.workers.model.attention_metadata import graph_metadata, stage_lists
 from mtpserve.workers.model.compile_cache import (
     AOTGraphCache,
@@ -246,8 +246,10 @@ class DecodeGraphs:
                                    len(kv_cache.buffers), "freeze-onednn",
                                    getattr(model, "attention_backend", None),
                                    (get_tp().rank, get_tp().size),
-                                   # graphs of bf16-weight linears call their kernel
-                                   bf16_weights.packed_count(model))
+                                   # graphs of bf16-weight linears call their kernel,
+                                   # graphs built with the C++ attention op call it
+                                   bf16_weights.packed_count(model),
+                                   cpu_paged_attention.available())
             self.aot = AOTGraphCache(root, fp, lambda: _cpu_compile_settings(True, False))
         # One ahead-of-time package per (kind, module) with dynamic batch, query length and
         # table width instead of one per static bucket: 2 packages cover the default config
