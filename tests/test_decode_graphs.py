@@ -9,7 +9,7 @@ import torch
 
 from mtpserve.workers.engine import Engine, EngineConfig
 from mtpserve.workers.model.attention_metadata import AttentionMetadata
-from mtpserve.workers.model.decode_graph import bucket, query_bucket
+from mtpserve.workers.model.decode_graph import GraphKey, bucket, query_bucket
 from mtpserve.workers.model_runner import ForwardBatch, ModelRunner
 from mtpserve.workers.sampling_params import SamplingParams
 
@@ -181,6 +181,9 @@ def test_greedy_round_graph_is_the_step_by_step_round(default_model, k: int) -> 
                       [r.accepted_per_position for r in reqs], eng.totals["rounds"])
         if rounds:
             assert sum(calls) > 5 if k == 1 else not any(calls)
+            # one dynamic package runs every batch (3, 2, 1) and table width
+            assert {key for key in runner.graphs.compiled if key.kind == "round"} == {
+                GraphKey.dynamic_package("round", 0)}
     assert runs["steps"][0] == runs["plain"][0]
     assert runs["fused"][0] == runs["plain"][0]
     assert runs["fused"][1:] == runs["steps"][1:]  # same drafts, so same acceptance

@@ -13,6 +13,11 @@ Nothing in the graph branches on data: padding
 query slots write their K/V into the cache's scratch block, padding table entries point at it,
 and the causal mask is always a tensor built in the graph from the positions.
 
+A fused greedy round of k = 1 (workers/model/greedy_round.py) is one more dynamic package
+(batch and table width dynamic, the two query positions static): one package for every batch
+and context, where its static buckets were one per (batch, table) bucket; interleaved on the
+default model it also ran faster than them (b1 945 -> 976 tok/s, b4 1917 -> 2023).
+
 Prefill (long S) stays eager. TP > 1 ranks of one CPU node compile too: their collectives are
 the shared-memory custom ops of `workers.model.parallel`; every rank must warm up the same
 buckets in the same order (the TP driver paces them), since a warm-up forward runs collectives.
@@ -160,8 +165,9 @@ class _RoundForward(torch.nn.Module):
         self.model, self.block_size, self.scratch_slot = model, block_size, scratch_slot
 
     def forward(self, ids, positions, slots, tables, room, caches):
+        # slots [B, k + 1] (export names its batch dim); the round reads them flat
         return greedy_round_graph(self.model, self.block_size, self.scratch_slot, ids,
-                                  positions, slots, tables, room, caches)
+                                  positions, slots.reshape(-1), tables, room, caches)
 
 
 def _raise_recompile_limit(n: int) -> None:
@@ -376,18 +382,27 @@ class DecodeGraphs:
             fn = self.aot.get(*self._module(pkg), self._args(ex_inp, ex_prev),
                               dynamic_shapes=self._dynamic_shapes(pkg))
         except Exception as e:
-            log.warning("dynamic-shape package %s failed (%s); using static buckets",
-                        pkg.name, e)
             self.compiled.discard(pkg)
-            self.dynamic = False
+            if pkg.kind == "round":  # rounds go step by step; forwards keep their packages
+                log.warning("dynamic-shape package %s failed (%s); rounds run step by step",
+                            pkg.name, e)
+                self.greedy_rounds = False
+            else:
+                log.warning("dynamic-shape package %s failed (%s); using static buckets",
+                            pkg.name, e)
+                self.dynamic = False
             return self._eager(inp, prev)
         self._fns[pkg] = fn
         return tuple(fn(*self._args(inp, prev)))
 
     def _eager(self, inp: GraphInputs,
                prev: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """A main / mtp forward of `inp`'s shape without any graph."""
+        """A forward (or a round) of `inp`'s shape without any graph."""
         k = inp.key
+        if k.kind == "round":
+            return greedy_round_graph(self.model, self.block_size, self.scratch_slot, inp.ids,
+                                      inp.positions, inp.slots, inp.tables, prev,
+                                      self.kv.buffers)
         if k.kind == "main":
             return _main_graph(self.model, self.block_size, inp.ids, inp.positions, inp.slots,
                                inp.tables, inp.logit_rows, self.kv.buffers, inline=False)
@@ -405,6 +420,9 @@ class DecodeGraphs:
         rows = Dim("R", min=1, max=4096 * self.max_query_len)
         bs = {0: B, 1: S}
         tail = ({0: B, 1: nb}, {0: rows}, [None] * len(self.kv.buffers))
+        if pkg.kind == "round":  # ids, positions, slots [B, k + 1] (k static), room [B]
+            b = {0: B}
+            return (b, b, b, {0: B, 1: nb}, {0: B}, tail[-1])
         if pkg.kind == "main":  # ids, positions, slots
             return (bs, bs, bs) + tail
         return (bs, bs, bs, bs) + tail  # ids, prev hidden [B, S, hidden], positions, slots
@@ -425,9 +443,9 @@ class DecodeGraphs:
 
     def _args(self, inp: GraphInputs, prev: torch.Tensor | None) -> tuple:
         k = inp.key
-        if k.kind == "round":
-            return (inp.ids, inp.positions, inp.slots, inp.tables, prev, self.kv.buffers)
         slots = inp.slots.view(inp.ids.shape)  # [B, S]: export can name both dims
+        if k.kind == "round":
+            return (inp.ids, inp.positions, slots, inp.tables, prev, self.kv.buffers)
         if k.kind == "main":
             return (inp.ids, inp.positions, slots, inp.tables, inp.logit_rows,
                     self.kv.buffers)
@@ -464,6 +482,12 @@ class DecodeGraphs:
         (5.0 vs ~4.0 ms at k = 3), so those stay step by step."""
         if k != 1:
             return None
+        if self.dynamic:  # one package, run at the exact batch and table width
+            widest = max(len(t) for t in tables)
+            if widest > self.max_blocks:
+                return None
+            key = GraphKey("round", 0, batch, k + 1, widest, True)
+            return None if self.warmed and key.package not in self.compiled else key
         nb = bucket(max(len(t) for t in tables), self.min_blocks)
         if nb > self.max_blocks:
             return None
@@ -538,7 +562,9 @@ class DecodeGraphs:
         """Inputs of `key`'s shapes that write only the scratch block (what warm-up runs; a
         dynamic package's: its fixed example shape)."""
         if key.dynamic and key.batch == 0:
-            key = GraphKey(key.kind, key.module, *_DYNAMIC_EXAMPLE, True)
+            B, S, NB = _DYNAMIC_EXAMPLE
+            # a round package is k = 1's: rows of 2
+            key = GraphKey(key.kind, key.module, B, 2 if key.kind == "round" else S, NB, True)
         table = [self.kv.scratch_block] * key.num_blocks
         B, S = key.batch, key.query_len
         if key.kind == "round":
@@ -579,9 +605,9 @@ class DecodeGraphs:
         kinds = [("main", 0)] + [("mtp", m) for m in range(mtp_modules)]
         fused = self.greedy_rounds and mtp_modules == 1 and any(s >= 2 for s in query_lens)
         batches = sorted({bucket(b) for b in batch_sizes})
-        if self.dynamic:  # one package per kind covers every shape; fused rounds are static
-            return [GraphKey.dynamic_package(kind, module) for kind, module in kinds] + [
-                GraphKey("round", 0, B, 2, nb) for nb in nbs for B in batches if fused]
+        if self.dynamic:  # one package per kind covers every shape (k = 1 rounds: one too)
+            return [GraphKey.dynamic_package(kind, module) for kind, module in kinds] + (
+                [GraphKey.dynamic_package("round", 0)] if fused else [])
         rare = len(queries) > 1  # speculating: a 1-token main forward is the exception
         keys = []
         for nb in nbs:
