@@ -131,6 +131,23 @@ def test_graph_forwards_match_eager(tiny_qwen3, dynamic: bool) -> None:
 
 
 @pytest.mark.slow
+def test_in_process_compile_matches_eager(default_model) -> None:
+    """`ahead_of_time=False` (torch.compile in the process, as on GPUs): its graphs trace the
+    C++ attention op's availability check as a constant (dynamo cannot trace the CPU
+    capability query inside) and give eager's logits."""
+    outs: list[list[torch.Tensor]] = [[], []]
+    for graphs, out in zip((False, True), outs, strict=True):
+        runner = ModelRunner(default_model, num_blocks=32, block_size=16, decode_graphs=graphs,
+                             dynamic_graphs=False, compile_ahead_of_time=False)
+        out.append(runner.execute(ForwardBatch("main", [[5, 6, 7]], [0], [[1, 2]], [2])))
+        out.append(runner.execute(ForwardBatch("main", [[9]], [3], [[1, 2]], [0])))
+    assert runner.graphs is not None and runner.graphs.aot is None
+    assert len(runner.graphs.compiled) == 2
+    for eager, graph in zip(*outs, strict=True):
+        assert (eager - graph).abs().max().item() <= 1e-4
+
+
+@pytest.mark.slow
 def test_engine_greedy_same_with_graphs(tiny_qwen3) -> None:
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (6, 13, 20)]

@@ -167,7 +167,10 @@ TORCH_LIBRARY_IMPL(mtpserve_attn, CPU, m) {
 """
 
 
-@functools.cache
+# A constant to torch.compile: dynamo cannot trace the CPU-capability query inside, and
+# graphs that call `usable` (the in-process torch.compile path) would otherwise fail.
+@functools.cache  # dynamo traces through the cache to the marked function
+@torch.compiler.assume_constant_result
 def available() -> bool:
     """Whether the operator runs here (AVX-512, `MTPSERVE_CPU_ATTENTION` not 0, built)."""
     if os.environ.get(ENV, "1") == "0" or not cpp_ops.has_avx512():
