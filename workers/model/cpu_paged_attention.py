@@ -58,22 +58,59 @@ inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(y, n);
 }
 
+// Lane sums of 16 vectors at once (a transposing add tree: ~2 shuffles and adds per sum
+// where one horizontal reduction takes ~10 dependent ops); each output lane is one input's
+// sum in a fixed order, independent of the other inputs. The lanes come out permuted:
+// `key_order` gives the permutation that puts input j's sum in lane j.
+inline __m512 sum16(const __m512* a) {
+  __m512 r[8], s[4], u[2];
+  for (int i = 0; i < 8; ++i)  // 256-bit halves: 8 partials of each input
+    r[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)  // 128-bit lanes: 4 partials
+    s[i] = _mm512_add_ps(_mm512_shuffle_f32x4(r[2 * i], r[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(r[2 * i], r[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)  // 2 partials
+    u[i] = _mm512_add_ps(_mm512_shuffle_ps(s[2 * i], s[2 * i + 1], 0x44),
+                         _mm512_shuffle_ps(s[2 * i], s[2 * i + 1], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_ps(u[0], u[1], 0x88), _mm512_shuffle_ps(u[0], u[1], 0xDD));
+}
+
+__m512i key_order() {
+  __m512 a[16];
+  for (int j = 0; j < 16; ++j) a[j] = _mm512_set1_ps(float(j));  // input j sums to 16 j
+  alignas(64) float w[16];
+  alignas(64) int32_t idx[16];
+  _mm512_store_ps(w, sum16(a));
+  for (int i = 0; i < 16; ++i) idx[int(w[i] / 16.f + 0.5f)] = i;
+  return _mm512_load_si512(idx);
+}
+
 // out[b, s, h * D:(h + 1) * D] for query heads h = hk * G + g0 .. + G: each context key is
 // loaded once for all of them.
 void one(const float* q, const float* kbase, const float* vbase, const int64_t* tidx,
          int64_t lo, int64_t hi, int64_t Hk, int64_t D, int64_t G, int64_t hk, float scale,
-         const float* sinks, float* out, std::vector<float>& sc) {
+         const float* sinks, float* out, std::vector<float>& sc, __m512i order) {
   const int64_t n = hi - lo + 1, DV = D / 16, np = (n + 15) / 16 * 16;
   sc.assign(G * np, -INFINITY);
   const int64_t row = Hk * D;  // floats per cache slot (one position, all KV heads)
-  for (int64_t l = lo; l <= hi; ++l) {
-    const float* k = kbase + tidx[l] * row + hk * D;
-    for (int64_t g = 0; g < G; ++g) {
-      const float* qg = q + g * D;
-      __m512 acc = _mm512_setzero_ps();
-      for (int64_t d = 0; d < DV; ++d)
-        acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + d * 16), _mm512_loadu_ps(k + d * 16), acc);
-      sc[g * np + (l - lo)] = _mm512_reduce_add_ps(acc) * scale;
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t g = 0; g < G; ++g) {
+    const float* qg = q + g * D;
+    float* s = sc.data() + g * np;
+    for (int64_t l0 = lo; l0 <= hi; l0 += 16) {  // 16 keys' dot products, summed together
+      __m512 acc[16];
+      for (int j = 0; j < 16; ++j) {
+        const float* k = kbase + tidx[std::min(l0 + j, hi)] * row + hk * D;
+        __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qg), _mm512_loadu_ps(k));
+        for (int64_t d = 1; d < DV; ++d)
+          a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + d * 16), _mm512_loadu_ps(k + d * 16), a);
+        acc[j] = a;
+      }
+      const __m512 dot = _mm512_mul_ps(_mm512_permutexvar_ps(order, sum16(acc)), vscale);
+      const int64_t valid = std::min<int64_t>(16, hi - l0 + 1);  // lanes past hi: -inf
+      _mm512_storeu_ps(s + (l0 - lo), _mm512_mask_blend_ps(
+          (__mmask16)((1u << valid) - 1), _mm512_set1_ps(-INFINITY), dot));
     }
   }
   for (int64_t g = 0; g < G; ++g) {
@@ -142,6 +179,7 @@ at::Tensor paged(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& to
   const int64_t work = B * S * Hk;
   // Items per thread: enough (position, head) pairs to pay for a fork / join.
   const int64_t grain = std::max<int64_t>(1, 8192 / std::max<int64_t>(1, L * G));
+  static const __m512i order = key_order();
   at::parallel_for(0, work, grain, [&](int64_t w0, int64_t w1) {
     std::vector<float> sc;
     for (int64_t w = w0; w < w1; ++w) {
@@ -150,7 +188,7 @@ at::Tensor paged(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& to
       const int64_t hi = std::min<int64_t>(std::max<int64_t>(p, 0), L - 1);
       const int64_t lo = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
       one(qp + (bs * Hq + hk * G) * D, kp, vp, tp + b * L, std::min(lo, hi), hi, Hk, D, G,
-          hk, float(scale), sp, op + (bs * Hq + hk * G) * D, sc);
+          hk, float(scale), sp, op + (bs * Hq + hk * G) * D, sc, order);
     }
   });
   return out;
