@@ -86,8 +86,8 @@ __m512i key_order() {
   return _mm512_load_si512(idx);
 }
 
-// out[b, s, h * D:(h + 1) * D] for query heads h = hk * G + g0 .. + G: each context key is
-// loaded once for all of them.
+// out[b, s, h * D:(h + 1) * D] for the G query heads h = hk * G .. hk * G + G - 1 that share
+// KV head hk, one head after the other.
 void one(const float* q, const float* kbase, const float* vbase, const int64_t* tidx,
          int64_t lo, int64_t hi, int64_t Hk, int64_t D, int64_t G, int64_t hk, float scale,
          const float* sinks, float* out, std::vector<float>& sc, __m512i order) {
