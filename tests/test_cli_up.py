@@ -42,6 +42,7 @@ DRAIN_TOKENS = 160
 class Up:
     url: str
     proc: subprocess.Popen
+    startup_lines: list[str]
 
 
 @pytest.fixture(scope="module")
@@ -61,15 +62,32 @@ def up(default_model) -> Iterator[Up]:
     try:
         deadline = time.monotonic() + 400
         line = ""
+        lines = []
         while time.monotonic() < deadline:
             line = proc.stdout.readline()
+            lines.append(line)
             if "is serving" in line or not line:
                 break
         assert f"http://127.0.0.1:{port}/v1" in line, line
-        yield Up(f"http://127.0.0.1:{port}", proc)
+        yield Up(f"http://127.0.0.1:{port}", proc, lines)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_up_warms_the_request_path_before_it_reports_serving(up) -> None:
+    """Before `is serving` (and before any client request: this is the module's first test),
+    `up` streamed its warm-up requests through prefill -> KV transfer -> decode: the KV pair's
+    channel is built, every transfer was acknowledged and no KV block is left held."""
+    from mtpserve.cluster.cli_serve import WARM_REQUESTS
+
+    assert any("warmed the request path" in line for line in up.startup_lines), up.startup_lines
+    stats = httpx.get(up.url + "/v1/mtpserve/stats", timeout=30).json()
+    sender, receiver = stats["prefill"]["kv_sender"], stats["decode"]["kv_receiver"]
+    assert sender["acked"] == sender["transfers"] == WARM_REQUESTS, sender
+    assert receiver["pulls"] == WARM_REQUESTS and receiver["channel_builds"] == 1, receiver
+    assert sender["held"] == 0
+    assert stats["prefill"]["used_blocks"] == stats["decode"]["used_blocks"] == 0
 
 
 @pytest.mark.parametrize("example", list(OPENAI_EXAMPLES))

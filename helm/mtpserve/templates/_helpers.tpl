@@ -230,13 +230,16 @@ serve.args through the builder (cluster/app.py); _validate.tpl refuses overrides
     fieldRef:
       fieldPath: status.podIP
 {{- /* As `mtpserve up` (cluster/cli_serve.py RAY_ENV): engines at the priority of Ray's
-own daemons, not nice 15 below them; a 0.5 s Serve control loop; replica metrics each 1 s. */}}
+own daemons, not nice 15 below them; a 0.5 s Serve control loop; replica metrics each 1 s;
+Serve's gRPC transport from the proxy to the ingress and between deployments. */}}
 - name: RAY_worker_niceness
   value: "0"
 - name: RAY_SERVE_CONTROL_LOOP_INTERVAL_S
   value: "0.5"
 - name: RAY_SERVE_METRICS_EXPORT_INTERVAL_MS
   value: "1000"
+- name: RAY_SERVE_USE_GRPC_BY_DEFAULT
+  value: "1"
 {{- with .Values.network.socketIfname }}
 - name: GLOO_SOCKET_IFNAME  # KV channels and TP groups over gloo
   value: {{ . | quote }}
