@@ -193,6 +193,11 @@ def _up(args: argparse.Namespace) -> int:
             os._exit(1)
 
 
+def bearer_headers(api_key: str | None) -> dict[str, str]:
+    """The Authorization header `up`'s own requests carry (none on an open API)."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
 # Streams `up` sends through the whole path before it reports serving.
 WARM_REQUESTS = 2
 
@@ -202,13 +207,13 @@ def warm_request_path(url: str, model: str, api_key: str | None,
     """Send `WARM_REQUESTS` short streams through proxy -> ingress -> prefill -> KV transfer
     -> decode before `up` reports serving: each hop's first use is slow (Serve's routes and
     channels, the KV pair's gloo communicator, first-call paths), and the first client
-    request would pay it: guidellm c1 measured the first one or two of 24 requests 100-200
+    request would pay it: guidellm c1 measured the first one or two of 24 requests 100-170
     ms slower than the rest. A failure is reported and `up` goes on (it serves anyway)."""
     import httpx
 
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    # A prompt of a typical length (~150 tokens: a 4-token one left the first long prompt
-    # ~40 ms slow); ignore_eos: the stream must reach decode even if the first token is EOS.
+    headers = bearer_headers(api_key)
+    # ~150 tokens, a typical prompt: a multi-block prefill and KV transfer, not a one-block
+    # one; ignore_eos: the stream must reach decode even if the first token is EOS.
     prompt = "".join(f"def f{i}(x):\n    return x + {i}\n\n" for i in range(12))
     body = {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0,
             "ignore_eos": True, "stream": True}
@@ -293,7 +298,7 @@ def watch_compile(fetch: Callable[[], dict | None], stop: threading.Event,
 def _stats_fetcher(url: str, api_key: str | None) -> Callable[[], dict | None]:
     import httpx
 
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    headers = bearer_headers(api_key)
 
     def fetch() -> dict | None:
         try:

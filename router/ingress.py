@@ -33,8 +33,10 @@ class OpenAIIngress:
         # Before anything slow: a missing key must fail the deployment, not open the API.
         self.api_key, self.admin_api_key = cfg.auth.resolve(os.environ)
         # Calls to prefill and decode (and each streamed decode chunk) go over Serve's
-        # inter-deployment gRPC rather than as Ray actor tasks: on the 2-core box one served
-        # stream ran 242 -> 272 tok/s (guidellm c1, warm cache, seven runs each, taking turns).
+        # inter-deployment gRPC rather than as Ray actor tasks. Measured together with the
+        # proxy hop on gRPC (`mtpserve up`'s RAY_ENV): one served stream 242 -> 272 tok/s
+        # (guidellm c1, warm cache, seven runs each, taking turns); the proxy hop alone gained
+        # nothing measurable.
         self.orchestrator = DisaggOrchestrator(prefill.options(_by_reference=False),
                                                decode.options(_by_reference=False),
                                                OrchestratorConfig.of(cfg))
