@@ -31,7 +31,9 @@ class Variant:
     mtp_dtype: str | None = None  # None: the model's dtype
     draft_vocab_size: int | None = None  # None: the full vocabulary
     cpp_wrapper: bool = True  # graphs' kernel-calling code in C++ (False: Python)
-    greedy_rounds: bool = False  # a whole greedy round as one graph
+    # A whole greedy k = 1 round as one graph; None: as the engine does by default (on for
+    # CPU graphs, engine_config.fused_greedy_rounds), so "graphs" measures the default engine.
+    greedy_rounds: bool | None = None
     cuda_graphs: bool = True  # CUDA: replay the compiled buckets as CUDA graphs
     attention_backend: str = "gather"  # "flex": FlexAttention over the block table
     ahead_of_time: bool = True  # CPU: AOTInductor packages (disk-cached); False: torch.compile
@@ -42,7 +44,8 @@ def parse_variant(name: str) -> Variant:
     """"eager" | "graphs" | "graphs-pywrap" (graphs called through inductor's Python
     wrapper), then optional "-mtp-bf16", "-dv<N>" (a draft vocabulary of the N most
     frequent tokens) and "-rounds" (a whole greedy round as one graph), in that order, e.g.
-    "graphs-dv1024-rounds"; then optionally "-nocg" (CUDA: compiled graphs called, not
+    "graphs-dv1024-rounds", or "-steps" (k = 1 rounds step by step, as graphs did before fused
+    rounds became the CPU default); then optionally "-nocg" (CUDA: compiled graphs called, not
     replayed as CUDA graphs), "-flex" (the flex attention backend), e.g. "eager-flex", and
     "-jit" (CPU: torch.compile in the process instead of ahead-of-time packages), then
     "-static" (CPU: static-shape bucket packages instead of one dynamic package per kind)."""
@@ -74,8 +77,8 @@ def _parse_base(name: str) -> Variant:
         if not num.isdigit():
             raise ValueError(f"variant {name!r}: dv needs a size")
         v = dataclasses.replace(v, draft_vocab_size=int(num))
-    if tail == "rounds":
-        v = dataclasses.replace(v, greedy_rounds=True)
+    if tail in ("rounds", "steps"):
+        v = dataclasses.replace(v, greedy_rounds=tail == "rounds")
         tail = ""
     if tail:
         raise ValueError(f"variant {name!r}: unknown suffix {tail!r}")
@@ -155,6 +158,14 @@ def _engine_run(eng: Engine, prompts: list[list[int]], batch: int, max_tokens: i
             "mean_accepted_length": per_round}
 
 
+def _greedy_rounds(v: Variant, device: str) -> bool:
+    """The variant's choice, else the engine's default at a fixed k: fused k = 1 rounds on CPU
+    (DecodeGraphs.round_key fuses only k = 1, so every other k runs as the engine runs it)."""
+    if v.greedy_rounds is not None:
+        return v.greedy_rounds
+    return v.graphs and torch.device(device).type == "cpu"
+
+
 def _runner(args: BenchArgs, variant: str, max_context: int) -> tuple[ModelRunner, dict]:
     """One runner per variant, shared by every k (compiled graphs are per runner); graphs are
     compiled here, before anything is timed."""
@@ -165,8 +176,8 @@ def _runner(args: BenchArgs, variant: str, max_context: int) -> tuple[ModelRunne
                          attention_backend=v.attention_backend,
                          mtp_dtype=DTYPES[v.mtp_dtype] if v.mtp_dtype else None,
                          draft_vocab_size=v.draft_vocab_size, cpp_wrapper=v.cpp_wrapper,
-                         greedy_rounds=v.greedy_rounds, compile_ahead_of_time=v.ahead_of_time,
-                         dynamic_graphs=v.dynamic_graphs)
+                         greedy_rounds=_greedy_rounds(v, args.device),
+                         compile_ahead_of_time=v.ahead_of_time, dynamic_graphs=v.dynamic_graphs)
     t0 = time.perf_counter()
     batches = [1 << i for i in range(max(args.batch_sizes).bit_length())]
     queries = list(range(1, max(args.ks) + 2))

@@ -400,14 +400,15 @@ class Bench:
 
 BENCHMARKS = [
     Bench("engine_bench.py", "Engine speed: `mtpserve bench engine`",
-          "mtpserve bench engine --variants eager,graphs-jit,graphs --ks 0,1,2,3 "
-          "--batch-sizes 1 --num-prompts 8 --max-tokens 128 --json out.json",
+          "mtpserve bench engine --variants eager,graphs-steps,graphs --ks 0,1,2,3 "
+          "--batch-sizes 1 --num-prompts 8 --max-tokens 128 --repeats 3 --json out.json",
           "Offline decode tokens/s of `transformers.generate` and of our engine at each k and "
           "batch size, greedy, same prompts and weights, variants interleaved in one run: "
-          "`eager`, `graphs-jit` (decode graphs through torch.compile), `graphs` (AOTInductor "
-          "packages, the default). Greedy output is exact, so tokens per round are the same "
-          "for every variant.",
-          ("engine-cpu-float32-v3.json",), engine),
+          "`eager`, `graphs` (AOTInductor packages; a greedy k = 1 round as one graph: the "
+          "default engine), `graphs-steps` (the same packages, k = 1 rounds step by step), "
+          "`graphs-jit` (decode graphs through torch.compile). Greedy output is exact, so "
+          "tokens per round are the same for every variant.",
+          ("engine-cpu-float32-v4.json",), engine),
     Bench("serve_bench.py", "Serving: `mtpserve bench serve`",
           "mtpserve bench serve --num-requests 16 --max-tokens 64 --concurrency C",
           "N concurrent streaming clients against a running server: TTFT and TPOT "
