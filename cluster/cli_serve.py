@@ -30,6 +30,16 @@ def add_commands(sub: argparse._SubParsersAction, bench: argparse._SubParsersAct
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.set_defaults(func=_up)
 
+    p = sub.add_parser("warm", help="stream warm-up requests through a running server's "
+                       "prefill -> KV transfer -> decode path (`up` does it itself; use this "
+                       "after `serve deploy` or a rollout)")
+    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--api-key", help="default: $MTPSERVE_API_KEY")
+    p.add_argument("--model", help="default: the first model the server lists")
+    p.add_argument("--wait", type=float, default=0.0, help="seconds to wait for /health first "
+                   "(a deploy that is still starting)")
+    p.set_defaults(func=_warm)
+
     p = bench.add_parser("serve", help="concurrent streaming clients against a running server")
     p.add_argument("--url", default="http://127.0.0.1:8000")
     p.add_argument("--api-key")
@@ -175,8 +185,11 @@ def _up(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             return 1
         api_key, admin_key = cfg.auth.resolve(os.environ)
-        warm_request_path(url, cfg.served_model_name or Path(cfg.model).name,
-                          api_key or admin_key)
+        error = warm_request_path(url, cfg.served_model_name or Path(cfg.model).name,
+                                  api_key or admin_key)
+        if error:
+            print(f"mtpserve: warming the request path failed ({error}); serving anyway",
+                  flush=True)
         print(f"mtpserve is serving {Path(cfg.model).name} at {url}/v1 (Ctrl-C to stop)",
               flush=True)
         # A daemon thread: the main thread only waits for the signal, so Ctrl-C is never
@@ -203,12 +216,13 @@ WARM_REQUESTS = 2
 
 
 def warm_request_path(url: str, model: str, api_key: str | None,
-                      timeout_s: float = 60.0) -> bool:
+                      timeout_s: float = 60.0) -> str | None:
     """Send `WARM_REQUESTS` short streams through proxy -> ingress -> prefill -> KV transfer
     -> decode before `up` reports serving: each hop's first use is slow (Serve's routes and
     channels, the KV pair's gloo communicator, first-call paths), and the first client
     request would pay it: guidellm c1 measured the first one or two of 24 requests 100-170
-    ms slower than the rest. A failure is reported and `up` goes on (it serves anyway)."""
+    ms slower than the rest. Returns None, or what failed (`up` reports it and serves
+    anyway; `mtpserve warm` exits 1)."""
     import httpx
 
     headers = bearer_headers(api_key)
@@ -226,11 +240,41 @@ def warm_request_path(url: str, model: str, api_key: str | None,
                     for _line in r.iter_lines():
                         pass
     except httpx.HTTPError as e:
-        print(f"mtpserve: warming the request path failed ({e}); serving anyway", flush=True)
-        return False
+        return f"{type(e).__name__}: {e}"
     print(f"warmed the request path (prefill -> KV transfer -> decode) in "
           f"{time.perf_counter() - t0:.1f}s", flush=True)
-    return True
+    return None
+
+
+def _warm(args: argparse.Namespace) -> None:
+    """`mtpserve warm`: exit 0 once the warm-up streams went through, 1 with the reason."""
+    import httpx
+
+    api_key = args.api_key or os.environ.get("MTPSERVE_API_KEY") or None
+    url = args.url.rstrip("/")
+    deadline = time.monotonic() + args.wait
+    while True:
+        try:
+            ok = httpx.get(url + "/health", timeout=10).status_code == 200
+        except httpx.HTTPError:
+            ok = False
+        if ok or time.monotonic() >= deadline:
+            break
+        time.sleep(1.0)
+    if not ok:
+        sys.exit(f"mtpserve warm: {url}/health did not answer 200"
+                 + (f" within {args.wait:.0f}s" if args.wait else " (--wait to wait for it)"))
+    model = args.model
+    if model is None:
+        try:
+            r = httpx.get(url + "/v1/models", headers=bearer_headers(api_key), timeout=30)
+            r.raise_for_status()
+            model = r.json()["data"][0]["id"]
+        except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
+            sys.exit(f"mtpserve warm: could not list the server's models ({e})")
+    error = warm_request_path(url, model, api_key)
+    if error:
+        sys.exit(f"mtpserve warm: warming the request path failed ({error})")
 
 
 def format_duration(seconds: float) -> str:

@@ -34,6 +34,8 @@ _ENV = re.compile(r"MTPSERVE_[A-Z0-9_]+")
 ENV_VARS: dict[str, str] = {
     "MTPSERVE_MODEL": "Checkpoint folder used when `model` is not set (default: the embedded "
     "`models/tiny-code-mtp`).",
+    "MTPSERVE_API_KEY": "The API key `mtpserve warm` sends when `--api-key` is not given "
+    "(the server's own key comes from `auth`).",
     "MTPSERVE_COMPILE": "`auto` | `on` | `off`: overrides `engine.compile` (and "
     "`EngineConfig.compile`) everywhere.",
     "MTPSERVE_DECODE_GRAPHS": "Older spelling: `1` means `MTPSERVE_COMPILE=on`.",

@@ -90,6 +90,27 @@ def test_up_warms_the_request_path_before_it_reports_serving(up) -> None:
     assert stats["prefill"]["used_blocks"] == stats["decode"]["used_blocks"] == 0
 
 
+def test_warm_streams_through_a_running_server(up) -> None:
+    """`mtpserve warm` (for a `serve deploy`) against the running server: the model comes from
+    /v1/models, its streams go prefill -> KV transfer -> decode (each one a KV transfer that
+    was acknowledged), and nothing stays held."""
+    from mtpserve.cluster.cli_serve import WARM_REQUESTS
+
+    def transfers() -> tuple[int, int]:
+        stats = httpx.get(up.url + "/v1/mtpserve/stats", timeout=30).json()
+        return stats["prefill"]["kv_sender"]["acked"], stats["decode"]["kv_receiver"]["pulls"]
+
+    acked, pulls = transfers()
+    r = subprocess.run([sys.executable, "-m", "mtpserve.cluster.cli", "warm", "--url", up.url,
+                        "--wait", "30"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "warmed the request path" in r.stdout
+    assert transfers() == (acked + WARM_REQUESTS, pulls + WARM_REQUESTS)
+    stats = httpx.get(up.url + "/v1/mtpserve/stats", timeout=30).json()
+    assert stats["prefill"]["kv_sender"]["held"] == 0
+    assert stats["prefill"]["used_blocks"] == stats["decode"]["used_blocks"] == 0
+
+
 @pytest.mark.parametrize("example", list(OPENAI_EXAMPLES))
 def test_openai_structured_output_and_tool_examples(up, example: str) -> None:
     """The openai SDK's structured-output and tool-calling examples, unchanged, against the
@@ -179,3 +200,17 @@ def test_up_refuses_a_config_the_cluster_cannot_place(tmp_path) -> None:
     assert out.returncode == 2, out.stdout + out.stderr
     assert f"reserves {need:g} CPU" in out.stderr and "has 2" in out.stderr, out.stderr
     assert time.monotonic() - t0 < 60
+
+
+def test_warm_without_a_server_says_so_and_fails() -> None:
+    """Nothing listening: exit 1 with the reason, after the --wait it was given."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "mtpserve.cluster.cli", "warm", "--url",
+                        f"http://127.0.0.1:{port}", "--wait", "2"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1
+    assert f"http://127.0.0.1:{port}/health did not answer 200 within 2s" in r.stderr
+    assert time.monotonic() - t0 >= 2
