@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
@@ -237,8 +238,12 @@ def warm_request_path(url: str, model: str, api_key: str | None,
             for _ in range(WARM_REQUESTS):
                 with client.stream("POST", "/v1/completions", json=body) as r:
                     r.raise_for_status()
-                    for _line in r.iter_lines():
-                        pass
+                    for line in r.iter_lines():
+                        # A stream that fails after its 200 says so in an `error` event.
+                        if line.startswith("data: {") and '"error"' in line:
+                            error = json.loads(line[len("data: "):]).get("error")
+                            if error:
+                                return f"the stream ended with an error: {error}"
     except httpx.HTTPError as e:
         return f"{type(e).__name__}: {e}"
     print(f"warmed the request path (prefill -> KV transfer -> decode) in "
