@@ -103,17 +103,20 @@ def load_app_config(path: str | Path, model: str | None = None, host: str | None
 
 
 def _wait_healthy(url: str, timeout: float, stop: threading.Event) -> bool:
+    """Poll `url` until it answers 200 (True), or `timeout` passed or `stop` was set (False).
+    Asks at least once, so a zero timeout checks a server that is already up."""
     import httpx
 
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and not stop.is_set():
+    while True:
         try:
             if httpx.get(url, timeout=2.0).status_code == 200:
                 return True
         except httpx.HTTPError:
             pass
+        if time.monotonic() >= deadline or stop.is_set():
+            return False
         stop.wait(0.5)
-    return False
 
 
 # Ray settings `mtpserve up` starts its cluster with (a user's own environment wins):
@@ -240,11 +243,11 @@ def warm_request_path(url: str, model: str, api_key: str | None,
                     r.raise_for_status()
                     for line in r.iter_lines():
                         # A stream that fails after its 200 says so in an `error` event.
-                        if line.startswith("data: {") and '"error"' in line:
+                        if line.startswith("data: {"):
                             error = json.loads(line[len("data: "):]).get("error")
                             if error:
                                 return f"the stream ended with an error: {error}"
-    except httpx.HTTPError as e:
+    except (httpx.HTTPError, ValueError) as e:
         return f"{type(e).__name__}: {e}"
     print(f"warmed the request path (prefill -> KV transfer -> decode) in "
           f"{time.perf_counter() - t0:.1f}s", flush=True)
@@ -257,16 +260,7 @@ def _warm(args: argparse.Namespace) -> None:
 
     api_key = args.api_key or os.environ.get("MTPSERVE_API_KEY") or None
     url = args.url.rstrip("/")
-    deadline = time.monotonic() + args.wait
-    while True:
-        try:
-            ok = httpx.get(url + "/health", timeout=10).status_code == 200
-        except httpx.HTTPError:
-            ok = False
-        if ok or time.monotonic() >= deadline:
-            break
-        time.sleep(1.0)
-    if not ok:
+    if not _wait_healthy(url + "/health", args.wait, threading.Event()):
         sys.exit(f"mtpserve warm: {url}/health did not answer 200"
                  + (f" within {args.wait:.0f}s" if args.wait else " (--wait to wait for it)"))
     model = args.model
