@@ -215,18 +215,20 @@ def bearer_headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
-# Streams `up` sends through the whole path before it reports serving.
+# Streams `up` sends through prefill -> KV transfer -> decode before it reports serving; one
+# more goes where the server itself sends a lone short prompt (decode.max_local_prefill_length:
+# prefilled on the decode replica; else the same path again).
 WARM_REQUESTS = 2
 
 
 def warm_request_path(url: str, model: str, api_key: str | None,
                       timeout_s: float = 60.0) -> str | None:
     """Send `WARM_REQUESTS` short streams through proxy -> ingress -> prefill -> KV transfer
-    -> decode before `up` reports serving: each hop's first use is slow (Serve's routes and
-    channels, the KV pair's gloo communicator, first-call paths), and the first client
-    request would pay it: guidellm c1 measured the first one or two of 24 requests 100-170
-    ms slower than the rest. Returns None, or what failed (`up` reports it and serves
-    anyway; `mtpserve warm` exits 1)."""
+    -> decode, then one the server routes itself, before `up` reports serving: each hop's
+    first use is slow (Serve's routes and channels, the KV pair's gloo communicator,
+    first-call paths), and the first client request would pay it: guidellm c1 measured the
+    first one or two of 24 requests 100-170 ms slower than the rest. Returns None, or what
+    failed (`up` reports it and serves anyway; `mtpserve warm` exits 1)."""
     import httpx
 
     headers = bearer_headers(api_key)
@@ -235,11 +237,12 @@ def warm_request_path(url: str, model: str, api_key: str | None,
     prompt = "".join(f"def f{i}(x):\n    return x + {i}\n\n" for i in range(12))
     body = {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0,
             "ignore_eos": True, "stream": True}
+    bodies = [body | {"disaggregate": True}] * WARM_REQUESTS + [body]
     t0 = time.perf_counter()
     try:
         with httpx.Client(base_url=url, headers=headers, timeout=timeout_s) as client:
-            for _ in range(WARM_REQUESTS):
-                with client.stream("POST", "/v1/completions", json=body) as r:
+            for b in bodies:
+                with client.stream("POST", "/v1/completions", json=b) as r:
                     r.raise_for_status()
                     for line in r.iter_lines():
                         # A stream that fails after its 200 says so in an `error` event.

@@ -215,7 +215,8 @@ def build_choices(state: IngressState, body: SamplingRequest, response_id: str,
                 )
             except ValueError as e:  # the protocol's bounds should have caught it first
                 raise APIError(str(e), 400) from None
-            request = GenerateRequest(f"{response_id}-{index}", ids, params)
+            request = GenerateRequest(f"{response_id}-{index}", ids, params,
+                                      disaggregate=body.disaggregate)
             choices.append(Choice(index, request, state.tokenizer, body.stop_strings,
                                   skip_ids))
     return choices

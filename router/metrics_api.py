@@ -127,7 +127,9 @@ def render(data: dict, model_name: str, now: float | None = None) -> str:
                      ("num_kv_recomputes", "Requests recomputed on decode after a failed KV "
                       "pull."),
                      ("num_busy_retries", "KV transfers offered again after every decode "
-                      "replica was busy.")):
+                      "replica was busy."),
+                     ("num_local_prefills", "Prompts prefilled on a decode replica "
+                      "(conditional disaggregation).")):
         name = "mtpserve:" + key.removeprefix("num_")
         family(name, "counter", doc + " Summed over ingress replicas.")
         total = sum(s["counters"].get(key, 0) for s in snaps if s.get("role") == "ingress")

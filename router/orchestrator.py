@@ -3,6 +3,9 @@
 prefill(request) -> first token + KVTransferParams; the first token is streamed to the client
 at once (TTFT), then decode(request, params) streams the rest. Closing the generator (client
 disconnect, stop string) cancels the decode call, which aborts the request and frees its KV.
+Conditional disaggregation (`max_local_prefill_length`, decision 26): a short prompt while
+this ingress replica has nothing else in flight skips the prefill replica and is computed on
+the decode replica, as a recompute is.
 
 What survives a failure (docs/architecture.md decision 13: a request is prompt + tokens
 already sent + seed):
@@ -72,6 +75,9 @@ class OrchestratorConfig:
     retry_backoff_s: float = 0.2
     retry_window_s: float = 30.0
     kv_hold_ttl_s: float = 120.0  # how long a prefill replica keeps a request's KV for decode
+    # Conditional disaggregation: prompts up to this many tokens are prefilled on an idle
+    # decode replica (0: never).
+    max_local_prefill_length: int = 0
     # The deployment's KV secret (signs direct releases); its repr is redacted.
     kv_secret: Any = field(default=None, repr=False)
 
@@ -84,6 +90,7 @@ class OrchestratorConfig:
                    kv_timeout_s=cfg.kv_transfer.timeout_s, stall_timeout_s=m.stall_timeout_s,
                    retry_backoff_s=m.retry_backoff_s, retry_window_s=m.retry_window_s,
                    kv_hold_ttl_s=cfg.kv_transfer.hold_ttl_s,
+                   max_local_prefill_length=cfg.decode.max_local_prefill_length,
                    kv_secret=getattr(cfg.kv_transfer, "secret", None))
 
 
@@ -168,30 +175,70 @@ class DisaggOrchestrator:
         self.num_busy_retries = 0  # a busy decode deployment refused; the KV hold was kept
         self.replica_key: str | None = None  # its snapshot in the metrics hub (Serve ingress)
         self.num_direct_releases = 0  # releases posted straight to the senders' stores
+        self.num_local_prefills = 0  # prefilled on a decode replica (conditional disagg.)
+        self.active: set[str] = set()  # request ids in flight through this orchestrator
 
     # Public ----------------------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
         deadline = time.monotonic() + self.config.request_timeout_s
         progress = _Progress(request)
-        prefilled = await self._prefill(request, deadline)
-        first, params = prefilled if prefilled is not None else (None, None)
-        # A busy decode deployment may keep the prefill's KV waiting until shortly before
-        # the hold expires (the pull itself then still has its timeout).
-        hold_until = time.monotonic() + self.config.kv_hold_ttl_s - self.config.kv_timeout_s
-        held = params is not None
+        on_decode = self._prefill_on_decode(request)
+        rid = request.request_id
+        self.active.add(rid)
         try:
-            if first is not None:
-                yield progress.emit(first)
-                if first.finished:
-                    return
-            async for chunk in self._decode(progress, params, deadline, hold_until):
-                held = False  # the decode side has the KV (it acknowledged the pull)
-                yield stamp(chunk, "ingress_in")
+            if on_decode:
+                # The decode replica computes requests sent without KV params from the prompt.
+                self.num_local_prefills += 1
+                prefilled = None
+            else:
+                prefilled = await self._prefill(request, deadline)
+            first, params = prefilled if prefilled is not None else (None, None)
+            # A busy decode deployment may keep the prefill's KV waiting until shortly before
+            # the hold expires (the pull itself then still has its timeout).
+            hold_until = time.monotonic() + self.config.kv_hold_ttl_s - self.config.kv_timeout_s
+            held = params is not None
+            try:
+                if first is not None:
+                    if first.finished:
+                        self.active.discard(rid)
+                    yield progress.emit(first)
+                    if first.finished:
+                        return
+                async for chunk in self._decode(progress, params, deadline, hold_until):
+                    held = False  # the decode side has the KV (it acknowledged the pull)
+                    if chunk.finished:
+                        # Out of flight with its last token, not when its consumer closes
+                        # this generator (which may come later).
+                        self.active.discard(rid)
+                    yield stamp(chunk, "ingress_in")
+            finally:
+                if held:
+                    # The client left between prefill and decode, or decode never pulled:
+                    # free the prefill replica's blocks now rather than at hold_ttl_s.
+                    self._release(params)
         finally:
-            if held:
-                # The client left between prefill and decode, or decode never pulled: free the
-                # prefill replica's blocks now rather than at hold_ttl_s.
-                self._release(params)
+            self.active.discard(rid)
+
+    def _prefill_on_decode(self, request: GenerateRequest) -> bool:
+        """Conditional disaggregation (Dynamo's, by prompt length and load): prefill on the
+        decode replica a prompt of at most `max_local_prefill_length` tokens when this ingress
+        replica has nothing else in flight, so decode is idle (unless other ingress replicas
+        keep it busy: each sees only its own requests) and the prompt skips two hops and the
+        KV transfer. `disaggregate` on the request overrides: true always goes through a
+        prefill replica, false asks for the decode replica (within the same length limit)."""
+        limit = self.config.max_local_prefill_length
+        n = len(request.prompt_token_ids) + len(request.resume_token_ids)
+        if request.disaggregate is False:
+            if limit == 0:
+                raise APIError("disaggregate: false is off on this server: every prompt is "
+                               "prefilled on a prefill replica (decode."
+                               "max_local_prefill_length is 0)", 400, param="disaggregate")
+            if n > limit:
+                raise APIError(f"disaggregate: false takes prompts of at most {limit} tokens "
+                               f"here (decode.max_local_prefill_length); this one has {n}",
+                               400, param="disaggregate")
+            return True
+        return request.disaggregate is None and not self.active and n <= limit
 
     def counters(self) -> dict[str, int]:
         """This ingress replica's totals (each ingress replica pushes its own to the metrics
@@ -199,7 +246,8 @@ class DisaggOrchestrator:
         return {"num_migrations": self.num_migrations,
                 "num_prefill_retries": self.num_prefill_retries,
                 "num_kv_recomputes": self.num_kv_recomputes,
-                "num_busy_retries": self.num_busy_retries}
+                "num_busy_retries": self.num_busy_retries,
+                "num_local_prefills": self.num_local_prefills}
 
     async def stats(self) -> dict:
         # One sample per call; with several replicas Serve routes each call to one of them.

@@ -24,6 +24,10 @@ Extensions (request):
     turns speculation off (`disable: true`, same as a cap of 0). Output is identical either way
     (greedy) or identically distributed (sampling); only speed changes.
   - `ignore_eos: bool` keeps generating past EOS (benchmarks with fixed output lengths).
+  - `disaggregate: bool | null` overrides conditional disaggregation
+    (`decode.max_local_prefill_length`): true prefills on a prefill replica, false on the
+    decode replica (a 400 if the server does not allow that prompt there); null lets the
+    server choose. Output is the same either way.
   - `return_token_ids: bool` adds `token_ids` (generated ids, all of them, including any past a
     stop string) to every choice, and `prompt_token_ids` to the response.
 Extension (response): `mtp_stats` (see `MTPStats`) on every finished choice, and summed over the
@@ -109,6 +113,9 @@ class SamplingRequest(_Request):
     logit_bias: dict[str, Any] | None = None
     mtp: MTPOptions | None = None
     ignore_eos: Bool | None = False
+    disaggregate: Bool | None = Field(
+        None, description="extension: true prefills on a prefill replica, false on the decode "
+        "replica; null: the server's conditional disaggregation decides")
     return_token_ids: Bool | None = False
     stop_token_ids: list[Int] | None = Field(
         None, max_length=MAX_STOP_TOKEN_IDS,

@@ -86,6 +86,9 @@ def test_up_warms_the_request_path_before_it_reports_serving(up) -> None:
     sender, receiver = stats["prefill"]["kv_sender"], stats["decode"]["kv_receiver"]
     assert sender["acked"] == sender["transfers"] == WARM_REQUESTS, sender
     assert receiver["pulls"] == WARM_REQUESTS and receiver["channel_builds"] == 1, receiver
+    # The last warm-up stream went where a lone short prompt goes with the default config:
+    # prefilled on the decode replica (conditional disaggregation).
+    assert stats["orchestrator"]["num_local_prefills"] == 1, stats["orchestrator"]
     assert sender["held"] == 0
     assert stats["prefill"]["used_blocks"] == stats["decode"]["used_blocks"] == 0
 
@@ -96,19 +99,79 @@ def test_warm_streams_through_a_running_server(up) -> None:
     was acknowledged), and nothing stays held."""
     from mtpserve.cluster.cli_serve import WARM_REQUESTS
 
-    def transfers() -> tuple[int, int]:
-        stats = httpx.get(up.url + "/v1/mtpserve/stats", timeout=30).json()
-        return stats["prefill"]["kv_sender"]["acked"], stats["decode"]["kv_receiver"]["pulls"]
-
-    acked, pulls = transfers()
+    acked, pulls, local = _paths(up.url)
     r = subprocess.run([sys.executable, "-m", "mtpserve.cluster.cli", "warm", "--url", up.url,
                         "--wait", "30"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "warmed the request path" in r.stdout
-    assert transfers() == (acked + WARM_REQUESTS, pulls + WARM_REQUESTS)
+    assert _paths(up.url) == (acked + WARM_REQUESTS, pulls + WARM_REQUESTS, local + 1)
     stats = httpx.get(up.url + "/v1/mtpserve/stats", timeout=30).json()
     assert stats["prefill"]["kv_sender"]["held"] == 0
     assert stats["prefill"]["used_blocks"] == stats["decode"]["used_blocks"] == 0
+
+
+def _paths(url: str) -> tuple[int, int, int]:
+    """(KV transfers acknowledged by prefill, pulled by decode, prompts prefilled on decode)."""
+    stats = httpx.get(url + "/v1/mtpserve/stats", timeout=30).json()
+    return (stats["prefill"]["kv_sender"]["acked"], stats["decode"]["kv_receiver"]["pulls"],
+            stats["orchestrator"]["num_local_prefills"])
+
+
+def test_conditional_disaggregation(up) -> None:
+    """The default config prefills a lone short prompt on the decode replica (no KV transfer)
+    and sends it through the prefill replica when another request is in flight or the client
+    asks (`disaggregate: true`); each path gives the same greedy and the same seeded sampled
+    text. `disaggregate: false` beyond decode.max_local_prefill_length is a 400, and no KV
+    block stays in use."""
+    prompt = "def parse_args(argv):\n    "
+
+    def complete(**kw) -> tuple[str, tuple[int, int, int]]:
+        before = _paths(up.url)
+        r = httpx.post(f"{up.url}/v1/completions", json={
+            "prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True} | kw,
+            timeout=120)
+        assert r.status_code == 200, r.text
+        after = _paths(up.url)
+        moved = tuple(a - b for a, b in zip(after, before, strict=True))
+        return r.json()["choices"][0]["text"], moved
+
+    local_text, moved = complete()
+    assert moved == (0, 0, 1)
+    remote_text, moved = complete(disaggregate=True)
+    assert moved == (1, 1, 0)
+    assert remote_text == local_text
+    assert complete(disaggregate=False) == (local_text, (0, 0, 1))
+    sampled = {"temperature": 0.8, "top_p": 0.95, "seed": 7}
+    (local_sampled, m1), (remote_sampled, m2) = complete(**sampled), complete(
+        **sampled, disaggregate=True)
+    assert (m1, m2) == ((0, 0, 1), (1, 1, 0)) and local_sampled == remote_sampled
+
+    # Busy: a request arriving while another streams goes through the prefill replica.
+    stream = StreamingCompletion(up.url, prompt, 400)
+    stream.start()
+    deadline = time.monotonic() + 120
+    while stream.num_events < 2 and stream.error is None:
+        assert time.monotonic() < deadline, "the stream did not start"
+        time.sleep(0.01)
+    busy_text, moved = complete()
+    assert not stream.done, "the first stream ended before the second request arrived"
+    assert moved == (1, 1, 0) and busy_text == local_text
+    stream.join(timeout=120)
+    assert stream.error is None and len(stream.token_ids) == 400
+
+    long_prompt = "def f(x):\n    return x + 1\n\n" * 120  # > 512 tokens, < the window
+    r = httpx.post(f"{up.url}/v1/completions", json={
+        "prompt": long_prompt, "max_tokens": 4, "disaggregate": False}, timeout=120)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "disaggregate"
+    assert "max_local_prefill_length" in r.json()["error"]["message"]
+    end = time.monotonic() + 30
+    while True:
+        stats = httpx.get(up.url + "/v1/mtpserve/stats", timeout=30).json()
+        if stats["prefill"]["used_blocks"] == stats["decode"]["used_blocks"] == 0:
+            break
+        assert time.monotonic() < end, stats
+        time.sleep(0.1)
 
 
 @pytest.mark.parametrize("example", list(OPENAI_EXAMPLES))

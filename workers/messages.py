@@ -33,6 +33,9 @@ class GenerateRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     resume_token_ids: list[int] = field(default_factory=list)
+    # Conditional disaggregation override: None lets the orchestrator choose, True always
+    # prefills on a prefill replica, False on the decode replica.
+    disaggregate: bool | None = None
 
     def __post_init__(self) -> None:
         if self.params.seed is None:
