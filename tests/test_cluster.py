@@ -165,6 +165,11 @@ def test_resharded_errors_and_auth(resharded_app) -> None:
     assert r.status_code == 400 and "2048" in r.json()["error"]["message"]
     r = httpx.post(f"{base}/v1/completions", headers=auth_headers(), content=b"{not json")
     assert r.status_code == 400
+    # Conditional disaggregation is off by default: a request cannot ask for decode's prefill.
+    r = httpx.post(f"{base}/v1/completions", headers=auth_headers(),
+                   json={"prompt": "x", "max_tokens": 4, "disaggregate": False})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "disaggregate"
+    assert "max_local_prefill_length is 0" in r.json()["error"]["message"]
     assert httpx.get(f"{base}/health").status_code == 200
 
 
