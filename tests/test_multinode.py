@@ -61,7 +61,9 @@ def pinned_config(model, cpus: float, port: int, decode_replicas: int = 1, **ext
             "prefill": {"cpus_per_rank": cpus, "num_kv_blocks": 128,
                         "resources": {"mtpserve-prefill": 1}},
             "decode": {"replicas": decode_replicas, "cpus_per_rank": cpus,
-                       "num_kv_blocks": 256, "resources": {"mtpserve-decode": 1}},
+                       "num_kv_blocks": 256, "resources": {"mtpserve-decode": 1},
+                       # Every prompt crosses the nodes: no prefill on an idle decode replica.
+                       "max_local_prefill_length": 0},
             "speculation": {"num_speculative_tokens": 2, "adaptive": False},
             "kv_transfer": {"timeout_s": 30, "hold_ttl_s": 30},
             "auth": {"admin_api_key": "admin-sekret"}, **extra}
