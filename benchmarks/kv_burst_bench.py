@@ -259,7 +259,8 @@ def main() -> None:
         over = {"kv_transfer": {"max_concurrent_pulls": lanes},
                 # The whole burst's prompts fit one prefill step (see the module docstring).
                 "prefill": {"max_num_batched_tokens": a.burst * (a.prompt_tokens + 64)},
-                "decode": {"max_num_seqs": max(32, a.burst)},
+                # Every request's KV is transferred (no prefill on an idle decode replica).
+                "decode": {"max_num_seqs": max(32, a.burst), "max_local_prefill_length": 0},
                 "limits": {"max_queued_requests": max(64, 4 * a.burst)}}
         if core:
             over["prefill"]["engine_core"] = over["decode"]["engine_core"] = core

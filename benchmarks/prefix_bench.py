@@ -199,8 +199,10 @@ def cluster_overrides(args: SharedPrefixArgs, block_size: int = 16, spare_blocks
     return {"block_size": block_size,
             "prefill": {"replicas": 2, "num_kv_blocks": prompt_blocks + spare_blocks,
                         "cpus_per_rank": 0.5},
+            # Every prompt is prefilled on a prefill replica: their caches are what is routed.
             "decode": {"replicas": 1, "num_kv_blocks": 8 * prompt_blocks,
-                       "cpus_per_rank": 0.5},  # 3 x 0.5 + the ingress fit `up`'s 2 CPUs
+                       "cpus_per_rank": 0.5,  # 3 x 0.5 + the ingress fit `up`'s 2 CPUs
+                       "max_local_prefill_length": 0},
             "speculation": {"adaptive": False}}
 
 

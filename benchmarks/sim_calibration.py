@@ -126,10 +126,11 @@ class CalibrationArgs:
 
 
 # Overrides of configs/local-cpu.yaml: fixed 1 + 1 replicas (it has no autoscaling), eager
-# decode like the profile, no prefix caching (not modelled by the simulator).
+# decode like the profile, no prefix caching and every prompt through the prefill replica
+# (neither is modelled by the simulator).
 LIVE_OVERRIDES = {
     "prefill": {"replicas": 1},
-    "decode": {"replicas": 1},
+    "decode": {"replicas": 1, "max_local_prefill_length": 0},
     "engine": {"compile": "off"},
     "prefix_caching": {"enabled": False},
 }

@@ -99,11 +99,13 @@ def main() -> None:
     variants: dict[str, dict] = {}
     cores = a.engine_core or [None]
     for i, core in enumerate(cores):
-        over: dict = {"speculation": {"num_speculative_tokens": a.k, "adaptive": False}}
+        # Every stream goes prefill -> KV transfer -> decode (its arrival hops are traced).
+        over: dict = {"speculation": {"num_speculative_tokens": a.k, "adaptive": False},
+                      "decode": {"max_local_prefill_length": 0}}
         if core is not None:
             mode, _, channel = core.partition("-")
             side = {"engine_core": mode} | ({"engine_core_channel": channel} if channel else {})
-            over |= {"prefill": dict(side), "decode": dict(side)}
+            over |= {"prefill": dict(side), "decode": over["decode"] | side}
         if a.stream_interval_ms is not None:
             over.setdefault("decode", {})["stream_interval_ms"] = a.stream_interval_ms
         res: dict = {}
