@@ -128,6 +128,19 @@ class DecodeSettings(RoleSettings):
         "token prompts and 64 tokens took 149 ms per request against 193 ms). Busier, "
         "longer prompts and `disaggregate: true` requests go through a prefill replica. "
         "0: always disaggregate.")
+    idle_prefill_threads: int = Field(
+        0, ge=0, description="Intra-op threads of a decode step that only prefills (a "
+        "local prefill, or a recompute, with no decode rounds running): the idle replica "
+        "borrows cores for the compute-bound prefill; decode rounds keep "
+        "max(1, cpus_per_rank) threads (their per-op cost grows with threads). tp_size 1 "
+        "only. 0: max(1, cpus_per_rank).")
+
+    @model_validator(mode="after")
+    def _idle_threads(self) -> DecodeSettings:
+        if self.idle_prefill_threads and self.tp_size > 1:
+            raise ValueError("idle_prefill_threads needs tp_size 1 (the other ranks' "
+                             "threads would not follow)")
+        return self
 
 
 class IngressAutoscaling(_Strict):

@@ -16,10 +16,11 @@ verify round, which keeps its round structure (and so its draws) unchanged.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -396,8 +397,10 @@ class Engine:
         self.adaptive.round_index = self.num_steps  # the drafts made now are for the next round
         batch = [*out.decode, *(c.request for c in out.prefill)]
         marks = [_Mark.of(r) for r in batch]
+        threads = self.config.prefill_threads if not out.decode else 0
         try:
-            return self._step(out.decode, out.prefill)
+            with intra_op_threads(threads):
+                return self._step(out.decode, out.prefill)
         except Exception:
             vocab = self.model_config.vocab_size
             faults = {r.request_id: f for r in batch
@@ -591,6 +594,23 @@ class Engine:
             # This process's malloc: tcmalloc's or jemalloc's path, or glibc (allocator.py).
             "malloc": preloaded() or "glibc",
         }
+
+
+@contextlib.contextmanager
+def intra_op_threads(n: int) -> Iterator[None]:
+    """torch's intra-op threads at `n` inside the block (0: unchanged). Set on the calling
+    thread, the engine's: OpenMP keeps the count per thread, and a second thread team in the
+    process (say, the main thread's) makes libgomp stop spinning between parallel regions
+    once its threads outnumber the cores, which made 2-thread eager ops slower than 1."""
+    before = torch.get_num_threads()
+    if not n or n == before:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def prefill_width(lens: list[int], row_cost: int = 8) -> int:

@@ -45,6 +45,11 @@ class EngineConfig:
     # their own forward (`Engine._step`).
     mixed_batches: bool = True
     mixed_prefill_tokens: int = 128
+    # Intra-op threads of a step that only prefills (no decode rows in it); 0: unchanged. A
+    # decode replica prefilling a lone prompt itself (conditional disaggregation) has nothing
+    # else to run then, so it can borrow a core for the compute-bound prefill while its decode
+    # rounds (fixed per-op cost, slower with more threads) stay on its own.
+    prefill_threads: int = 0
     # Automatic prefix caching (workers/prefix_cache.py): full blocks of main + MTP KV that a
     # request computed are shared by later requests with the same prefix.
     prefix_caching: bool = True

@@ -98,6 +98,7 @@ def engine_config(cfg, role: str, num_kv_blocks: int) -> EngineConfig:
         max_num_batched_tokens=getattr(side, "max_num_batched_tokens", 512),
         max_model_len=cfg.max_model_len, role=role, compile=cfg.engine.compile,
         warmup_budget_s=cfg.engine.warmup_budget_s,
+        prefill_threads=getattr(side, "idle_prefill_threads", 0),
         warmup_restart_budget_s=cfg.engine.warmup_restart_budget_s,
         background_compile=cfg.engine.background_compile,
         compile_cache_dir=cfg.engine.compile_cache_dir,

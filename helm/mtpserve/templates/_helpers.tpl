@@ -231,7 +231,8 @@ serve.args through the builder (cluster/app.py); _validate.tpl refuses overrides
       fieldPath: status.podIP
 {{- /* As `mtpserve up` (cluster/cli_serve.py RAY_ENV): engines at the priority of Ray's
 own daemons, not nice 15 below them; a 0.5 s Serve control loop; replica metrics each 1 s;
-Serve's gRPC transport from the proxy to the ingress and between deployments. */}}
+Serve's gRPC transport from the proxy to the ingress and between deployments; replicas run
+our code and Serve's router on their main event loop. */}}
 - name: RAY_worker_niceness
   value: "0"
 - name: RAY_SERVE_CONTROL_LOOP_INTERVAL_S
@@ -240,6 +241,10 @@ Serve's gRPC transport from the proxy to the ingress and between deployments. */
   value: "1000"
 - name: RAY_SERVE_USE_GRPC_BY_DEFAULT
   value: "1"
+- name: RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD
+  value: "0"
+- name: RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP
+  value: "0"
 {{- with .Values.network.socketIfname }}
 - name: GLOO_SOCKET_IFNAME  # KV channels and TP groups over gloo
   value: {{ . | quote }}
