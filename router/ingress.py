@@ -20,14 +20,12 @@ from mtpserve.cluster.config import ClusterConfig
 from mtpserve.router.limits import Limits
 from mtpserve.router.orchestrator import DisaggOrchestrator, OrchestratorConfig
 from mtpserve.router.tools import served_format
-from mtpserve.workers.switch_interval import shorten_switch_interval
 
 
 @serve.deployment(name="OpenAIIngress")
 @serve.ingress()
 class OpenAIIngress:
     def __init__(self, prefill, decode, cfg: ClusterConfig) -> None:
-        shorten_switch_interval()  # hand-offs between threads (workers/switch_interval.py)
         from mtpserve.workers.model.config import ModelConfig
         from mtpserve.workers.tokenizer import load_tokenizer
 

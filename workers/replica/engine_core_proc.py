@@ -52,7 +52,6 @@ from mtpserve.workers.messages import (
 )
 from mtpserve.workers.replica import shm_channel
 from mtpserve.workers.replica.engine_core import ReplicaUnavailableError
-from mtpserve.workers.switch_interval import shorten_switch_interval
 
 logger = logging.getLogger(__name__)
 
@@ -463,7 +462,6 @@ def _serve(conn: Connection | shm_channel.ShmChannel, boot: dict) -> None:
 
 def main(argv: list[str]) -> None:
     fd, parent_pid = int(argv[0]), int(argv[1])
-    shorten_switch_interval()  # hand-offs between threads (workers/switch_interval.py)
     die_with_parent(parent_pid)
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s engine-core %(levelname)s %(name)s: %(message)s")

@@ -16,7 +16,6 @@ from mtpserve.workers.replica.engine_core import (
     role_settings,
 )
 from mtpserve.workers.replica.tp_workers import start_group
-from mtpserve.workers.switch_interval import shorten_switch_interval
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +43,6 @@ class EngineReplica:
     role: str
 
     def __init__(self, cfg) -> None:
-        shorten_switch_interval()  # hand-offs between threads (workers/switch_interval.py)
         side = role_settings(cfg, self.role)
         self.cfg = cfg
         self.replica_id = replica_tag()  # prefill: put in every KVTransferParams (`release`)
