@@ -10,6 +10,8 @@ import socket
 import uuid
 from collections.abc import Iterator
 
+from mtpserve.cluster.cli_serve import RAY_ENV
+
 APP = "mtpserve"
 
 
@@ -41,7 +43,12 @@ def local_serve(num_cpus: int = 4) -> Iterator[str]:
 
 # Set while the shared cluster starts, so its raylet and every replica inherit it: test_reliability
 # injects faults into its replicas; the other modules' apps never call the injection methods.
-SHARED_ENV = {"MTPSERVE_ENABLE_FAULT_INJECTION": "1"}
+# The shared cluster's replicas run as `mtpserve up` and the chart run them: our code and
+# Serve's router on the replica's main event loop (cluster/cli_serve.py RAY_ENV), so the
+# fault tests (killed replicas, migration) cover that mode.
+SHARED_ENV = {"MTPSERVE_ENABLE_FAULT_INJECTION": "1",
+              **{k: RAY_ENV[k] for k in ("RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD",
+                                         "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP")}}
 
 
 class SharedServe:
