@@ -21,6 +21,12 @@ Offline: every engine gets the same held-out prompts as token ids, greedy, `--ma
 tokens each (EOS ignored); a batch of B is one `generate` call over B prompts, timed end to end
 (prefill included) after one untimed call of the same shape (which compiles what it needs);
 best of `--reps`. Tokens per round are each engine's own counts.
+
+Served: guidellm per stream count against each server, from an empty compile cache and again
+warm. Then, against `mtpserve up` only, one stream from a light client (`served_stream`),
+paired request by request with the offline engine on the same held-out prompts in this
+process while the server idles: the served / offline ratio of one stream, side by side in
+time (this box drifts by a quarter between minutes; 2-thread runs most).
 """
 
 from __future__ import annotations
@@ -171,9 +177,10 @@ def wait_port_free(port: int, timeout_s: float = 120.0) -> None:
         time.sleep(0.5)
 
 
-def served_ours(args, cache: Path, out: Path) -> list[dict]:
+def served_ours(args, cache: Path, out: Path) -> dict:
     """`mtpserve up` on the default config (background compile on, as a user's first start)
-    with its compile cache in `cache`."""
+    with its compile cache in `cache`: guidellm's rows, then one light-client stream
+    (`served_stream`) on `--stream-requests` held-out prompts."""
     from mtpserve.benchmarks.local_server import running_server, variant_config
     from mtpserve.workers.paths import config_path
 
@@ -184,10 +191,21 @@ def served_ours(args, cache: Path, out: Path) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
     wait_port_free(args.port)
     with running_server(cfg, 900) as up_s:
-        return _measure(args, args.port, model, out, up_s, time.perf_counter())
+        rows = _measure(args, args.port, model, out, up_s, time.perf_counter())
+        if not args.stream_requests:
+            return {"rows": rows}
+        offline = OfflineStream(args.threads)  # loaded while the server idles
+        stream = served_stream(args.port, model, stream_requests(args.stream_requests, 64),
+                               offline)
+        del offline
+        print(f"  one stream (light client): {stream['tokens_per_s']:.1f} tok/s, request p50 "
+              f"{stream['request_ms_p50']:.0f} ms, TTFT p50 {stream['ttft_ms_p50']:.0f} ms; "
+              f"offline engine on the same requests, taking turns: "
+              f"{stream['offline']['tokens_per_s']:.1f} tok/s", flush=True)
+        return {"rows": rows, "stream": stream}
 
 
-def served_vllm(args, model_dir: str, k: int, cache: Path, out: Path) -> list[dict]:
+def served_vllm(args, model_dir: str, k: int, cache: Path, out: Path) -> dict:
     """`vllm serve` on `model_dir` (MTP with k drafts when k > 0), its compile caches in
     `cache`."""
     import urllib.request
@@ -221,47 +239,119 @@ def served_vllm(args, model_dir: str, k: int, cache: Path, out: Path) -> list[di
                     raise TimeoutError("vllm serve did not start") from None
                 time.sleep(1)
         t_health = time.perf_counter()
-        return _measure(args, args.port, "tiny-code-mtp", out, t_health - t0, t_health)
+        return {"rows": _measure(args, args.port, "tiny-code-mtp", out, t_health - t0,
+                                 t_health)}
     finally:
         stop_process_group(proc, 60)
         log.close()
 
 
-def offline_stream(report: Path, threads: int) -> dict:
-    """Our offline engine on the requests of a guidellm report (its prompts, `max_tokens`,
-    `ignore_eos`, sampling defaults), one after another at batch 1, with the default config's
-    speculation (k <= 2, adaptive) and `threads` threads: what one served stream is measured
-    against. tok/s: output tokens over the summed `generate` times (no client gaps)."""
-    import torch
-    import yaml
-
-    from mtpserve.workers.llm import LLM
-    from mtpserve.workers.paths import config_path
-    from mtpserve.workers.sampling_params import SamplingParams
-
+def guidellm_requests(report: Path) -> list[tuple[str, dict]]:
+    """The (prompt, request body) pairs of a guidellm report, in the order it sent them."""
     reqs = [json.loads(r["request_args"])["body"] for r in
             json.loads(report.read_text())["benchmarks"][0]["requests"]["successful"]]
-    spec = yaml.safe_load(config_path("local-cpu.yaml").read_text())[
-        "applications"][0]["args"]["speculation"]
-    torch.set_num_threads(threads)
-    llm = LLM(None, compile="on", num_speculative_tokens=spec["num_speculative_tokens"],
-              adaptive_k=spec["adaptive"])
+    return [(b["prompt"], b) for b in reqs]
 
-    def params(body: dict) -> SamplingParams:
+
+def stream_requests(n: int, max_tokens: int) -> list[tuple[list[int], dict]]:
+    """`n` + 1 held-out prompts as token ids (the first for an untimed warm-up call), each
+    with `max_tokens` tokens, EOS ignored and the server's sampling defaults."""
+    body = {"max_tokens": max_tokens, "ignore_eos": True}
+    return [(ids, body) for ids in _prompt_ids(n + 1)]
+
+
+class OfflineStream:
+    """Our offline engine as one stream: batch 1, the default config's speculation (k <= 2,
+    adaptive), `threads` threads; `run` times one request (prompt, body with `max_tokens`,
+    `ignore_eos` and any sampling fields; the rest take their defaults, as the server's do)."""
+
+    def __init__(self, threads: int) -> None:
+        import torch
+        import yaml
+
+        from mtpserve.workers.llm import LLM
+        from mtpserve.workers.paths import config_path
+
+        spec = yaml.safe_load(config_path("local-cpu.yaml").read_text())[
+            "applications"][0]["args"]["speculation"]
+        torch.set_num_threads(threads)
+        self.threads = threads
+        self.llm = LLM(None, compile="on", num_speculative_tokens=spec["num_speculative_tokens"],
+                       adaptive_k=spec["adaptive"])
+
+    def run(self, prompt: str | list[int], body: dict) -> tuple[float, int, int]:
+        """Seconds, output tokens and speculative rounds of one `generate` call."""
+        from mtpserve.workers.sampling_params import SamplingParams
+
         kw = {k: body[k] for k in ("max_tokens", "ignore_eos", "temperature", "top_p")
               if body.get(k) is not None}
-        return SamplingParams(**kw)
-
-    llm.generate([reqs[0]["prompt"]], params(reqs[0]))  # compiles / loads its graphs
-    seconds, tokens, rounds = 0.0, 0, 0
-    for body in reqs:
         t = time.perf_counter()
-        (out,) = llm.generate([body["prompt"]], params(body))
-        seconds += time.perf_counter() - t
-        tokens += len(out.output_token_ids)
-        rounds += out.num_rounds
-    return {"requests": len(reqs), "tokens_per_s": tokens / seconds, "threads": threads,
-            "tokens_per_round": (tokens - len(reqs)) / rounds if rounds else 1.0}
+        (out,) = self.llm.generate([prompt], SamplingParams(**kw))
+        return time.perf_counter() - t, len(out.output_token_ids), out.num_rounds
+
+
+def offline_stream(requests: list[tuple[str | list[int], dict]], threads: int) -> dict:
+    """`OfflineStream` on `requests` one after another, after an untimed call of the first
+    (it loads the graphs). tok/s: output tokens over the summed `generate` times (no client
+    gaps)."""
+    engine = OfflineStream(threads)
+    engine.run(*requests[0])
+    seconds, tokens, rounds = 0.0, 0, 0
+    for prompt, body in requests:
+        s, n, r = engine.run(prompt, body)
+        seconds, tokens, rounds = seconds + s, tokens + n, rounds + r
+    return {"requests": len(requests), "tokens_per_s": tokens / seconds, "threads": threads,
+            "tokens_per_round": (tokens - len(requests)) / rounds if rounds else 1.0}
+
+
+def served_stream(port: int, model: str, requests: list[tuple[list[int], dict]],
+                  offline: OfflineStream) -> dict:
+    """One served stream as a light client sees it, paired request by request with the
+    offline engine: `requests` (prompt ids, body) one after another over streaming
+    `/v1/completions`, each followed by the same request on `offline` (in this process, the
+    server idle meanwhile), the first pair untimed (warm-up). A served request's time runs
+    from the send to its last event; tok/s is output tokens (the server's usage) over the
+    summed request times on both sides, so the ratio is what the served path costs, and the
+    box's drift hits both sides alike. guidellm's c1 is no such measure on this 2-core box: its
+    own start-up work shares the cores with its first requests, and its tok/s spans the gaps
+    between them."""
+    import statistics
+
+    import httpx
+
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    times, ttfts, tokens = [], [], 0
+    off_s, off_tokens, off_rounds = 0.0, 0, 0
+    with httpx.Client(timeout=120) as client:
+        for i, (ids, body) in enumerate(requests):
+            payload = {"model": model, "prompt": ids, "stream": True,
+                       "stream_options": {"include_usage": True}, **body}
+            t0 = time.perf_counter()
+            ttft, usage = None, None
+            with client.stream("POST", url, json=payload) as resp:
+                resp.raise_for_status()
+                for line in resp.iter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    event = json.loads(line[6:])
+                    if ttft is None and event.get("choices"):
+                        ttft = time.perf_counter() - t0
+                    usage = event.get("usage") or usage
+            elapsed = time.perf_counter() - t0
+            s, n, r = offline.run(ids, body)
+            if i == 0:
+                continue  # the untimed warm-up pair
+            times.append(elapsed)
+            ttfts.append(ttft or 0.0)
+            tokens += usage["completion_tokens"]
+            off_s, off_tokens, off_rounds = off_s + s, off_tokens + n, off_rounds + r
+    n = len(times)
+    return {"requests": n, "tokens_per_s": tokens / sum(times),
+            "request_ms_p50": 1e3 * statistics.median(times),
+            "ttft_ms_p50": 1e3 * statistics.median(ttfts),
+            "offline": {"tokens_per_s": off_tokens / off_s, "threads": offline.threads,
+                        "tokens_per_round": (off_tokens - n) / off_rounds if off_rounds
+                        else 1.0}}
 
 
 def served_table(d: dict) -> list[str]:
@@ -281,9 +371,24 @@ def served_table(d: dict) -> list[str]:
         ours = [s for s in d["served"] if s["server"] == "mtpserve up"]
         ratios = ", ".join(f"{s['cache']} {r['output_tok_s']['mean'] / o['tokens_per_s']:.2f}x"
                            for s in ours for r in s["rows"] if r["streams"] == 1)
-        lines += ["", f"One served stream / the offline engine on the same {o['requests']} "
+        lines += ["", f"guidellm c1 / the offline engine on the same {o['requests']} "
                   f"requests ({o['tokens_per_s']:.0f} tok/s, {o['threads']} threads, "
                   f"{o['tokens_per_round']:.2f} tokens per round): {ratios}"]
+    paired = [s for s in d["served"] if "stream" in s]
+    if paired:
+        st = paired[0]["stream"]
+        lines += ["", f"One served stream (`served_stream`: a light client, {st['requests']} "
+                  "held-out prompts, 64 sampled tokens each, after guidellm), paired request "
+                  f"by request with the offline engine ({st['offline']['threads']} threads):",
+                  "", "| compile cache | served tok/s | offline tok/s | served / offline | "
+                  "request p50 ms | TTFT p50 ms | offline tokens/round |",
+                  "|---|---|---|---|---|---|---|"]
+        for s in paired:
+            x, o = s["stream"], s["stream"]["offline"]
+            lines.append(f"| {s['cache']} | {x['tokens_per_s']:.0f} | {o['tokens_per_s']:.0f} "
+                         f"| {x['tokens_per_s'] / o['tokens_per_s']:.2f}x | "
+                         f"{x['request_ms_p50']:.0f} | {x['ttft_ms_p50']:.0f} | "
+                         f"{o['tokens_per_round']:.2f} |")
     return lines
 
 
@@ -353,6 +458,9 @@ def main() -> None:
     ap.add_argument("--offline", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--requests", type=int, default=24)
+    ap.add_argument("--stream-requests", type=int, default=24,
+                    help="after guidellm, one light-client stream of this many held-out "
+                         "prompts (64 tokens each) against `mtpserve up`; 0: none")
     ap.add_argument("--after-health", type=float, default=60.0,
                     help="seconds between a server's first healthy answer and the first run")
     ap.add_argument("--vllm-serve-k", type=int, default=0, help="vllm serve's MTP k (0: plain)")
@@ -415,12 +523,12 @@ def main() -> None:
             cache = tmp / f"cache-{len(result['served'])}"
             for state in ("empty", "warm"):  # warm: the cache the empty start filled
                 print(f"{name}, {state} compile cache:", flush=True)
-                rows = run(cache, tmp / "served" / f"{len(result['served'])}-{state}")
-                result["served"].append({"server": name, "cache": state, "rows": rows})
+                got = run(cache, tmp / "served" / f"{len(result['served'])}-{state}")
+                result["served"].append({"server": name, "cache": state, **got})
     first_c1 = tmp / "served" / "0-empty" / "c1.json"
     if served and "mtpserve" in served and first_c1.is_file():
         # The empty start's single stream (guidellm's synthetic prompts are the same each run).
-        result["served_offline"] = offline_stream(first_c1, args.threads)
+        result["served_offline"] = offline_stream(guidellm_requests(first_c1), args.threads)
     if result["offline"]:
         print("\n".join(table(result)))
     if served:
