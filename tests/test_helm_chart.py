@@ -255,6 +255,19 @@ def test_every_pod_has_shm_and_the_model(values_file: Path | None) -> None:
             assert vols["model"]["persistentVolumeClaim"]["claimName"] == model["pvc"]["claimName"]
 
 
+@pytest.mark.parametrize("values_file", CASES, ids=CASE_IDS)
+def test_every_pod_runs_ray_as_mtpserve_up_does(values_file: Path | None) -> None:
+    """The Ray and Serve settings `mtpserve up` gives its cluster (RAY_ENV: worker niceness,
+    Serve's control loop, gRPC transport, replicas' main-loop mode) reach every pod with the
+    same values, so the chart and the CLI cannot drift apart."""
+    from mtpserve.cluster.cli_serve import RAY_ENV
+
+    rs = rayservice(render_case(values_file))
+    for role, pod in pod_templates(rs).items():
+        env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+        assert {k: env.get(k) for k in RAY_ENV} == RAY_ENV, role
+
+
 def _workers(rs: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {r: p for r, p in pod_templates(rs).items() if r != "head"}
 
