@@ -26,7 +26,7 @@ Served: guidellm per stream count against each server, from an empty compile cac
 warm. Then, against `mtpserve up` only, one stream from a light client (`served_stream`),
 paired request by request with the offline engine on the same held-out prompts in this
 process while the server idles: the served / offline ratio of one stream, side by side in
-time (this box drifts by a quarter between minutes; 2-thread runs most).
+time (this box's speed drifts from minute to minute).
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ import time
 from pathlib import Path
 
 _HERE = Path(__file__).resolve().parent
+OUTPUT_TOKENS = 64  # per request: guidellm's synthetic requests and the light-client stream
 
 
 def _prompt_ids(n: int) -> list[list[int]]:
@@ -139,7 +140,7 @@ def _guidellm(guidellm: str, port: int, model: str, streams: int, requests: int,
            "--backend", f"kind=openai_http,target=http://127.0.0.1:{port},model={model},"
            "request_format=/v1/completions",
            "--profile", f"kind=concurrent,streams={streams}",
-           "--data", "kind=synthetic_text,prompt_tokens=128,output_tokens=64",
+           "--data", f"kind=synthetic_text,prompt_tokens=128,output_tokens={OUTPUT_TOKENS}",
            "--constraint", f"kind=max_requests,count={requests}",
            "--tokenizer", f"kind=huggingface_auto,model={default_model_path()}",
            "--output", f"kind=json,path={report}"]
@@ -195,7 +196,8 @@ def served_ours(args, cache: Path, out: Path) -> dict:
         if not args.stream_requests:
             return {"rows": rows}
         offline = OfflineStream(args.threads)  # loaded while the server idles
-        stream = served_stream(args.port, model, stream_requests(args.stream_requests, 64),
+        stream = served_stream(args.port, model,
+                               stream_requests(args.stream_requests, OUTPUT_TOKENS),
                                offline)
         del offline
         print(f"  one stream (light client): {stream['tokens_per_s']:.1f} tok/s, request p50 "
@@ -315,36 +317,44 @@ def served_stream(port: int, model: str, requests: list[tuple[list[int], dict]],
     box's drift hits both sides alike. guidellm's c1 is no such measure on this 2-core box: its
     own start-up work shares the cores with its first requests, and its tok/s spans the gaps
     between them."""
+    import asyncio
     import statistics
 
     import httpx
 
-    url = f"http://127.0.0.1:{port}/v1/completions"
+    from mtpserve.benchmarks.serve_bench import sse_events
+
     times, ttfts, tokens = [], [], 0
     off_s, off_tokens, off_rounds = 0.0, 0, 0
-    with httpx.Client(timeout=120) as client:
-        for i, (ids, body) in enumerate(requests):
-            payload = {"model": model, "prompt": ids, "stream": True,
-                       "stream_options": {"include_usage": True}, **body}
-            t0 = time.perf_counter()
-            ttft, usage = None, None
-            with client.stream("POST", url, json=payload) as resp:
-                resp.raise_for_status()
-                for line in resp.iter_lines():
-                    if not line.startswith("data: {"):
-                        continue
-                    event = json.loads(line[6:])
-                    if ttft is None and event.get("choices"):
-                        ttft = time.perf_counter() - t0
-                    usage = event.get("usage") or usage
-            elapsed = time.perf_counter() - t0
-            s, n, r = offline.run(ids, body)
-            if i == 0:
-                continue  # the untimed warm-up pair
-            times.append(elapsed)
-            ttfts.append(ttft or 0.0)
-            tokens += usage["completion_tokens"]
-            off_s, off_tokens, off_rounds = off_s + s, off_tokens + n, off_rounds + r
+
+    async def one(client: httpx.AsyncClient, ids: list[int], body: dict
+                  ) -> tuple[float, float, int]:
+        """Seconds, seconds to the first choice and output tokens of one served request."""
+        payload = {"model": model, "prompt": ids, "stream": True,
+                   "stream_options": {"include_usage": True}, **body}
+        t0 = time.perf_counter()
+        ttft, usage = None, None
+        async for event in sse_events(client, payload):
+            if ttft is None and event.get("choices"):
+                ttft = time.perf_counter() - t0
+            usage = event.get("usage") or usage
+        return time.perf_counter() - t0, ttft or 0.0, usage["completion_tokens"]
+
+    async def pairs() -> None:
+        nonlocal tokens, off_s, off_tokens, off_rounds
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}",
+                                     timeout=120) as client:
+            for i, (ids, body) in enumerate(requests):
+                elapsed, ttft, n = await one(client, ids, body)
+                s, n_off, r = offline.run(ids, body)  # the server idles meanwhile
+                if i == 0:
+                    continue  # the untimed warm-up pair
+                times.append(elapsed)
+                ttfts.append(ttft)
+                tokens += n
+                off_s, off_tokens, off_rounds = off_s + s, off_tokens + n_off, off_rounds + r
+
+    asyncio.run(pairs())
     n = len(times)
     return {"requests": n, "tokens_per_s": tokens / sum(times),
             "request_ms_p50": 1e3 * statistics.median(times),
@@ -378,7 +388,8 @@ def served_table(d: dict) -> list[str]:
     if paired:
         st = paired[0]["stream"]
         lines += ["", f"One served stream (`served_stream`: a light client, {st['requests']} "
-                  "held-out prompts, 64 sampled tokens each, after guidellm), paired request "
+                  f"held-out prompts, {OUTPUT_TOKENS} sampled tokens each, after guidellm), "
+                  "paired request "
                   f"by request with the offline engine ({st['offline']['threads']} threads):",
                   "", "| compile cache | served tok/s | offline tok/s | served / offline | "
                   "request p50 ms | TTFT p50 ms | offline tokens/round |",
@@ -460,7 +471,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=24)
     ap.add_argument("--stream-requests", type=int, default=24,
                     help="after guidellm, one light-client stream of this many held-out "
-                         "prompts (64 tokens each) against `mtpserve up`; 0: none")
+                         f"prompts ({OUTPUT_TOKENS} tokens each) against `mtpserve up`; "
+                         "0: none")
     ap.add_argument("--after-health", type=float, default=60.0,
                     help="seconds between a server's first healthy answer and the first run")
     ap.add_argument("--vllm-serve-k", type=int, default=0, help="vllm serve's MTP k (0: plain)")
